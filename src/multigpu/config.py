@@ -1,0 +1,65 @@
+"""The typed run configuration: the single source of truth the CLI parses into and the launcher reads."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .endpoint import Endpoint
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str
+    """A script path, or a module name when ``module`` is true."""
+    target_args: tuple[str, ...] = ()
+    module: bool = False
+    device: str = "cpu"
+    """``cpu`` (gloo workers) or ``cuda`` (one GPU per worker)."""
+    nproc: int = 1
+    gpus: tuple[int, ...] = ()
+    """Visible GPU indices, one per local worker, when ``device == "cuda"``."""
+    output_dir: Path | None = None
+    run_id: str | None = None
+    log_ranks: frozenset[int] | None = None
+    rdzv_endpoint: Endpoint | None = None
+    """None: a store on 127.0.0.1, port chosen by the kernel."""
+    rdzv_timeout: float = 600.0
+    base_rank: int = 0
+    world_size: int | None = None
+    """None: the local worker count (one node)."""
+    node_rank: int | None = None
+    nnodes: int | None = None
+    grace_period: float = 5.0
+    hang_timeout: float | None = None
+    max_restarts: int = 0
+    status: str = "auto"
+    """``auto`` (a live view on a terminal), ``on`` or ``off``."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def resolved_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else self.nproc
+
+    @property
+    def multi_node(self) -> bool:
+        return self.resolved_world_size > self.nproc
+
+    @property
+    def group_world_size(self) -> int:
+        """Node count: ranks are laid out in equal blocks of ``nproc`` when the layout allows it."""
+        if self.nnodes is not None:
+            return self.nnodes
+        return max(1, -(-self.resolved_world_size // self.nproc))
+
+    @property
+    def group_rank(self) -> int:
+        if self.node_rank is not None:
+            return self.node_rank
+        return self.base_rank // self.nproc

@@ -1,0 +1,126 @@
+"""Each worker's environment: torchrun's contract, built by a pure function and passed as ``env=``.
+
+Nothing here reads or writes the launcher's own ``os.environ``; callers pass the base mapping in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Variables that describe one launched group. A launcher clears stale ones inherited from its own
+# environment so a worker never sees a mix of two jobs.
+CONTRACT_KEYS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE", "MULTIGPU_RUN_ID", "MULTIGPU_OUTPUT_DIR", "MULTIGPU_LAUNCHER_PID",
+    "MULTIGPU_ERROR_FILE", "MULTIGPU_HEARTBEAT_FD", "MULTIGPU_STORE_FD", "MULTIGPU_DEVICE",
+    "MULTIGPU_NODE_RANK", "MULTIGPU_ATTEMPT",
+)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one worker sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int = 0
+    group_world_size: int = 1
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What every worker of one attempt shares."""
+
+    master_addr: str
+    master_port: int
+    run_id: str
+    device: str = "cpu"
+    restart_count: int = 0
+    max_restarts: int = 0
+    output_dir: str | None = None
+    use_agent_store: bool = True
+    cuda_visible_devices: str | None = None
+    cpu_count: int | None = None
+    launcher_pid: int | None = None
+
+
+def omp_threads(cpu_count: int | None, local_world_size: int) -> int:
+    return max(1, (cpu_count or 1) // max(1, local_world_size))
+
+
+def usable_cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def build_worker_env(
+    base: Mapping[str, str],
+    placement: RankPlacement,
+    job: JobContext,
+    *,
+    error_file: str | None = None,
+    store_fd: int | None = None,
+) -> dict[str, str]:
+    """The full environment of one worker: ``base`` plus the torchrun contract and multigpu's own keys."""
+    env = {k: v for k, v in base.items() if k not in CONTRACT_KEYS}
+    p = placement
+    env.update(
+        RANK=str(p.rank),
+        LOCAL_RANK=str(p.local_rank),
+        WORLD_SIZE=str(p.world_size),
+        LOCAL_WORLD_SIZE=str(p.local_world_size),
+        GROUP_RANK=str(p.group_rank),
+        GROUP_WORLD_SIZE=str(p.group_world_size),
+        ROLE_NAME="default",
+        ROLE_RANK=str(p.rank),
+        ROLE_WORLD_SIZE=str(p.world_size),
+        MASTER_ADDR=job.master_addr,
+        MASTER_PORT=str(job.master_port),
+        TORCHELASTIC_RUN_ID=job.run_id,
+        TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
+        PYTHONUNBUFFERED="1",
+        MULTIGPU_RUN_ID=job.run_id,
+        MULTIGPU_DEVICE=job.device,
+        MULTIGPU_NODE_RANK=str(p.group_rank),
+        MULTIGPU_ATTEMPT=str(job.restart_count),
+    )
+    if job.use_agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(job.cpu_count, p.local_world_size)))
+    if job.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = job.cuda_visible_devices
+    if job.output_dir is not None:
+        env["MULTIGPU_OUTPUT_DIR"] = job.output_dir
+    if job.launcher_pid is not None:
+        env["MULTIGPU_LAUNCHER_PID"] = str(job.launcher_pid)
+    if error_file is not None:
+        env["MULTIGPU_ERROR_FILE"] = error_file
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if store_fd is not None:
+        env["MULTIGPU_STORE_FD"] = str(store_fd)
+    return env
+
+
+def is_multigpu_child_process(env: Mapping[str, str] | None = None) -> bool:
+    """True in every launched worker whose local rank is not 0 (multigpu or torchrun). Never raises."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("LOCAL_RANK", "0")) != 0
+    except (TypeError, ValueError):
+        return False
+
+
+def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
+    """True inside a worker started by multigpu or torchrun, whatever its rank."""
+    env = os.environ if env is None else env
+    return "MULTIGPU_RUN_ID" in env or "TORCHELASTIC_RUN_ID" in env

@@ -1,0 +1,75 @@
+"""The rank layout over nodes: explicit options, ``--nnodes/--node-rank``, or SLURM; checked up front."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from .cluster import slurm
+from .config import RunConfig
+from .endpoint import Endpoint
+from .errors import UsageError
+
+
+def _opt_int(values: Mapping[str, str | None], key: str, flag: str, minimum: int) -> int | None:
+    raw = values.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        number = int(raw)
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer, got {raw!r}") from None
+    if number < minimum:
+        raise UsageError(f"{flag} must be at least {minimum}, got {number}")
+    return number
+
+
+def check_layout(base_rank: int, local: int, world_size: int) -> None:
+    if base_rank < 0:
+        raise UsageError(f"--base-rank must be at least 0, got {base_rank}")
+    if world_size < local:
+        raise UsageError(f"--world-size {world_size} is smaller than this node's {local} worker(s)")
+    if base_rank + local > world_size:
+        raise UsageError(f"ranks {base_rank}..{base_rank + local - 1} do not fit in --world-size "
+                         f"{world_size}; lower --base-rank or raise --world-size")
+
+
+def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mapping[str, str]) -> RunConfig:
+    """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
+    base_rank = _opt_int(values, "base_rank", "--base-rank", 0)
+    world_size = _opt_int(values, "world_size", "--world-size", 1)
+    nnodes = _opt_int(values, "nnodes", "--nnodes", 1)
+    node_rank = _opt_int(values, "node_rank", "--node-rank", 0)
+    endpoint, run_id = config.rdzv_endpoint, config.run_id
+    found = slurm.detect(env) if base_rank is None and nnodes is None else None
+    if found is not None and found.nnodes > 1:
+        nnodes, node_rank = found.nnodes, found.node_rank
+        run_id = run_id or f"slurm-{found.job_id}"
+        if endpoint is None:
+            endpoint = Endpoint(found.master_host, int(env.get("MASTER_PORT", slurm.DEFAULT_PORT)))
+    if (nnodes is None) != (node_rank is None):
+        raise UsageError("--nnodes and --node-rank go together")
+    if nnodes is not None and node_rank is not None:
+        if node_rank >= nnodes:
+            raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+        derived_base, derived_world = node_rank * config.nproc, nnodes * config.nproc
+        if base_rank is not None and base_rank != derived_base:
+            raise UsageError(f"--base-rank {base_rank} disagrees with --node-rank {node_rank} "
+                             f"x {config.nproc} workers = {derived_base}")
+        if world_size is not None and world_size != derived_world:
+            raise UsageError(f"--world-size {world_size} disagrees with --nnodes {nnodes} "
+                             f"x {config.nproc} workers = {derived_world}")
+        base_rank, world_size = derived_base, derived_world
+    base_rank = base_rank or 0
+    world_size = world_size if world_size is not None else base_rank + config.nproc
+    check_layout(base_rank, config.nproc, world_size)
+    if world_size > config.nproc:
+        if endpoint is None:
+            raise UsageError("a multi-node job needs --rdzv-endpoint HOST:PORT (the base-rank-0 node's "
+                             "address)")
+        if endpoint.port == 0:
+            raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
+    elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
+        raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
+    return dataclasses.replace(config, base_rank=base_rank, world_size=world_size, nnodes=nnodes,
+                               node_rank=node_rank, rdzv_endpoint=endpoint, run_id=run_id)

@@ -1,0 +1,80 @@
+"""The live status view on a terminal (rich), and the final summary table."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from .supervisor import Worker, WorkerState
+
+_STATE_STYLE = {
+    WorkerState.PENDING: "dim",
+    WorkerState.RUNNING: "cyan",
+    WorkerState.SUCCEEDED: "green",
+    WorkerState.FAILED: "bold red",
+    WorkerState.STOPPED: "yellow",
+}
+
+
+def _rss_mib(pid: int | None) -> str:
+    if pid is None:
+        return "-"
+    import psutil
+
+    try:
+        return f"{psutil.Process(pid).memory_info().rss / 2**20:.0f} MiB"
+    except psutil.Error:
+        return "-"
+
+
+def status_table(workers: list[Worker], title: str = "multigpu", live: bool = True) -> Any:
+    from rich.table import Table
+
+    now = time.monotonic()
+    table = Table(title=title, title_justify="left", expand=False)
+    for col in ("rank", "pid", "device", "state", "run time", "quiet for", "memory"):
+        table.add_column(col, justify="right" if col in ("rank", "pid") else "left")
+    for w in workers:
+        took = (w.end_time or time.time()) - (w.start_time or time.time())
+        quiet = f"{now - w.last_activity:.0f}s" if w.alive else "-"
+        table.add_row(str(w.rank), str(w.pid or "-"), w.spec.device,
+                      f"[{_STATE_STYLE[w.state]}]{w.state.value}[/]", f"{took:.1f}s", quiet,
+                      _rss_mib(w.pid) if (live and w.alive) else "-")
+    return table
+
+
+class LiveStatus:
+    """A status table pinned under the scrolling log lines; refreshed at most twice a second."""
+
+    def __init__(self, workers: list[Worker], title: str) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.workers = workers
+        self.title = title
+        self.console = Console(file=sys.stderr)
+        self._out = Console(file=sys.stdout, highlight=False, markup=False, emoji=False,
+                            soft_wrap=True)
+        self._live = Live(status_table(workers, title), console=self.console, auto_refresh=False,
+                          transient=True, redirect_stdout=False, redirect_stderr=False)
+
+    def __enter__(self) -> LiveStatus:
+        self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.stop()
+
+    def refresh(self) -> None:
+        self._live.update(status_table(self.workers, self.title), refresh=True)
+
+    def write_lines(self, worker: Worker, stream: str, lines: list[bytes], prefix: bytes = b"") -> None:
+        text = "\n".join((prefix + line).decode(errors="replace") for line in lines)
+        self._live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+
+
+def print_summary_table(workers: list[Worker]) -> None:
+    from rich.console import Console
+
+    Console(file=sys.stderr).print(status_table(workers, "multigpu summary", live=False))

@@ -1,0 +1,174 @@
+"""The worker bootstrap: ``python -m multigpu.worker {script|module|function} TARGET [ARGS...]``.
+
+Before any user code runs it (1) ties the worker's fate to its launcher, (2) registers faulthandler
+for crashes and on-demand stack dumps, (3) serves the c10d store on rank 0 when asked to, and then
+runs the target, recording an uncaught exception in a per-rank error file. No decorator needed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import pickle
+import runpy
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+from typing import Any
+
+DUMP_SIGNAL = signal.SIGRTMIN + 3
+"""Sent by the launcher to make a rank write the Python stacks of all its threads to stderr."""
+
+_store: Any = None  # keeps rank 0's store server alive for the life of the process
+
+
+def end_own_group() -> None:
+    """SIGKILL this worker's process group: the worker and everything it started."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_parent(pidfd: int | None, parent: int) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])
+    else:
+        while os.getppid() == parent:
+            time.sleep(0.1)
+    end_own_group()
+
+
+def guard_parent(expected_parent: int | None) -> None:
+    """End the worker's whole group within moments of the launcher's death, whatever the worker is doing.
+
+    A pidfd wakes a daemon thread the instant the launcher exits; checking the parent PID after opening
+    it closes the race with a launcher that died while this process was starting. The thread, not a
+    parent-death signal, does the killing, so the worker's own children go too.
+    """
+    if expected_parent is None:
+        return
+    try:
+        pidfd: int | None = os.pidfd_open(expected_parent)
+    except (AttributeError, OSError):
+        pidfd = None
+    if os.getppid() != expected_parent:
+        end_own_group()
+    threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
+                     daemon=True).start()
+
+
+def register_stack_dumps() -> None:
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def serve_store_if_asked() -> None:
+    """Rank 0 serves the launcher's c10d store on the listening socket it inherited."""
+    global _store
+    fd = os.environ.pop("MULTIGPU_STORE_FD", None)
+    if fd is None:
+        return
+    from .rendezvous import serve_store
+
+    _store = serve_store(int(fd), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
+def user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the bootstrap's own frames (this file and runpy) from the front of a traceback."""
+    start = tb
+    while start is not None:
+        filename = start.tb_frame.f_code.co_filename
+        if filename != __file__ and "runpy" not in filename and filename != spawn_file():
+            break
+        start = start.tb_next
+    return start or tb
+
+
+def spawn_file() -> str:
+    import multiprocessing.spawn
+
+    return str(multiprocessing.spawn.__file__)
+
+
+def write_error_file(path: str, exc: BaseException) -> None:
+    """Record an uncaught exception for the launcher's report; atomic, so a half-written file never shows."""
+    record = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "time": time.time(),
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK"),
+    }
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def run_script(path: str, args: list[str]) -> None:
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_module(name: str, args: list[str]) -> None:
+    sys.argv = [name, *args]
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def run_function(payload_path: str) -> None:
+    """Function mode: spawn semantics (the parent's ``__main__`` re-imported as ``__mp_main__``)."""
+    from multiprocessing import spawn
+
+    with open(payload_path, "rb") as f:
+        preparation = pickle.load(f)
+        spawn.prepare(preparation)
+        func, args = pickle.load(f)
+    func(*args)
+
+
+def run_target(mode: str, target: str, args: list[str]) -> None:
+    if mode == "script":
+        run_script(target, args)
+    elif mode == "module":
+        run_module(target, args)
+    elif mode == "function":
+        run_function(target)
+    else:
+        raise SystemExit(f"multigpu.worker: unknown mode {mode!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m multigpu.worker {script|module|function} TARGET [ARGS...]")
+    mode, target, *args = argv
+    launcher = os.environ.get("MULTIGPU_LAUNCHER_PID")
+    guard_parent(int(launcher) if launcher else None)
+    register_stack_dumps()
+    error_file = os.environ.get("MULTIGPU_ERROR_FILE")
+    try:
+        serve_store_if_asked()
+        run_target(mode, target, args)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        exc.__traceback__ = user_frames(exc.__traceback__)
+        if error_file:
+            write_error_file(error_file, exc)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+if __name__ == "__main__":
+    main()
