@@ -175,8 +175,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     module = ns.module
     script = None if module is not None else (rest[0] if rest else None)
     target_args = rest if module is not None else rest[1:]
-    _check_target(script, module)
     device, nproc, gpus, note = _choose_devices(values["gpus"], values["cpu"], env)
+    _check_target(script, module)
     endpoint = parse_endpoint(values["rdzv_endpoint"], option="--rdzv-endpoint") \
         if values["rdzv_endpoint"] else None
     log_ranks = None

@@ -1,0 +1,86 @@
+"""Hygiene for every test: no leaked processes, threads, descriptors or environment variables.
+
+Tests that start launchers also prove, by PID, that everything the launcher started is gone
+(``helpers.assert_gone``); this fixture catches whatever a test forgot, and ends it by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from helpers import alive
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(autouse=True)
+def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
+    before_procs = _descendants()
+    before_threads = set(threading.enumerate())
+    before_fds = _fds()
+    before_env = _env()
+    yield
+    problems = []
+    deadline = time.monotonic() + 2.0
+    leaked: set[int] = set()
+    while time.monotonic() < deadline:
+        leaked = {pid for pid in _descendants() - before_procs if alive(pid)}
+        if not leaked:
+            break
+        time.sleep(0.05)
+    for pid in leaked:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    if leaked:
+        problems.append(f"leaked processes {sorted(leaked)}")
+    deadline = time.monotonic() + 2.0
+    extra_threads: list[threading.Thread] = []
+    while time.monotonic() < deadline:
+        extra_threads = [t for t in threading.enumerate() if t not in before_threads and t.is_alive()]
+        if not extra_threads:
+            break
+        time.sleep(0.02)
+    if extra_threads:
+        problems.append(f"leaked threads {[t.name for t in extra_threads]}")
+    leaked_fds = _fds() - before_fds
+    # Descriptors may be closed lazily by garbage collection; give it one chance.
+    if leaked_fds:
+        import gc
+
+        gc.collect()
+        leaked_fds = {fd for fd in _fds() - before_fds if os.path.exists(f"/proc/self/fd/{fd}")}
+    if leaked_fds:
+        targets = []
+        for fd in sorted(leaked_fds):
+            try:
+                targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+            except OSError:
+                pass
+        if targets:
+            problems.append(f"leaked descriptors {targets}")
+    if _env() != before_env:
+        changed = sorted(set(_env().items()) ^ set(before_env.items()))
+        for key in set(os.environ) - set(before_env) - {"PYTEST_CURRENT_TEST"}:
+            del os.environ[key]
+        os.environ.update(before_env)
+        problems.append(f"changed environment {changed[:5]}")
+    if problems:
+        pytest.fail("test hygiene: " + "; ".join(problems), pytrace=False)

@@ -1,0 +1,100 @@
+"""Shared test helpers: real processes, bounded in time, checked by PID."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+PYTHON = sys.executable
+MULTIGPU = [PYTHON, "-m", "multigpu"]
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a zombie has finished; only its reaping is left)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait until every pid is gone; return the ones still alive at the deadline."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
+
+
+def assert_gone(pids: Iterable[int], timeout: float = 2.0) -> None:
+    pids = list(pids)
+    assert pids, "no PIDs to check: the test did not capture what it started"
+    left = wait_gone(pids, timeout)
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert not left, f"still alive after {timeout}s: {left}"
+
+
+def write_script(directory: Path, name: str, code: str) -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(code))
+    return path
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without any launcher contract leaking in."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MULTIGPU_", "TORCHELASTIC_")) and k not in (
+               "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 60, env: Mapping[str, str] | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m multigpu ARGS`` to completion, bounded in time."""
+    return subprocess.run([*MULTIGPU, *args], cwd=cwd, env=clean_env(env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_cli(args: list[str], cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([*MULTIGPU, *args], cwd=cwd, env=clean_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def pids_in(text: str, label: str = "pid") -> list[int]:
+    """PIDs a test worker printed as ``<label>=<n>``."""
+    return [int(m) for m in re.findall(rf"\b{label}=(\d+)", text)]
+
+
+def wait_for_lines(path: Path, pattern: str, count: int, timeout: float) -> list[str]:
+    """Wait until ``path`` holds ``count`` lines matching ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            found = re.findall(pattern, path.read_text())
+            if len(found) >= count:
+                return found
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never had {count} lines matching {pattern!r}")
