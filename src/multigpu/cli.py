@@ -74,6 +74,7 @@ def _run_parser() -> _Parser:
         usage="multigpu run [options] SCRIPT [ARGS...]\n       multigpu run [options] -m MODULE [ARGS...]",
         description="Launch SCRIPT (or -m MODULE) once per device with torchrun's environment.",
         epilog="Every option may also be set as MULTIGPU_<OPTION>, e.g. MULTIGPU_GRACE_PERIOD=2.",
+        allow_abbrev=False,  # split_run_argv knows only the full flags: '--out DIR' must not eat DIR
     )
     for opt in RUN_OPTIONS:
         parser.add_argument(opt.flag, metavar=opt.metavar, help=opt.help, choices=opt.choices)
@@ -170,6 +171,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     ns = _run_parser().parse_args(ours)
     values = {o.dest: getattr(ns, o.dest) if getattr(ns, o.dest) is not None else env.get(o.env_name)
               for o in RUN_OPTIONS}
+    if ns.gpus is not None or ns.cpu is not None:  # a device choice on the command line beats the env's
+        values["gpus"], values["cpu"] = ns.gpus, ns.cpu
     if values["status"] not in (None, "auto", "on", "off"):
         raise UsageError(f"MULTIGPU_STATUS must be auto, on or off, got {values['status']!r}")
     module = ns.module

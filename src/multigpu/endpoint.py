@@ -22,7 +22,7 @@ class Endpoint:
     @property
     def bind_host(self) -> str:
         """The address a server binds: a loopback name becomes the loopback address, never all interfaces."""
-        if self.host in LOOPBACK_NAMES:
+        if self.host.lower() in LOOPBACK_NAMES:
             return "127.0.0.1"
         return self.host
 

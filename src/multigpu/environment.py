@@ -123,4 +123,5 @@ def is_multigpu_child_process(env: Mapping[str, str] | None = None) -> bool:
 def inside_launched_worker(env: Mapping[str, str] | None = None) -> bool:
     """True inside a worker started by multigpu or torchrun, whatever its rank."""
     env = os.environ if env is None else env
-    return "MULTIGPU_RUN_ID" in env or "TORCHELASTIC_RUN_ID" in env
+    # Not MULTIGPU_RUN_ID: that is also where a user may set ``--run-id`` for the launcher itself.
+    return "TORCHELASTIC_RUN_ID" in env or "MULTIGPU_LAUNCHER_PID" in env

@@ -6,7 +6,10 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
+import socket
+import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import RunConfig, new_run_id
@@ -14,12 +17,13 @@ from .console import PrefixedConsole
 from .devices import cuda_visible_devices_for, visible_gpus
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
-from .errors import signal_name
+from .errors import WorkerFailure, signal_name
+from .fate import FateMonitor, failure_from_record, failure_record
 from .record import RunRecord
-from .rendezvous import bind_store_socket
+from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
 from .signals import capture_signals, set_child_subreaper
-from .supervisor import RunResult, RunStatus, Supervisor, WorkerSpec
+from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 
@@ -78,70 +82,133 @@ def _use_live_view(config: RunConfig) -> bool:
     return config.status == "auto" and sys.stderr.isatty() and sys.stdout.isatty()
 
 
+@dataclass
+class Rendezvous:
+    """Where this attempt's workers meet, and who serves the store."""
+
+    master_addr: str
+    master_port: int
+    run_id: str
+    worker_store_fd: int | None
+    """Set on one machine: rank 0 serves the store on the launcher's socket (no torch in the launcher)."""
+    job: JobStore | None = None
+    """Set for several nodes: the launchers share membership, heartbeats and the abort record."""
+
+
+def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
+    endpoint = config.rdzv_endpoint or LOOPBACK
+    if not config.multi_node:
+        assert sock is not None
+        return Rendezvous(endpoint.bind_host, sock.getsockname()[1], config.run_id or new_run_id(),
+                          sock.fileno())
+    if sock is not None:  # base rank 0: this launcher serves the store for the whole job
+        port = sock.getsockname()[1]
+        store = serve_store(sock.fileno(), endpoint.bind_host, port, timeout_s=config.rdzv_timeout)
+        sock.detach()  # the store owns the descriptor now
+    else:
+        port = endpoint.port
+        store = connect_store(endpoint.host, port, config.rdzv_timeout)
+    job = JobStore(store, node=config.group_rank, base_rank=config.base_rank, nproc=config.nproc,
+                   world_size=config.resolved_world_size)
+    run_id = job.settle_run_id(config.run_id or (new_run_id() if sock is not None else None))
+    _say(f"node {config.group_rank}: joined run {run_id} at {endpoint}; waiting for "
+         f"{config.resolved_world_size} rank(s)")
+    job.join(config.rdzv_timeout)
+    return Rendezvous(endpoint.host, port, run_id, None, job)
+
+
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     """Run the job to its end and return the launcher's exit code."""
     base_env = dict(os.environ if base_env is None else base_env)
-    run_id = config.run_id or new_run_id()
-    output_dir = (config.output_dir or Path("multigpu_runs") / run_id).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
     cvd = None
     devices = ["cpu"] * config.nproc
     if config.device == "cuda":
-        visible = visible_gpus(base_env)
-        cvd = cuda_visible_devices_for(list(config.gpus), visible)
+        cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
-    master_addr = endpoint.bind_host if sock is not None else endpoint.host
-    master_port = sock.getsockname()[1] if sock is not None else endpoint.port
-    record = RunRecord(output_dir / "run.json", config, run_id, devices)
-    what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
-        else f"{config.nproc} CPU worker(s)"
-    _say(f"run {run_id}: {what}, rendezvous {master_addr}:{master_port}; output in {output_dir}")
+    try:
+        rdzv = rendezvous(config, sock)
+        output_dir = (config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve()
+        output_dir.mkdir(parents=True, exist_ok=True)
+        name = f"run_node{config.group_rank}.json" if config.multi_node else "run.json"
+        record = RunRecord(output_dir / name, config, rdzv.run_id, devices)
+        what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
+            else f"{config.nproc} CPU worker(s)"
+        _say(f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
+             f"output in {output_dir}")
+        return run_attempts(config, rdzv, record, output_dir, base_env, cvd)
+    finally:
+        if sock is not None and sock.fileno() >= 0:
+            sock.close()
+
+
+def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir: Path,
+                 base_env: Mapping[str, str], cvd: str | None) -> int:
     reaper = set_child_subreaper()
     code = 1
-    try:
-        for attempt in range(config.max_restarts + 1):
-            specs = build_specs(config, run_id=run_id, output_dir=output_dir, attempt=attempt,
-                                master_addr=master_addr, master_port=master_port,
-                                store_fd=sock.fileno() if sock is not None else None, base_env=base_env,
-                                cuda_visible_devices=cvd, launcher_pid=os.getpid())
-            record.begin_attempt(attempt, master_addr, master_port)
-            result, workers = run_attempt(config, specs, record, reaper, attempt)
-            record.end_attempt(result)
-            code = _exit_code(result)
-            if result.status is RunStatus.SUCCEEDED:
-                break
-            _say(format_report(result, workers, attempt=attempt))
-            if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts:
-                break
-            _say(f"restarting: attempt {attempt + 1} of {config.max_restarts} restart(s)")
-        record.finish("succeeded" if code == 0 else "failed", code)
-    finally:
-        if sock is not None:
-            sock.close()
+    for attempt in range(config.max_restarts + 1):
+        specs = build_specs(config, run_id=rdzv.run_id, output_dir=output_dir, attempt=attempt,
+                            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
+                            store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
+                            launcher_pid=os.getpid())
+        record.begin_attempt(attempt, rdzv.master_addr, rdzv.master_port)
+        result, workers = run_attempt(config, specs, record, reaper, attempt, rdzv.job)
+        record.end_attempt(result)
+        code = _exit_code(result)
+        if result.status is RunStatus.SUCCEEDED:
+            if rdzv.job is not None:
+                finish_job(rdzv.job, config)
+            break
+        _say(format_report(result, workers, attempt=attempt))
+        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts:
+            break
+        _say(f"restarting: attempt {attempt + 1} of {config.max_restarts} restart(s)")
+    record.finish("succeeded" if code == 0 else "failed", code)
     return code
 
 
-def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
-                attempt: int) -> tuple[RunResult, list]:  # type: ignore[type-arg]
-    console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node)
-    with ExitStack() as stack:
-        supervisor = Supervisor(specs, sink=console, listener=record, grace_period=config.grace_period,
-                                hang_timeout=config.hang_timeout, reap_orphans=reaper)
-        stack.callback(supervisor.close)
-        live = None
-        if _use_live_view(config):
-            from .status import LiveStatus
+def finish_job(job: JobStore, config: RunConfig, poll_s: float = 0.2) -> None:
+    """Say this node is done; the store's host keeps serving until every node is done or the job died."""
+    job.mark_done()
+    if config.base_rank != 0:
+        return
+    lost: list[WorkerFailure] = []
+    monitor = FateMonitor(job, lost.append)
+    monitor.start()
+    try:
+        while not lost and not job.all_done() and job.read_abort() is None:
+            time.sleep(poll_s)
+    finally:
+        monitor.stop()
 
-            live = LiveStatus(supervisor.workers, f"multigpu attempt {attempt}")
-            supervisor._tick = live.refresh
-            supervisor._sink = _LiveSink(live, console)
+
+def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
+                attempt: int, job: JobStore | None = None) -> tuple[RunResult, list[Worker]]:
+    console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node)
+    live = None
+    if _use_live_view(config):
+        from .status import LiveStatus
+
+        live = LiveStatus(f"multigpu attempt {attempt}", console)
+    with ExitStack() as stack:
+        supervisor = Supervisor(specs, sink=live or console, listener=record,
+                                grace_period=config.grace_period, hang_timeout=config.hang_timeout,
+                                tick=live.refresh if live else None, reap_orphans=reaper)
+        stack.callback(supervisor.close)
+        if live is not None:
+            live.workers = supervisor.workers
             stack.enter_context(live)
         stack.enter_context(capture_signals(supervisor.request_signal))
         supervisor.start()
+        if job is not None:
+            monitor = FateMonitor(job, supervisor.abort)
+            monitor.start()
+            stack.callback(monitor.stop)
         result = supervisor.wait()
         assert result is not None
+        if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
+            result = share_failure(job, result)
         if result.status is RunStatus.INTERRUPTED:
             sig = result.signal or signal.SIGTERM
             _say(f"{signal_name(sig)} received: stopping every rank "
@@ -149,7 +216,6 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
             supervisor.close(sig=sig)
         else:
             supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
-        result = _final(result, supervisor)
     if live is not None:
         from .status import print_summary_table
 
@@ -159,16 +225,14 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     return result, supervisor.workers
 
 
-def _final(result: RunResult, supervisor: Supervisor) -> RunResult:
-    """A success whose late stragglers failed in teardown is still a success; nothing else changes."""
-    return result
-
-
-class _LiveSink:
-    def __init__(self, live: object, console: PrefixedConsole) -> None:
-        self.live = live
-        self.console = console
-
-    def write_lines(self, worker, stream, lines):  # type: ignore[no-untyped-def]
-        if self.console.shows(worker.rank):
-            self.live.write_lines(worker, stream, lines, self.console.prefix(worker))  # type: ignore[attr-defined]
+def share_failure(job: JobStore, result: RunResult) -> RunResult:
+    """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
+    root = result.root_cause
+    assert root is not None
+    try:
+        winner = failure_from_record(job.publish_abort(failure_record(root)))
+    except Exception:  # the store is gone too; our own failure is the best we know
+        return result
+    if (winner.node, winner.rank, winner.time) == (root.node, root.rank, root.time):
+        return result
+    return RunResult(result.status, [winner, *[f for f in result.failures if f is not winner]])

@@ -69,6 +69,8 @@ def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mappi
                              "address)")
         if endpoint.port == 0:
             raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
+        if config.max_restarts:
+            raise UsageError("--max-restarts is for one machine for now; a multi-node job is not restarted")
     elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
         raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
     return dataclasses.replace(config, base_rank=base_rank, world_size=world_size, nnodes=nnodes,

@@ -8,8 +8,13 @@ a client and keys are namespaced per attempt, exactly as under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import os
 import socket
+import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -56,3 +61,145 @@ def serve_store(listen_fd: int, host: str, port: int, world_size: int | None = N
         host, port, world_size, True, timedelta(seconds=timeout_s),
         wait_for_workers=False, master_listen_fd=listen_fd,
     )
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (C++ logging bypasses sys.stderr) for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the job's store, retrying the connection until ``timeout_s``. Imports torch."""
+    from torch.distributed import TCPStore
+
+    try:
+        with quiet_stderr():  # c10d logs every retry with a C++ stack; our one line says it all
+            return TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    except Exception:
+        raise RendezvousError(
+            f"no rendezvous store answered at {host}:{port} within {timeout_s:g}s; check that the "
+            "base-rank-0 node runs multigpu with the same --rdzv-endpoint and that the port is reachable"
+        ) from None
+
+
+class JobStore:
+    """The launchers' shared view of one multi-node job, kept in torch's c10d store.
+
+    Keys live under ``multigpu/<run id>/``: a launcher with another run id reads only the published
+    run id, is refused, and writes nothing the live job reads.
+    """
+
+    RUN_ID_KEY = "multigpu/run_id"
+
+    def __init__(self, store: Any, *, node: int, base_rank: int, nproc: int, world_size: int) -> None:
+        self.store = store
+        self.node, self.base_rank, self.nproc, self.world_size = node, base_rank, nproc, world_size
+        self.run_id = ""
+
+    def key(self, *parts: object) -> str:
+        return "/".join(["multigpu", self.run_id, *map(str, parts)])
+
+    def settle_run_id(self, wanted: str | None) -> str:
+        """The job's run id: node 0 publishes its own; the others adopt it, or are refused on a mismatch."""
+        if self.base_rank == 0:
+            assert wanted is not None
+            current = self.store.compare_set(self.RUN_ID_KEY, "", wanted).decode()
+            if current != wanted:
+                raise RendezvousError(f"another job (run id {current!r}) already uses this rendezvous "
+                                      "store; pick another --rdzv-endpoint")
+            self.run_id = wanted
+            return wanted
+        self.store.wait([self.RUN_ID_KEY])
+        current = self.store.get(self.RUN_ID_KEY).decode()
+        if wanted is not None and wanted != current:
+            raise RendezvousError(f"run id {wanted!r} does not match the live job's run id {current!r} "
+                                  "at this endpoint; refusing to join it")
+        self.run_id = current
+        return current
+
+    def join(self, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Claim this node's ranks, check the world size, and wait until every rank is claimed."""
+        me = f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s))"
+        world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
+        if world != str(self.world_size):
+            self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
+        for rank in range(self.base_rank, self.base_rank + self.nproc):
+            owner = self.store.compare_set(self.key("rank", rank), "", me).decode()
+            if owner != me:
+                self._refuse(f"rank {rank} is claimed by both {owner} and {me}")
+        self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
+        self._wait_for_all(timeout_s, poll_s)
+
+    def members(self) -> dict[int, int]:
+        """Every joined node, as base rank -> node index."""
+        raw = self.store.get(self.key("members")).decode()
+        pairs = (item.split(":") for item in raw.split(",") if item)
+        return {int(base): int(node) for base, node in pairs}
+
+    def beat(self) -> None:
+        self.store.add(self.key("beat", self.base_rank), 1)
+
+    def beats_of(self, base_rank: int) -> int:
+        return int(self.store.add(self.key("beat", base_rank), 0))
+
+    def mark_done(self) -> None:
+        self.store.set(self.key("done", self.base_rank), "1")
+
+    def is_done(self, base_rank: int) -> bool:
+        return bool(self.store.check([self.key("done", base_rank)]))
+
+    def all_done(self) -> bool:
+        return all(self.is_done(base) for base in self.members())
+
+    def _wait_for_all(self, timeout_s: float, poll_s: float) -> None:
+        import time
+
+        keys = [self.key("rank", r) for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_abort()
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "
+                                      "check that every node started with the same --rdzv-endpoint and "
+                                      "--world-size")
+            time.sleep(poll_s)
+
+    def _refuse(self, reason: str) -> None:
+        """An inconsistent layout fails the whole job, so every node reports the same clear error."""
+        self.store.compare_set(self.key("abort"), "", json.dumps({"reason": reason, "node": self.node}))
+        raise RendezvousError(f"inconsistent layout: {reason}")
+
+    def check_abort(self) -> None:
+        record = self.read_abort()
+        if record is not None and "reason" in record:
+            raise RendezvousError(f"inconsistent layout: {record['reason']}")
+
+    def read_abort(self) -> dict[str, Any] | None:
+        key = self.key("abort")
+        if not self.store.check([key]):
+            return None
+        value = self.store.get(key).decode()
+        return json.loads(value) if value else None
+
+    def publish_abort(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Write the abort record unless one exists; return the one that won (the first failure)."""
+        value = self.store.compare_set(self.key("abort"), "", json.dumps(record)).decode()
+        return dict(json.loads(value))
+
+
+def _ranges(ranks: list[int]) -> str:
+    if len(ranks) <= 4:
+        return ", ".join(map(str, ranks))
+    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"

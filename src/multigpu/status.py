@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any
 
+from .console import PrefixedConsole
 from .supervisor import Worker, WorkerState
 
 _STATE_STYLE = {
@@ -47,16 +48,17 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
 class LiveStatus:
     """A status table pinned under the scrolling log lines; refreshed at most twice a second."""
 
-    def __init__(self, workers: list[Worker], title: str) -> None:
+    def __init__(self, title: str, console: PrefixedConsole) -> None:
         from rich.console import Console
         from rich.live import Live
 
-        self.workers = workers
+        self.workers: list[Worker] = []
         self.title = title
+        self._prefixed = console
         self.console = Console(file=sys.stderr)
         self._out = Console(file=sys.stdout, highlight=False, markup=False, emoji=False,
                             soft_wrap=True)
-        self._live = Live(status_table(workers, title), console=self.console, auto_refresh=False,
+        self._live = Live(status_table(self.workers, title), console=self.console, auto_refresh=False,
                           transient=True, redirect_stdout=False, redirect_stderr=False)
 
     def __enter__(self) -> LiveStatus:
@@ -69,7 +71,10 @@ class LiveStatus:
     def refresh(self) -> None:
         self._live.update(status_table(self.workers, self.title), refresh=True)
 
-    def write_lines(self, worker: Worker, stream: str, lines: list[bytes], prefix: bytes = b"") -> None:
+    def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
+        if not self._prefixed.shows(worker.rank):
+            return
+        prefix = self._prefixed.prefix(worker)
         text = "\n".join((prefix + line).decode(errors="replace") for line in lines)
         self._live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 

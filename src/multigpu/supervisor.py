@@ -196,6 +196,7 @@ class Supervisor:
         os.set_blocking(self._wake_w, False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self._signals: deque[int] = deque()
+        self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
@@ -264,7 +265,14 @@ class Supervisor:
     def request_stop(self) -> None:
         self.request_signal(signal.SIGTERM)
 
+    def abort(self, failure: WorkerFailure) -> None:
+        """End the run as failed for a cause outside this group (another node failed). Thread-safe."""
+        self._external.append(failure)
+        self._wake()
+
     def _wake(self) -> None:
+        if self._closed:
+            return  # the wake-up pipe may already be closed (a late call from another thread)
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
 
@@ -459,6 +467,8 @@ class Supervisor:
             self._listener.on_worker_change(worker)
 
     def _handle_signals(self) -> None:
+        while self._external:
+            self._failures.append(self._external.popleft())
         while self._signals:
             signum = self._signals.popleft()
             if signum in (signal.SIGINT, signal.SIGTERM):

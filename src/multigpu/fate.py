@@ -1,0 +1,100 @@
+"""Fate sharing across nodes: heartbeats and one abort record in the job's c10d store.
+
+Every launcher beats (a counter, so clocks need not agree) and watches the abort record and the other
+nodes' beats. The first failure anywhere is written once (compare-and-set) and every node tears down
+and reports it; a node whose beats stop, or a store that stops answering, counts as a failure too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import WorkerFailure
+from .rendezvous import JobStore
+
+BEAT_S = 0.2
+LOST_AFTER_S = 1.5
+
+
+def failure_record(failure: WorkerFailure) -> dict[str, Any]:
+    data = failure.to_dict()
+    data["log_tail"] = data.get("log_tail", [])[-10:]
+    return data
+
+
+def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
+    fields = {k: record.get(k) for k in ("rank", "local_rank", "pid", "exit_code", "signal", "node",
+                                         "error_type", "message", "traceback", "time", "log_path")}
+    fields["rank"] = fields["rank"] if fields["rank"] is not None else -1
+    fields["local_rank"] = fields["local_rank"] if fields["local_rank"] is not None else -1
+    fields["node"] = fields["node"] or 0
+    return WorkerFailure(log_tail=list(record.get("log_tail") or []), **fields)
+
+
+def node_lost(node: int, why: str) -> WorkerFailure:
+    return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type="NodeLost", message=why,
+                         time=time.time())
+
+
+class FateMonitor:
+    """A daemon thread that beats for this node and calls ``on_remote_failure`` once when the job dies."""
+
+    def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
+                 beat_s: float = BEAT_S, lost_after_s: float = LOST_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.job = job
+        self._on_failure = on_remote_failure
+        self._beat_s, self._lost_after_s, self._clock = beat_s, lost_after_s, clock
+        self._stop = threading.Event()
+        self._fired = False
+        self._thread = threading.Thread(target=self._run, name="multigpu-fate", daemon=True)
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _fire(self, failure: WorkerFailure) -> None:
+        if not self._fired:
+            self._fired = True
+            self._on_failure(failure)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._beat_s):
+            try:
+                self.job.beat()
+                record = self.job.read_abort()
+                if record is not None:
+                    self._fire(failure_from_record(record) if "reason" not in record
+                               else node_lost(int(record.get("node", -1)), str(record["reason"])))
+                    return
+                lost = self._lost_node()
+                if lost is not None:
+                    why = f"node {lost}'s launcher stopped beating for {self._lost_after_s:g}s " \
+                          "(killed, or its network is down)"
+                    self._fire(node_lost(lost, why))
+                    return
+            except Exception as exc:  # the store is gone: node 0's launcher died or the network did
+                self._fire(node_lost(0, f"lost contact with the rendezvous store ({type(exc).__name__}); "
+                                        "node 0's launcher or the network is down"))
+                return
+
+    def _lost_node(self) -> int | None:
+        now = self._clock()
+        for base, node in self.job.members().items():
+            if base == self.job.base_rank or self.job.is_done(base):
+                continue
+            count = self.job.beats_of(base)
+            last_count, since = self._seen.get(base, (-1, now))
+            if count != last_count:
+                self._seen[base] = (count, now)
+            elif now - since > self._lost_after_s:
+                return node
+        return None

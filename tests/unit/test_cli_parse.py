@@ -1,0 +1,183 @@
+"""``multigpu run`` argument parsing into RunConfig: no processes, no torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from multigpu import devices
+from multigpu.cli import parse_run_args, split_run_argv
+from multigpu.config import RunConfig
+from multigpu.devices import GPUInfo
+from multigpu.endpoint import Endpoint
+from multigpu.errors import UsageError
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic discovery: this machine, or any other, looks GPU-less unless a test says otherwise."""
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
+    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+
+
+@pytest.fixture
+def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "_nvml_gpus",
+                        lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)])
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> RunConfig:
+    config, _ = parse_run_args(argv, env or {})
+    return config
+
+
+def test_defaults_without_gpu_are_one_cpu_worker_with_a_note(script: str) -> None:
+    config, note = parse_run_args([script], {})
+    assert (config.device, config.nproc, config.gpus) == ("cpu", 1, ())
+    assert note is not None and "--cpu N" in note
+    assert config.target == script and config.target_args == () and not config.module
+    assert (config.base_rank, config.world_size, config.rdzv_endpoint, config.run_id) == (0, 1, None, None)
+    assert (config.output_dir, config.log_ranks, config.max_restarts, config.status) == (None, None, 0, "auto")
+    assert config.grace_period == 5.0 and config.rdzv_timeout == 600.0 and config.hang_timeout is None
+
+
+def test_cpu_workers(script: str) -> None:
+    config, note = parse_run_args(["--cpu", "3", script], {})
+    assert (config.device, config.nproc, config.world_size, note) == ("cpu", 3, 3, None)
+
+
+def test_script_args_split_from_ours(script: str) -> None:
+    config = parse(["--cpu", "2", "--output", "out", script, "--cpu", "5", "--gpus=1", "-m", "x",
+                    "--output", "y", "--bogus", "--", "z"])
+    assert config.nproc == 2 and config.output_dir == Path("out")
+    assert config.target_args == ("--cpu", "5", "--gpus=1", "-m", "x", "--output", "y", "--bogus", "--", "z")
+
+
+def test_equals_form_of_our_options(script: str) -> None:
+    config = parse(["--cpu=2", "--log-ranks=0", script, "a"])
+    assert config.nproc == 2 and config.log_ranks == frozenset({0}) and config.target_args == ("a",)
+
+
+def test_double_dash_ends_our_options(tmp_path: Path) -> None:
+    odd = tmp_path / "-odd.py"
+    odd.write_text("")
+    config = parse(["--cpu", "2", "--", str(odd), "--cpu", "1"])
+    assert config.target == str(odd) and config.target_args == ("--cpu", "1")
+
+
+def test_split_run_argv() -> None:
+    assert split_run_argv(["--cpu", "2", "s.py", "--cpu", "3"]) == (["--cpu", "2"], ["s.py", "--cpu", "3"])
+    assert split_run_argv(["-m", "pkg.mod", "--cpu", "3"]) == (["-m", "pkg.mod"], ["--cpu", "3"])
+    assert split_run_argv(["-mpkg", "x"]) == (["-m", "pkg"], ["x"])
+    assert split_run_argv(["--cpu", "2"]) == (["--cpu", "2"], [])
+
+
+def test_module_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_train_mod.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = parse(["--cpu", "2", "-m", "my_train_mod", "--cpu", "9", "pos"])
+    assert config.module and config.target == "my_train_mod"
+    assert config.target_args == ("--cpu", "9", "pos")
+    assert parse(["-mjson.tool", "a"]).target == "json.tool"
+
+
+def test_module_not_found() -> None:
+    with pytest.raises(UsageError, match="no_such_module_xyz"):
+        parse(["--cpu", "1", "-m", "no_such_module_xyz"])
+
+
+def test_environment_variables_fill_options(script: str) -> None:
+    env = {"MULTIGPU_CPU": "3", "MULTIGPU_GRACE_PERIOD": "1.5", "MULTIGPU_OUTPUT": "/tmp/o",
+           "MULTIGPU_LOG_RANKS": "0,2", "MULTIGPU_RDZV_ENDPOINT": "127.0.0.1:0", "MULTIGPU_RUN_ID": "myrun",
+           "MULTIGPU_HANG_TIMEOUT": "30", "MULTIGPU_MAX_RESTARTS": "2", "MULTIGPU_STATUS": "off",
+           "MULTIGPU_RDZV_TIMEOUT": "9"}
+    config = parse([script], env)
+    assert (config.device, config.nproc) == ("cpu", 3)
+    assert config.grace_period == 1.5 and config.output_dir == Path("/tmp/o")
+    assert config.log_ranks == frozenset({0, 2}) and config.rdzv_endpoint == Endpoint("127.0.0.1", 0)
+    assert config.run_id == "myrun" and config.hang_timeout == 30.0 and config.max_restarts == 2
+    assert config.status == "off" and config.rdzv_timeout == 9.0
+
+
+def test_command_line_wins_over_environment(script: str) -> None:
+    env = {"MULTIGPU_CPU": "3", "MULTIGPU_GRACE_PERIOD": "1.5", "MULTIGPU_STATUS": "on"}
+    config = parse(["--cpu", "2", "--grace-period", "0", "--status", "off", script], env)
+    assert (config.nproc, config.grace_period, config.status) == (2, 0.0, "off")
+
+
+@pytest.mark.usefixtures("four_gpus")
+def test_command_line_device_choice_beats_the_other_from_environment(script: str) -> None:
+    config = parse(["--gpus", "1", script], {"MULTIGPU_CPU": "3"})
+    assert (config.device, config.gpus) == ("cuda", (1,))
+    config = parse(["--cpu", "2", script], {"MULTIGPU_GPUS": "0,1"})
+    assert (config.device, config.nproc) == ("cpu", 2)
+
+
+def test_bad_environment_value_is_a_usage_error(script: str) -> None:
+    with pytest.raises(UsageError, match="MULTIGPU_STATUS"):
+        parse([script], {"MULTIGPU_STATUS": "loud"})
+    with pytest.raises(UsageError, match="--cpu"):
+        parse([script], {"MULTIGPU_CPU": "many"})
+
+
+@pytest.mark.usefixtures("four_gpus")
+def test_gpus_selection(script: str) -> None:
+    config = parse(["--gpus", "2, 0", script])
+    assert (config.device, config.nproc, config.gpus) == ("cuda", 2, (2, 0))
+    assert parse(["--gpus", "all", script]).gpus == (0, 1, 2, 3)
+    default = parse([script])
+    assert (default.device, default.nproc, default.gpus) == ("cuda", 4, (0, 1, 2, 3))
+    with pytest.warns(UserWarning, match="duplicate"):
+        assert parse(["--gpus", "1,1", script]).gpus == (1,)
+
+
+@pytest.mark.usefixtures("four_gpus")
+def test_gpus_out_of_range_is_a_usage_error(script: str) -> None:
+    with pytest.raises(UsageError, match="GPU 9 is not visible"):
+        parse(["--gpus", "0,9", script])
+
+
+def test_gpus_on_a_machine_without_gpu_says_use_cpu(script: str) -> None:
+    with pytest.raises(UsageError, match="--cpu N"):
+        parse(["--gpus", "0", script])
+    with pytest.raises(UsageError, match="--cpu N"):
+        parse(["--gpus", "all", script])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--cpu", "abc", "{script}"], "--cpu must be an integer, got 'abc'"),
+    (["--cpu", "0", "{script}"], "--cpu must be at least 1, got 0"),
+    (["--cpu", "-1", "{script}"], "--cpu must be at least 1, got -1"),
+    (["--gpus", "a", "{script}"], "'a'"),
+    (["--gpus", "99", "{script}"], "--cpu N"),
+    (["--cpu", "1"], "no script given"),
+    ([], "no script given"),
+    (["--cpu", "1", "{missing}"], "not found"),
+    (["--bogus", "{script}"], "--bogus"),
+    (["--cpu", "1", "--rdzv-endpoint", "localhost", "{script}"], "no port"),
+    (["--cpu", "1", "--rdzv-endpoint", "127.0.0.1:x", "{script}"], "port must be a number"),
+    (["--cpu", "2", "--gpus", "0", "{script}"], "not both"),
+    (["--cpu"], "expected one argument"),
+    (["--status", "loud", "{script}"], "invalid choice"),
+    (["--log-ranks", "0,a", "{script}"], "'a'"),
+    (["--grace-period", "-1", "{script}"], "--grace-period"),
+    (["--rdzv-timeout", "0", "{script}"], "--rdzv-timeout"),
+    (["--max-restarts", "x", "{script}"], "--max-restarts"),
+    (["--cpu", "1", "--rdzv-endpoint", "10.0.0.1:0", "{script}"], "port 0"),
+    # an abbreviation is not silently taken for the full option (it would eat the script's name)
+    (["--out", "dir", "{script}"], "--out"),
+])
+def test_bad_input_is_a_usage_error(argv: list[str], message: str, script: str, tmp_path: Path) -> None:
+    argv = [a.format(script=script, missing=str(tmp_path / "missing.py")) for a in argv]
+    with pytest.raises(UsageError) as info:
+        parse(argv)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)

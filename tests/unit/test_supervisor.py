@@ -1,0 +1,428 @@
+"""The Supervisor in-process, with tiny ``python -c`` workers that never import torch.
+
+Grace periods, hang timeouts and dump waits are injected small, so each test takes milliseconds to a
+few seconds. Every test that starts processes proves by PID that they are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHON, assert_gone, clean_env, pids_in, write_script
+from multigpu.errors import WorkerFailure
+from multigpu.supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec, WorkerState
+
+pytestmark = pytest.mark.timeout(30)
+
+GRACE = 0.3
+
+
+class Sink:
+    """Collects every whole line the supervisor hands on, per (rank, stream)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[int, str, bytes]] = []
+
+    def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
+        self.lines.extend((worker.rank, stream, line) for line in lines)
+
+    def of(self, rank: int, stream: str | None = None) -> list[bytes]:
+        return [line for r, s, line in self.lines if r == rank and (stream is None or s == stream)]
+
+
+def py(code: str) -> list[str]:
+    return [PYTHON, "-c", textwrap.dedent(code)]
+
+
+def spec(rank: int, argv: list[str], tmp_path: Path, *, world: int = 2,
+         error_file: bool = False) -> WorkerSpec:
+    err = tmp_path / f"error_rank_{rank}.json"
+    env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    if error_file:
+        env["MULTIGPU_ERROR_FILE"] = str(err)
+    return WorkerSpec(rank=rank, local_rank=rank, argv=argv, env=env,
+                      log_path=tmp_path / f"rank_{rank}.log", error_file=err if error_file else None)
+
+
+def bootstrap(script: Path) -> list[str]:
+    """The real worker bootstrap (faulthandler, error file), running a plain script."""
+    return [PYTHON, "-m", "multigpu.worker", "script", str(script)]
+
+
+def worker_pids(sup: Supervisor) -> list[int]:
+    pids = [w.pid for w in sup.workers if w.pid is not None]
+    assert len(pids) == len(sup.workers)
+    return pids
+
+
+def pump_until(sup: Supervisor, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Run the supervisor's loop until ``predicate()`` holds (a run outcome must not come first)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        outcome = sup.wait(timeout=0.05)
+        assert outcome is None or predicate(), f"run ended early: {outcome}"
+
+
+def said(sup: Supervisor, rank: int, text: str) -> Callable[[], bool]:
+    return lambda: any(text in line for line in sup.workers[rank].tail)
+
+
+@pytest.fixture
+def notes() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def make(notes: list[str]) -> Iterator[Callable[..., Supervisor]]:
+    """Build supervisors that are always closed, with a short grace period and notes collected."""
+    made: list[Supervisor] = []
+
+    def build(specs: list[WorkerSpec], **kwargs: object) -> Supervisor:
+        kwargs.setdefault("grace_period", GRACE)
+        kwargs.setdefault("dump_wait", 0.5)
+        sup = Supervisor(specs, notify=notes.append, **kwargs)  # type: ignore[arg-type]
+        made.append(sup)
+        return sup
+
+    yield build
+    for sup in made:
+        sup.close(grace_period=0)
+
+
+def finish(sup: Supervisor, timeout: float = 15.0) -> RunResult:
+    result = sup.wait(timeout=timeout)
+    assert result is not None, f"no outcome within {timeout}s"
+    return result
+
+
+# ---- outcomes ---------------------------------------------------------------------------------------
+
+
+def test_all_succeed(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sup = make([spec(r, py("print('done')"), tmp_path) for r in range(3)])
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup)
+    sup.close()
+    assert result.status is RunStatus.SUCCEEDED
+    assert result.failures == [] and result.root_cause is None
+    assert [w.state for w in sup.workers] == [WorkerState.SUCCEEDED] * 3
+    assert [w.returncode for w in sup.workers] == [0, 0, 0]
+    assert_gone(pids)
+
+
+def test_one_exits_nonzero_others_stopped(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sleeper = py("import time; print('up', flush=True); time.sleep(30)")
+    sup = make([spec(0, sleeper, tmp_path), spec(1, py("import sys; sys.exit(3)"), tmp_path),
+                spec(2, sleeper, tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup)
+    assert result.status is RunStatus.FAILED
+    root = result.root_cause
+    assert root is not None
+    assert (root.rank, root.exit_code, root.signal, root.pid) == (1, 3, None, pids[1])
+    assert root.launcher_exit_code == 3
+    sup.close()
+    assert [w.state for w in sup.workers] == [WorkerState.STOPPED, WorkerState.FAILED, WorkerState.STOPPED]
+    assert sup.workers[0].returncode == -signal.SIGTERM
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize(("failure", "expected"), [
+    (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=3), 3),
+    (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=1), 1),
+    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGSEGV"), 128 + signal.SIGSEGV),
+    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"), 137),
+    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGTERM"), 143),
+    (WorkerFailure(rank=0, local_rank=0, pid=1), 1),  # a hang: neither code nor signal
+])
+def test_launcher_exit_code_mapping(failure: WorkerFailure, expected: int) -> None:
+    assert failure.launcher_exit_code == expected
+
+
+def test_killed_by_signal_is_named(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sup = make([spec(0, py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup)
+    sup.close()
+    root = result.root_cause
+    assert result.status is RunStatus.FAILED and root is not None
+    assert (root.signal, root.exit_code, root.launcher_exit_code) == ("SIGKILL", None, 137)
+    assert "killed by SIGKILL" in root.describe()
+    assert_gone(pids)
+
+
+def test_ignored_sigterm_escalates_to_sigkill(make: Callable[..., Supervisor], tmp_path: Path,
+                                              notes: list[str]) -> None:
+    stubborn = py("""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print('ignoring', flush=True)
+        time.sleep(30)
+    """)
+    sup = make([spec(0, stubborn, tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, said(sup, 0, "ignoring"))
+    t0 = time.monotonic()
+    sup.close(grace_period=GRACE)
+    took = time.monotonic() - t0
+    print(f"close() with a SIGTERM-ignoring rank took {took:.3f}s (grace {GRACE}s)")
+    assert took >= GRACE * 0.9  # the grace period was granted before escalating
+    assert sup.workers[0].returncode == -signal.SIGKILL
+    assert sup.workers[0].state is WorkerState.STOPPED
+    assert any("SIGKILL" in n and "rank 0" in n and f"{GRACE:g}s after SIGTERM" in n for n in notes), notes
+    assert_gone(pids)
+
+
+def test_close_twice_is_safe_and_start_twice_raises(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sup = make([spec(0, py("import time; time.sleep(30)"), tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    with pytest.raises(RuntimeError, match="twice"):
+        sup.start()
+    assert worker_pids(sup) == pids  # nothing new was spawned
+    sup.close()
+    sup.close()
+    sup.close(grace_period=0)
+    assert sup.workers[0].state is WorkerState.STOPPED
+    assert_gone(pids)
+
+
+def test_close_without_start_is_safe(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sup = make([spec(0, py("pass"), tmp_path)])
+    sup.close()
+    sup.close()
+    assert sup.workers[0].state is WorkerState.PENDING
+    with pytest.raises(RuntimeError):
+        sup.wait(timeout=0)
+
+
+def test_grandchild_of_an_exited_rank_is_ended(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """The rank exits by itself; its group (holding the grandchild) is still signalled at close."""
+    spawner = py("""
+        import subprocess, sys
+        child = subprocess.Popen(['sleep', '60'])
+        print(f'gc={child.pid}', flush=True)
+        sys.exit(2)
+    """)
+    sleeper = py("""
+        import subprocess, time
+        child = subprocess.Popen(['sleep', '60'])
+        print(f'gc={child.pid}', flush=True)
+        time.sleep(30)
+    """)
+    sup = make([spec(0, sleeper, tmp_path), spec(1, spawner, tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, said(sup, 0, "gc="))
+    result = finish(sup)
+    assert result.status is RunStatus.FAILED and result.root_cause is not None
+    assert result.root_cause.rank == 1 and result.root_cause.exit_code == 2
+    grandchildren = pids_in("\n".join(result.root_cause.log_tail), "gc") + \
+        pids_in("\n".join(sup.workers[0].tail), "gc")
+    assert len(grandchildren) == 2
+    sup.close()
+    assert_gone(pids + grandchildren)
+
+
+# ---- signals ----------------------------------------------------------------------------------------
+
+
+def test_request_sigterm_interrupts(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    sleeper = py("import time; print('up', flush=True); time.sleep(30)")
+    sup = make([spec(r, sleeper, tmp_path) for r in range(2)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, lambda: all(said(sup, r, "up")() for r in range(2)))
+    sup.request_signal(signal.SIGTERM)
+    result = finish(sup, timeout=5)
+    assert result.status is RunStatus.INTERRUPTED
+    assert result.signal == signal.SIGTERM and result.failures == []
+    sup.close(sig=signal.SIGTERM)
+    assert [w.state for w in sup.workers] == [WorkerState.STOPPED] * 2
+    assert [w.returncode for w in sup.workers] == [-signal.SIGTERM] * 2
+    assert_gone(pids)
+
+
+def test_sigusr1_is_forwarded(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    handler = py("""
+        import signal, sys, time
+        def on_usr1(signum, frame):
+            print('got SIGUSR1', flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGUSR1, on_usr1)
+        print('ready', flush=True)
+        time.sleep(30)
+        sys.exit(5)
+    """)
+    sup = make([spec(r, handler, tmp_path) for r in range(2)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, lambda: all(said(sup, r, "ready")() for r in range(2)))
+    sup.request_signal(signal.SIGUSR1)
+    result = finish(sup, timeout=10)
+    sup.close()
+    assert result.status is RunStatus.SUCCEEDED
+    assert all(said(sup, r, "got SIGUSR1")() for r in range(2))
+    assert_gone(pids)
+
+
+# ---- hangs and stack dumps ----------------------------------------------------------------------------
+
+
+def test_hang_timeout_dumps_stacks_and_fails(make: Callable[..., Supervisor], tmp_path: Path,
+                                             notes: list[str]) -> None:
+    script = write_script(tmp_path, "silent.py", """
+        import time
+
+        def stuck_in_here():
+            time.sleep(60)
+
+        stuck_in_here()
+    """)
+    sup = make([spec(r, bootstrap(script), tmp_path) for r in range(2)], hang_timeout=1.0)
+    sup.start()
+    pids = worker_pids(sup)
+    t0 = time.monotonic()
+    result = finish(sup, timeout=15)
+    print(f"hang detected and dumped after {time.monotonic() - t0:.2f}s (hang_timeout 1.0s)")
+    assert result.status is RunStatus.HUNG
+    assert sorted(f.rank for f in result.failures) == [0, 1]
+    for failure in result.failures:
+        assert failure.error_type == "Hang"
+        assert failure.traceback is not None, f"rank {failure.rank}: no stack dump captured"
+        assert "most recent call first" in failure.traceback
+        assert "stuck_in_here" in failure.traceback and "silent.py" in failure.traceback
+    assert any("hang-timeout" in n for n in notes), notes
+    sup.close()
+    for r in range(2):
+        assert "stuck_in_here" in (tmp_path / f"rank_{r}.log").read_text()
+    assert_gone(pids)
+
+
+def test_heartbeats_keep_a_silent_run_alive(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    beating = py("""
+        import time
+        import multigpu
+        for _ in range(16):
+            multigpu.heartbeat()
+            time.sleep(0.1)
+    """)
+    sup = make([spec(0, beating, tmp_path)], hang_timeout=0.5)
+    sup.start()
+    pids = worker_pids(sup)
+    t0 = time.monotonic()
+    result = finish(sup, timeout=15)
+    took = time.monotonic() - t0
+    sup.close()
+    assert result.status is RunStatus.SUCCEEDED, result
+    assert took > 0.5  # it really outlived the hang timeout without a line of output
+    assert list(sup.workers[0].tail) == []  # no output at all: only heartbeats showed progress
+    assert_gone(pids)
+
+
+def test_teardown_after_failure_dumps_live_ranks(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """close(dump_stacks=True) after a failure: the rank still running writes its stacks to its log."""
+    ready = tmp_path / "ready"
+    waiting = write_script(tmp_path, "waiting.py", f"""
+        import pathlib, time
+
+        def waiting_for_peer():
+            pathlib.Path({str(ready)!r}).touch()
+            time.sleep(60)
+
+        waiting_for_peer()
+    """)
+    failing = py(f"""
+        import os, sys, time
+        while not os.path.exists({str(ready)!r}):
+            time.sleep(0.01)
+        sys.exit(1)
+    """)
+    sup = make([spec(0, bootstrap(waiting), tmp_path), spec(1, failing, tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup)
+    assert result.status is RunStatus.FAILED
+    sup.close(dump_stacks=True)
+    log = (tmp_path / "rank_0.log").read_text()
+    assert "most recent call first" in log and "waiting_for_peer" in log
+    assert sup.workers[0].state is WorkerState.STOPPED
+    assert_gone(pids)
+
+
+# ---- output and root cause ----------------------------------------------------------------------------
+
+
+def test_output_lines_are_whole_and_logged(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    chatty = py("""
+        import sys, time
+        for i in range(200):
+            sys.stdout.write(f'out-{i:03d}-'); sys.stdout.flush()
+            sys.stderr.write(f'err-{i:03d}-'); sys.stderr.flush()
+            if i % 50 == 0:
+                time.sleep(0.01)
+            sys.stdout.write('x' * 40 + '\\n'); sys.stdout.flush()
+            sys.stderr.write('y' * 40 + '\\n'); sys.stderr.flush()
+        sys.stdout.write('no newline at the end')
+    """)
+    sink = Sink()
+    sup = make([spec(0, chatty, tmp_path)], sink=sink)
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup)
+    sup.close()
+    assert result.status is RunStatus.SUCCEEDED
+    out, err = sink.of(0, "stdout"), sink.of(0, "stderr")
+    assert out == [f"out-{i:03d}-{'x' * 40}".encode() for i in range(200)] + [b"no newline at the end"]
+    assert err == [f"err-{i:03d}-{'y' * 40}".encode() for i in range(200)]
+    log_lines = (tmp_path / "rank_0.log").read_text().splitlines()
+    assert len(log_lines) == 401
+    pattern = re.compile(r"(out-\d{3}-x{40}|err-\d{3}-y{40}|no newline at the end)")
+    assert all(pattern.fullmatch(line) for line in log_lines), [ln for ln in log_lines
+                                                                  if not pattern.fullmatch(ln)][:3]
+    assert sorted(log_lines) == sorted(line.decode() for line in out + err)
+    assert_gone(pids)
+
+
+def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """Both ranks fail before the loop looks: the earlier exception is the root cause, not rank 0."""
+    late = write_script(tmp_path, "late.py", """
+        import time
+        time.sleep(0.8)
+        raise RuntimeError('second')
+    """)
+    early = write_script(tmp_path, "early.py", """
+        import time
+        time.sleep(0.1)
+        raise ValueError('first')
+    """)
+    sup = make([spec(0, bootstrap(late), tmp_path, error_file=True),
+                spec(1, bootstrap(early), tmp_path, error_file=True)])
+    sup.start()
+    pids = worker_pids(sup)
+    deadline = time.monotonic() + 10
+    while any(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None for pid in pids):
+        assert time.monotonic() < deadline, "workers did not both exit"
+        time.sleep(0.05)
+    result = sup.poll()
+    assert result is not None and result.status is RunStatus.FAILED
+    assert [f.rank for f in result.failures] == [1, 0]
+    root = result.root_cause
+    assert root is not None
+    assert (root.rank, root.error_type, root.message) == (1, "ValueError", "first")
+    assert root.traceback is not None and "early.py" in root.traceback
+    sup.close()
+    assert_gone(pids)
