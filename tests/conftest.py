@@ -6,6 +6,7 @@ Tests that start launchers also prove, by PID, that everything the launcher star
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -45,10 +46,8 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
             break
         time.sleep(0.05)
     for pid in leaked:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
     if leaked:
         problems.append(f"leaked processes {sorted(leaked)}")
     deadline = time.monotonic() + 2.0
@@ -70,10 +69,8 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
     if leaked_fds:
         targets = []
         for fd in sorted(leaked_fds):
-            try:
+            with contextlib.suppress(OSError):
                 targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-            except OSError:
-                pass
         if targets:
             problems.append(f"leaked descriptors {targets}")
     if _env() != before_env:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -47,10 +48,8 @@ def assert_gone(pids: Iterable[int], timeout: float = 2.0) -> None:
     assert pids, "no PIDs to check: the test did not capture what it started"
     left = wait_gone(pids, timeout)
     for pid in left:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
     assert not left, f"still alive after {timeout}s: {left}"
 
 

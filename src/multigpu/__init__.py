@@ -32,7 +32,19 @@ _EXPORTS = {
     "WorkerFailure": "errors",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "MultiGPUError",
+    "MultiGPUManager",
+    "RendezvousError",
+    "UsageError",
+    "WorkerFailedError",
+    "WorkerFailure",
+    "__version__",
+    "get_gpu_ids",
+    "heartbeat",
+    "is_multigpu_child_process",
+    "set_arguments_to_argv",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,9 @@ def _find_key(argv: list[str], keys: list[str]) -> tuple[int, str, bool] | None:
     return None
 
 
-def set_arguments_to_argv(keys: str | list[str], value: str | None = None, after_params: bool = False) -> None:
+def set_arguments_to_argv(
+    keys: str | list[str], value: str | None = None, after_params: bool = False
+) -> None:
     """Set ``keys[0] value`` in ``sys.argv``: replace an existing value, or insert it where OTX parses it.
 
     Without ``after_params`` a new key goes just before the ``params`` sub-command (or at the end);

@@ -93,7 +93,7 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         if token == "-m":
             return ours + list(argv[i:i + 2]), list(argv[i + 2:])
         if token.startswith("-m") and len(token) > 2 and not token.startswith("--"):
-            return ours + ["-m", token[2:]], list(argv[i + 1:])
+            return [*ours, "-m", token[2:]], list(argv[i + 1:])
         if not token.startswith("-") or token == "-":
             return ours, list(argv[i:])
         ours.append(token)

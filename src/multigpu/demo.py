@@ -59,9 +59,11 @@ def _devices(args: argparse.Namespace) -> tuple[str, str]:
 
     if args.cpu is not None:
         return ",".join(str(i) for i in range(args.cpu)), "cpu"
-    if args.gpus is not None:
-        return args.gpus, "cuda"
     gpus = visible_gpus()
+    if args.gpus is not None:
+        if not gpus:
+            raise UsageError("--gpus: no GPU is visible on this machine; use --cpu N for N CPU workers")
+        return args.gpus, "cuda"
     if gpus:
         return ",".join(str(g.index) for g in gpus), "cuda"
     return "0,1", "cpu"
@@ -108,7 +110,7 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     dev = torch.device(f"cuda:{torch.cuda.current_device()}") if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     dataset = make_dataset()
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler: Any = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model: Any = torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(),
                                      torch.nn.Linear(64, CLASSES)).to(dev)
@@ -155,9 +157,9 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     summary = {"rank": rank, "local_rank": local_rank, "device": str(dev), "steps": step,
                "samples": samples, "seconds": round(elapsed, 2), "first_loss": first_loss,
                "final_loss": loss_value, "pid": os.getpid()}
-    summaries = [summary]
+    summaries: list[Any] = [summary]
     if distributed:
-        summaries = [None] * world  # type: ignore[list-item]
+        summaries = [None] * world
         dist.all_gather_object(summaries, summary)
     if rank == 0:
         total = sum(s["samples"] for s in summaries)

@@ -6,6 +6,7 @@ types are *visible* indices: positions in ``CUDA_VISIBLE_DEVICES`` when it is se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -57,10 +58,8 @@ def _nvml_gpus() -> list[GPUInfo] | None:
     except Exception:
         return None
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _proc_gpus(root: Path = PROC_GPUS) -> list[GPUInfo]:
@@ -101,7 +100,7 @@ def apply_visible_devices(gpus: list[GPUInfo], cuda_visible_devices: str | None)
             break
         visible.append(match)
     return [replace(g, index=i, ordinal=_entry_ordinal(g, raw.strip()))
-            for i, (g, raw) in enumerate(zip(visible, cuda_visible_devices.split(",")))]
+            for i, (g, raw) in enumerate(zip(visible, cuda_visible_devices.split(","), strict=False))]
 
 
 def _match_visible_entry(gpus: list[GPUInfo], item: str) -> GPUInfo | None:

@@ -16,7 +16,7 @@ from .errors import WorkerFailure
 from .rendezvous import JobStore
 
 BEAT_S = 0.2
-LOST_AFTER_S = 1.5
+LOST_AFTER_S = 1.0
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
     fields["rank"] = fields["rank"] if fields["rank"] is not None else -1
     fields["local_rank"] = fields["local_rank"] if fields["local_rank"] is not None else -1
     fields["node"] = fields["node"] or 0
-    return WorkerFailure(log_tail=list(record.get("log_tail") or []), **fields)
+    return WorkerFailure(log_tail=list(record.get("log_tail") or []), **fields)  # type: ignore[arg-type]
 
 
 def node_lost(node: int, why: str) -> WorkerFailure:
@@ -50,21 +50,40 @@ class FateMonitor:
         self._beat_s, self._lost_after_s, self._clock = beat_s, lost_after_s, clock
         self._stop = threading.Event()
         self._fired = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="multigpu-fate", daemon=True)
+        self._deadman = threading.Thread(target=self._watch_store, name="multigpu-fate-deadman",
+                                         daemon=True)
         self._seen: dict[int, tuple[int, float]] = {}
+        self._last_ok = clock()
 
     def start(self) -> None:
+        self._last_ok = self._clock()
         self._thread.start()
+        self._deadman.start()
+
+    def _watch_store(self) -> None:
+        """A store call over a cut link blocks without a time-out; notice that from outside the call."""
+        while not self._stop.wait(self._beat_s):
+            silent = self._clock() - self._last_ok
+            if silent > self._lost_after_s:
+                self._fire(node_lost(0, f"the rendezvous store stopped answering for {silent:.1f}s "
+                                        "(node 0's launcher or the network is down)"))
+                return
 
     def stop(self) -> None:
+        """Stop beating. A thread stuck in a store call over a dead link is left behind (daemon)."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5)
+        for thread in (self._thread, self._deadman):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(self._beat_s)
 
     def _fire(self, failure: WorkerFailure) -> None:
-        if not self._fired:
+        with self._lock:
+            if self._fired or self._stop.is_set():
+                return
             self._fired = True
-            self._on_failure(failure)
+        self._on_failure(failure)
 
     def _run(self) -> None:
         while not self._stop.wait(self._beat_s):
@@ -81,6 +100,7 @@ class FateMonitor:
                           "(killed, or its network is down)"
                     self._fire(node_lost(lost, why))
                     return
+                self._last_ok = self._clock()
             except Exception as exc:  # the store is gone: node 0's launcher died or the network did
                 self._fire(node_lost(0, f"lost contact with the rendezvous store ({type(exc).__name__}); "
                                         "node 0's launcher or the network is down"))

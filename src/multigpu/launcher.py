@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
-from collections.abc import Mapping
 import socket
+import sys
+import threading
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import RunConfig, new_run_id
 from .console import PrefixedConsole
@@ -26,6 +29,7 @@ from .signals import capture_signals, set_child_subreaper
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
+PUBLISH_TIMEOUT_S = 1.0
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
@@ -229,10 +233,21 @@ def share_failure(job: JobStore, result: RunResult) -> RunResult:
     """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
     root = result.root_cause
     assert root is not None
-    try:
-        winner = failure_from_record(job.publish_abort(failure_record(root)))
-    except Exception:  # the store is gone too; our own failure is the best we know
+    if root.error_type == "NodeLost":
+        return result  # learned from the store (or its silence): nothing new to tell it
+    published: list[dict[str, Any]] = []
+
+    def publish() -> None:
+        with contextlib.suppress(Exception):  # the store is gone too: our failure is all we know
+            published.append(job.publish_abort(failure_record(root)))
+
+    # A store call over a cut link blocks with no time-out, so it gets a thread and a bound.
+    thread = threading.Thread(target=publish, name="multigpu-publish", daemon=True)
+    thread.start()
+    thread.join(PUBLISH_TIMEOUT_S)
+    if not published:
         return result
+    winner = failure_from_record(published[0])
     if (winner.node, winner.rank, winner.time) == (root.node, root.rank, root.time):
         return result
     return RunResult(result.status, [winner, *[f for f in result.failures if f is not winner]])

@@ -224,7 +224,7 @@ class MultiGPUManager:
         MultiGPUManager.check_parent_processes_alive()
         sys.argv = remove_option(sys.argv, "--gpus")
         sys.argv = remove_option(sys.argv, "--enable-hpo", takes_value=False)
-        set_arguments_to_argv(["-o", "--output"], output_path)
+        set_arguments_to_argv(["--output", "-o"], output_path)
         set_arguments_to_argv("--rdzv-endpoint", rdzv_endpoint)
         MultiGPUManager.initialize_multigpu_train(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
         try:

@@ -55,7 +55,7 @@ def bind_store_socket(endpoint: Endpoint) -> socket.socket:
 def serve_store(listen_fd: int, host: str, port: int, world_size: int | None = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Serve a c10d TCPStore on an already-listening descriptor. Imports torch: call it late."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     return TCPStore(
         host, port, world_size, True, timedelta(seconds=timeout_s),
@@ -79,7 +79,7 @@ def quiet_stderr() -> Iterator[None]:
 
 def connect_store(host: str, port: int, timeout_s: float) -> Any:
     """A client of the job's store, retrying the connection until ``timeout_s``. Imports torch."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     try:
         with quiet_stderr():  # c10d logs every retry with a C++ stack; our one line says it all
@@ -119,7 +119,7 @@ class JobStore:
             self.run_id = wanted
             return wanted
         self.store.wait([self.RUN_ID_KEY])
-        current = self.store.get(self.RUN_ID_KEY).decode()
+        current = str(self.store.get(self.RUN_ID_KEY).decode())
         if wanted is not None and wanted != current:
             raise RendezvousError(f"run id {wanted!r} does not match the live job's run id {current!r} "
                                   "at this endpoint; refusing to join it")

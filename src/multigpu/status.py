@@ -31,6 +31,7 @@ def _rss_mib(pid: int | None) -> str:
 
 def status_table(workers: list[Worker], title: str = "multigpu", live: bool = True) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     now = time.monotonic()
     table = Table(title=title, title_justify="left", expand=False)
@@ -40,7 +41,7 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
         took = (w.end_time or time.time()) - (w.start_time or time.time())
         quiet = f"{now - w.last_activity:.0f}s" if w.alive else "-"
         table.add_row(str(w.rank), str(w.pid or "-"), w.spec.device,
-                      f"[{_STATE_STYLE[w.state]}]{w.state.value}[/]", f"{took:.1f}s", quiet,
+                      Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
                       _rss_mib(w.pid) if (live and w.alive) else "-")
     return table
 
@@ -56,8 +57,6 @@ class LiveStatus:
         self.title = title
         self._prefixed = console
         self.console = Console(file=sys.stderr)
-        self._out = Console(file=sys.stdout, highlight=False, markup=False, emoji=False,
-                            soft_wrap=True)
         self._live = Live(status_table(self.workers, title), console=self.console, auto_refresh=False,
                           transient=True, redirect_stdout=False, redirect_stderr=False)
 

@@ -143,7 +143,7 @@ def read_error_file(path: Path | None) -> dict[str, Any] | None:
         extra = info.get("extraInfo", {})
         return {"type": None, "message": info.get("message"), "traceback": extra.get("py_callstack"),
                 "time": float(extra.get("timestamp", 0)) or None}
-    return data
+    return data if isinstance(data, dict) else None
 
 
 def _group_alive(pgid: int) -> bool:
@@ -198,6 +198,7 @@ class Supervisor:
         self._signals: deque[int] = deque()
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
+        self._wake_lock = threading.Lock()
         self._started = False
         self._closed = False
         self._stop_signal: int | None = None
@@ -235,6 +236,9 @@ class Supervisor:
                 spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*spec.pass_fds, hb_w),
             )
+        except BaseException:
+            os.close(hb_r)
+            raise
         finally:
             os.close(hb_w)
         worker.heartbeat_read_fd = hb_r
@@ -271,10 +275,11 @@ class Supervisor:
         self._wake()
 
     def _wake(self) -> None:
-        if self._closed:
-            return  # the wake-up pipe may already be closed (a late call from another thread)
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        with self._wake_lock:  # a late call from another thread must not write to a reused descriptor
+            if self._wake_w < 0:
+                return
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
 
     # ---- the loop ----------------------------------------------------------------------------------
 
@@ -486,7 +491,7 @@ class Supervisor:
                 _signal_group(worker.pid, signum)
 
     def _check_hang(self) -> None:
-        if self.hang_timeout is None or self._failures or self._closing:
+        if self.hang_timeout is None or self._failures or self._closing or self._hung:
             return
         running = [w for w in self.workers if w.alive]
         if not running:
@@ -497,8 +502,8 @@ class Supervisor:
             return
         self._notify(f"no rank has shown progress for {silent:.1f}s (--hang-timeout "
                      f"{self.hang_timeout:g}); dumping every rank's stacks and stopping the run")
+        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
         self.dump_stacks(running)
-        self._hung = True
         for w in running:
             dumped = w.dump
             self._failures.append(WorkerFailure(
@@ -623,8 +628,10 @@ class Supervisor:
                 w.log_file.close()
                 w.log_file = None
         self._selector.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
 
     def __enter__(self) -> Supervisor:
         return self

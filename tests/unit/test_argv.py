@@ -57,7 +57,8 @@ def test_existing_key_without_value_leaves_argv_unchanged(monkeypatch: pytest.Mo
 
 
 def test_only_the_first_occurrence_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert run(monkeypatch, ["t.py", "--lr", "1", "--lr", "2"], "--lr", "3") == ["t.py", "--lr", "3", "--lr", "2"]
+    argv = ["t.py", "--lr", "1", "--lr", "2"]
+    assert run(monkeypatch, argv, "--lr", "3") == ["t.py", "--lr", "3", "--lr", "2"]
 
 
 def test_prefix_of_another_option_is_not_a_match(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,7 +45,8 @@ def test_defaults_without_gpu_are_one_cpu_worker_with_a_note(script: str) -> Non
     assert note is not None and "--cpu N" in note
     assert config.target == script and config.target_args == () and not config.module
     assert (config.base_rank, config.world_size, config.rdzv_endpoint, config.run_id) == (0, 1, None, None)
-    assert (config.output_dir, config.log_ranks, config.max_restarts, config.status) == (None, None, 0, "auto")
+    assert (config.output_dir, config.log_ranks) == (None, None)
+    assert (config.max_restarts, config.status) == (0, "auto")
     assert config.grace_period == 5.0 and config.rdzv_timeout == 600.0 and config.hang_timeout is None
 
 
@@ -181,3 +182,16 @@ def test_bad_input_is_a_usage_error(argv: list[str], message: str, script: str, 
         parse(argv)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_main_reports_usage_errors_in_two_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    from multigpu.cli import main
+
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "multigpu: error: unknown command 'frobnicate'; try 'multigpu --help'"
+    assert main([]) == 2
+    assert "usage: multigpu" in capsys.readouterr().out
+    assert main(["demo", "--gpus", "0"]) == 2  # no GPU here (monkeypatched): a usage error, no traceback
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "--cpu N" in err[0]

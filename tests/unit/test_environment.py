@@ -46,7 +46,8 @@ def test_optional_keys_absent_when_not_given() -> None:
     job = JobContext(master_addr="10.0.0.1", master_port=1, run_id="r", use_agent_store=False)
     env = build_worker_env({}, RankPlacement(0, 0, 1, 1), job)
     for key in ("TORCHELASTIC_USE_AGENT_STORE", "MULTIGPU_OUTPUT_DIR", "MULTIGPU_LAUNCHER_PID",
-                "MULTIGPU_ERROR_FILE", "TORCHELASTIC_ERROR_FILE", "MULTIGPU_STORE_FD", "CUDA_VISIBLE_DEVICES"):
+                "MULTIGPU_ERROR_FILE", "TORCHELASTIC_ERROR_FILE", "MULTIGPU_STORE_FD",
+                "CUDA_VISIBLE_DEVICES"):
         assert key not in env
     assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
 
@@ -82,12 +83,12 @@ def test_user_settings_are_kept() -> None:
 
 def test_stale_contract_keys_from_the_base_are_removed() -> None:
     stale = {key: "stale" for key in CONTRACT_KEYS}
-    env = build_worker_env({**stale, "KEEP": "me"}, RankPlacement(0, 0, 1, 1),
-                           JobContext(master_addr="127.0.0.1", master_port=1, run_id="r", use_agent_store=False))
+    job = JobContext(master_addr="127.0.0.1", master_port=1, run_id="r", use_agent_store=False)
+    env = build_worker_env({**stale, "KEEP": "me"}, RankPlacement(0, 0, 1, 1), job)
     assert "stale" not in env.values()
     assert env["KEEP"] == "me"
-    for key in ("MULTIGPU_STORE_FD", "MULTIGPU_HEARTBEAT_FD", "TORCHELASTIC_ERROR_FILE", "MULTIGPU_OUTPUT_DIR",
-                "TORCHELASTIC_USE_AGENT_STORE", "MULTIGPU_LAUNCHER_PID"):
+    for key in ("MULTIGPU_STORE_FD", "MULTIGPU_HEARTBEAT_FD", "TORCHELASTIC_ERROR_FILE",
+                "MULTIGPU_OUTPUT_DIR", "TORCHELASTIC_USE_AGENT_STORE", "MULTIGPU_LAUNCHER_PID"):
         assert key not in env
 
 

@@ -211,29 +211,32 @@ def test_close_without_start_is_safe(make: Callable[..., Supervisor], tmp_path: 
 
 def test_grandchild_of_an_exited_rank_is_ended(make: Callable[..., Supervisor], tmp_path: Path) -> None:
     """The rank exits by itself; its group (holding the grandchild) is still signalled at close."""
-    spawner = py("""
-        import subprocess, sys
+    ready = str(tmp_path / "ready")
+    spawner = py(f"""
+        import os, subprocess, sys, time
         child = subprocess.Popen(['sleep', '60'])
-        print(f'gc={child.pid}', flush=True)
+        print(f'gc={{child.pid}}', flush=True)
+        while not os.path.exists({ready!r}):
+            time.sleep(0.01)
         sys.exit(2)
     """)
-    sleeper = py("""
-        import subprocess, time
+    sleeper = py(f"""
+        import pathlib, subprocess, time
         child = subprocess.Popen(['sleep', '60'])
-        print(f'gc={child.pid}', flush=True)
+        print(f'gc={{child.pid}}', flush=True)
+        pathlib.Path({ready!r}).touch()
         time.sleep(30)
     """)
     sup = make([spec(0, sleeper, tmp_path), spec(1, spawner, tmp_path)])
     sup.start()
     pids = worker_pids(sup)
-    pump_until(sup, said(sup, 0, "gc="))
     result = finish(sup)
     assert result.status is RunStatus.FAILED and result.root_cause is not None
     assert result.root_cause.rank == 1 and result.root_cause.exit_code == 2
-    grandchildren = pids_in("\n".join(result.root_cause.log_tail), "gc") + \
-        pids_in("\n".join(sup.workers[0].tail), "gc")
-    assert len(grandchildren) == 2
     sup.close()
+    grandchildren = [pid for r in range(2) for pid in pids_in((tmp_path / f"rank_{r}.log").read_text(), "gc")]
+    assert len(grandchildren) == 2
+    assert pids_in("\n".join(result.root_cause.log_tail), "gc") == grandchildren[1:]
     assert_gone(pids + grandchildren)
 
 
@@ -256,13 +259,15 @@ def test_request_sigterm_interrupts(make: Callable[..., Supervisor], tmp_path: P
     assert_gone(pids)
 
 
-def test_sigusr1_is_forwarded(make: Callable[..., Supervisor], tmp_path: Path) -> None:
-    handler = py("""
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2], ids=["SIGUSR1", "SIGUSR2"])
+def test_user_signals_are_forwarded(make: Callable[..., Supervisor], tmp_path: Path,
+                                    sig: signal.Signals) -> None:
+    handler = py(f"""
         import signal, sys, time
-        def on_usr1(signum, frame):
-            print('got SIGUSR1', flush=True)
+        def on_signal(signum, frame):
+            print('got', signal.Signals(signum).name, flush=True)
             sys.exit(0)
-        signal.signal(signal.SIGUSR1, on_usr1)
+        signal.signal(signal.{sig.name}, on_signal)
         print('ready', flush=True)
         time.sleep(30)
         sys.exit(5)
@@ -271,11 +276,11 @@ def test_sigusr1_is_forwarded(make: Callable[..., Supervisor], tmp_path: Path) -
     sup.start()
     pids = worker_pids(sup)
     pump_until(sup, lambda: all(said(sup, r, "ready")() for r in range(2)))
-    sup.request_signal(signal.SIGUSR1)
+    sup.request_signal(sig)
     result = finish(sup, timeout=10)
     sup.close()
     assert result.status is RunStatus.SUCCEEDED
-    assert all(said(sup, r, "got SIGUSR1")() for r in range(2))
+    assert all(said(sup, r, f"got {sig.name}")() for r in range(2))
     assert_gone(pids)
 
 
@@ -316,11 +321,11 @@ def test_heartbeats_keep_a_silent_run_alive(make: Callable[..., Supervisor], tmp
     beating = py("""
         import time
         import multigpu
-        for _ in range(16):
+        for _ in range(20):
             multigpu.heartbeat()
             time.sleep(0.1)
     """)
-    sup = make([spec(0, beating, tmp_path)], hang_timeout=0.5)
+    sup = make([spec(0, beating, tmp_path)], hang_timeout=1.0)
     sup.start()
     pids = worker_pids(sup)
     t0 = time.monotonic()
@@ -328,7 +333,7 @@ def test_heartbeats_keep_a_silent_run_alive(make: Callable[..., Supervisor], tmp
     took = time.monotonic() - t0
     sup.close()
     assert result.status is RunStatus.SUCCEEDED, result
-    assert took > 0.5  # it really outlived the hang timeout without a line of output
+    assert took > 1.0  # it really outlived the hang timeout without a line of output
     assert list(sup.workers[0].tail) == []  # no output at all: only heartbeats showed progress
     assert_gone(pids)
 
@@ -425,4 +430,53 @@ def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tm
     assert (root.rank, root.error_type, root.message) == (1, "ValueError", "first")
     assert root.traceback is not None and "early.py" in root.traceback
     sup.close()
+    assert_gone(pids)
+
+
+def test_ranks_that_never_answer_the_dump_signal(make: Callable[..., Supervisor], tmp_path: Path,
+                                                 notes: list[str]) -> None:
+    """No stack dump arrives (the signal is ignored): one hang report per rank, not a loop of them."""
+    deaf = py("import signal, time; signal.signal(signal.SIGRTMIN + 3, signal.SIG_IGN); time.sleep(30)")
+    sup = make([spec(r, deaf, tmp_path) for r in range(2)], hang_timeout=0.3, dump_wait=0.3)
+    sup.start()
+    pids = worker_pids(sup)
+    result = finish(sup, timeout=10)
+    assert result.status is RunStatus.HUNG
+    assert sorted(f.rank for f in result.failures) == [0, 1]
+    assert all(f.traceback is None for f in result.failures)
+    assert len([n for n in notes if "hang-timeout" in n]) == 1, notes
+    sup.close()
+    assert_gone(pids)
+
+
+def test_start_failure_cleans_up(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """A rank that cannot be started: start() raises, the ranks already started are ended."""
+    sup = make([spec(0, py("import time; time.sleep(30)"), tmp_path),
+                spec(1, [str(tmp_path / "no-such-program")], tmp_path)])
+    with pytest.raises(FileNotFoundError):
+        sup.start()
+    pid = sup.workers[0].pid
+    assert pid is not None
+    assert sup.workers[0].state is WorkerState.STOPPED
+    assert_gone([pid])
+
+
+def test_abort_from_another_thread_fails_the_run(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """abort(): a cause outside the group (another node failed) ends the run as failed, ranks stopped."""
+    import threading
+
+    sleeper = py("import time; print('up', flush=True); time.sleep(30)")
+    sup = make([spec(r, sleeper, tmp_path) for r in range(2)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, lambda: all(said(sup, r, "up")() for r in range(2)))
+    remote = WorkerFailure(rank=5, local_rank=1, pid=None, exit_code=6, node=2, time=time.time())
+    thread = threading.Thread(target=sup.abort, args=(remote,))
+    thread.start()
+    thread.join()
+    result = finish(sup, timeout=5)
+    assert result.status is RunStatus.FAILED and result.root_cause is remote
+    assert result.root_cause.launcher_exit_code == 6
+    sup.close()
+    assert [w.state for w in sup.workers] == [WorkerState.STOPPED] * 2
     assert_gone(pids)

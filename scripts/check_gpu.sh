@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Check the CUDA path on a machine with one GPU, in well under five minutes. Installs nothing: it uses the
+# Python that already has multigpu and torch (./.venv when present, else $PYTHON or python3).
+# Prints one PASS/FAIL line per check; writes every check's full log to $OUT (or ./gpu_check_logs).
+# Exit code: 0 when every check passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+if [[ -x .venv/bin/python ]]; then PY=${PYTHON:-$ROOT/.venv/bin/python}; else PY=${PYTHON:-python3}; fi
+LOGS=${OUT:-$ROOT/gpu_check_logs}
+mkdir -p "$LOGS"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+failed=0
+
+check() {  # check NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    if (cd "$WORK" && timeout --kill-after=10 "$limit" "$@") >"$LOGS/$name.log" 2>&1; then
+        echo "PASS $name ($((SECONDS - start))s)"
+    else
+        echo "FAIL $name (exit $?, $((SECONDS - start))s; log: $LOGS/$name.log)"
+        tail -n 15 "$LOGS/$name.log" | sed 's/^/    /'
+        failed=1
+    fi
+}
+
+{
+    echo "python: $PY"
+    "$PY" -c 'import torch, multigpu; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"available", torch.cuda.is_available(), "| multigpu", multigpu.__version__)'
+    command -v nvidia-smi >/dev/null && nvidia-smi -L
+} >"$LOGS/environment.log" 2>&1
+head -n 3 "$LOGS/environment.log"
+
+cat >"$WORK/nccl_all_reduce.py" <<'PY'
+import os
+import torch
+import torch.distributed as dist
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+t = torch.ones(4, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(t)
+torch.cuda.synchronize()
+w = dist.get_world_size()
+assert t.tolist() == [w * (w + 1) / 2] * 4, t
+print(f"nccl all_reduce ok: rank {dist.get_rank()} of {w}, backend {dist.get_backend()}, "
+      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, {torch.cuda.get_device_name()}")
+dist.destroy_process_group()
+PY
+
+check devices 30 bash -c "'$PY' -m multigpu devices | tee /dev/stderr | grep -Eq '^0: '"
+check nccl_1rank 120 bash -c "'$PY' -m multigpu run --gpus 0 --status off --output '$WORK/run' \
+    '$WORK/nccl_all_reduce.py' && grep -q 'nccl all_reduce ok: rank 0 of 1, backend nccl' \
+    '$WORK/run/logs/attempt_0/rank_0.log'"
+check demo_1gpu 150 bash -c "'$PY' -m multigpu demo --gpus 0 --steps 100 >'$WORK/demo.out' 2>&1; rc=\$?; \
+    cat '$WORK/demo.out'; [ \$rc = 0 ] && grep -q '1 rank(s) on cuda' '$WORK/demo.out' \
+    && grep -q '^done: loss' '$WORK/demo.out'"
+check pytest_gpu 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/gpu"
+cp -r "$WORK/run" "$LOGS/nccl_run" 2>/dev/null || true
+
+if [[ $failed == 0 ]]; then echo "PASS all GPU checks"; else echo "FAIL some GPU checks (logs in $LOGS)"; fi
+exit $failed

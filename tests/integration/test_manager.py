@@ -1,0 +1,226 @@
+"""Function mode (OTX's MultiGPUManager) through real processes: the test starts a script that becomes
+rank 0 and spawns the others; the pytest process itself never becomes a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import PYTHON, assert_gone, clean_env, pids_in, wait_for_lines, write_script
+
+pytestmark = pytest.mark.integration
+
+COMMON = """
+    import json, os, sys, time
+    from multigpu import MultiGPUManager, WorkerFailedError, is_multigpu_child_process
+
+    OUT = os.environ["TEST_OUT"]
+    MODE = os.environ.get("TEST_MODE", "ok")
+
+    def note_pid():
+        with open(os.path.join(os.environ["TEST_DIR"], "pids.txt"), "a") as f:
+            f.write(f"pid={os.getpid()}\\n")
+        print(f"pid={os.getpid()}", flush=True)
+
+    def report(**extra):
+        import torch.distributed as dist
+        data = {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
+                "local_rank": int(os.environ["LOCAL_RANK"]), "device": os.environ.get("MULTIGPU_DEVICE"),
+                "child": is_multigpu_child_process(), "argv": sys.argv, **extra}
+        print("REPORT " + json.dumps(data), flush=True)
+"""
+
+TRAIN = COMMON + """
+    def train():
+        import torch
+        import torch.distributed as dist
+        note_pid()
+        rank = dist.get_rank()
+        if MODE == "ok":
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t)
+            report(sum=t.item())
+        elif MODE == "fail":
+            if rank == 2:
+                raise ValueError("boom from rank 2")
+            for _ in range(600):  # rank 0 and 1 keep training until they are told
+                time.sleep(0.05)
+        elif MODE == "hang":
+            for _ in range(1200):
+                time.sleep(0.05)
+
+    if __name__ == "__main__":
+        manager = MultiGPUManager(train, "0,1,2", device="cpu")
+        assert manager.is_available()
+        hpo = {"learning_rate": 0.01, "data.batch_size": 8} if MODE == "ok" else None
+        try:
+            out = manager.setup_multi_gpu_train(OUT, hpo)
+            print(f"OUTPUT {out}", flush=True)
+            train()
+            manager.finalize()
+        except WorkerFailedError as exc:
+            caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
+                      "traceback": exc.traceback, "text": str(exc)}
+            print("CAUGHT " + json.dumps(caught), flush=True)
+            try:
+                manager.finalize()  # the first call still reports the failure ...
+            except WorkerFailedError as again:
+                print(f"FINALIZE RAISED rank={again.rank}", flush=True)
+            manager.finalize()  # ... and a second call is a no-op
+            sys.exit(3)
+        manager.finalize()  # twice is safe
+        print("FINALIZED TWICE", flush=True)
+"""
+
+
+def _start(tmp_path: Path, mode: str, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+    script = write_script(tmp_path, "otx_train.py", TRAIN)
+    log = tmp_path / "parent.out"
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_MODE": mode, "TEST_DIR": str(tmp_path)})
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([PYTHON, str(script), *argv], cwd=tmp_path, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def _reports(text: str) -> dict[int, dict[str, Any]]:
+    found = [json.loads(m) for m in re.findall(r"REPORT (\{.*\})$", text, re.M)]
+    return {r["rank"]: r for r in found}
+
+
+def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
+    argv = ["--gpus", "0,1,2", "--keep", "k", "--gpus=0,1,2", "params", "--existing", "1"]
+    proc, log = _start(tmp_path, "ok", argv)
+    code = _finish(proc, 90)
+    text = log.read_text()
+    assert code == 0, text
+    pids = pids_in(text)
+    assert len(set(pids)) == 3 and proc.pid in pids
+    assert_gone(pids)
+    assert "FINALIZED TWICE" in text
+
+    out = tmp_path / "out"
+    assert f"OUTPUT {out}" in text
+    assert json.loads((out / "optimized_hyper_parameters.json").read_text()) == {
+        "learning_rate": 0.01, "data.batch_size": 8}
+
+    reports = _reports(text)
+    assert sorted(reports) == [0, 1, 2], text
+    for rank, r in reports.items():
+        assert r["world"] == 3 and r["sum"] == 6.0
+        assert r["local_rank"] == rank and r["device"] == "cpu"
+        assert r["child"] is (rank != 0)
+        # every rank sees all the hyper-parameters after params, as --name value
+        after = r["argv"][r["argv"].index("params") + 1:]
+        assert after[:2] == ["--existing", "1"]
+        assert after[2:] == ["--learning_rate", "0.01", "--data.batch_size", "8"]
+    assert reports[0]["pid"] == proc.pid
+
+    # the parent keeps its own argv (plus the hyper-parameters); children get --output and the endpoint
+    # and lose --gpus in both forms
+    parent = reports[0]["argv"]
+    assert parent[1:] == [*argv, "--learning_rate", "0.01", "--data.batch_size", "8"]
+    for rank in (1, 2):
+        child = reports[rank]["argv"]
+        assert not any(a == "--gpus" or a.startswith("--gpus=") for a in child), child
+        assert "0,1,2" not in child
+        before = child[:child.index("params")]
+        assert "--keep" in before and before[before.index("--keep") + 1] == "k"
+        assert before[before.index("--output") + 1] == str(out)
+        endpoint = before[before.index("--rdzv-endpoint") + 1]
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", endpoint) and not endpoint.endswith(":0")
+    assert reports[1]["argv"] == reports[2]["argv"]
+
+    # the children's logs
+    for rank in (1, 2):
+        assert f"pid={reports[rank]['pid']}" in (out / "logs" / f"rank_{rank}.log").read_text()
+
+
+def test_failing_child_raises_typed_error_in_parent(tmp_path: Path) -> None:
+    proc, log = _start(tmp_path, "fail", [])
+    code = _finish(proc, 90)
+    text = log.read_text()
+    pids = pids_in(text)
+    assert len(set(pids)) == 3, text
+    assert_gone(pids)
+    # the parent handled the error itself: not SIGKILLed, not 137
+    assert code == 3, text
+    caught = json.loads(re.search(r"^CAUGHT (\{.*\})$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert caught["rank"] == 2
+    assert caught["exit_code"] == 1 and caught["signal"] is None
+    assert "ValueError: boom from rank 2" in caught["traceback"]
+    assert "otx_train.py" in caught["traceback"] and "Traceback" in caught["traceback"]
+    assert "rank 2" in caught["text"]
+    assert "FINALIZE RAISED rank=2" in text
+
+
+def test_parent_sigkilled_children_gone(tmp_path: Path) -> None:
+    proc, _ = _start(tmp_path, "hang", [])
+    try:
+        wait_for_lines(tmp_path / "pids.txt", r"pid=(\d+)", 3, timeout=60)
+        pids = pids_in((tmp_path / "pids.txt").read_text())
+        children = [p for p in pids if p != proc.pid]
+        assert len(children) == 2 and proc.pid in pids
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        assert_gone(children, timeout=2.0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+BLOCKED = COMMON + """
+    def train():
+        import torch
+        import torch.distributed as dist
+        note_pid()
+        if dist.get_rank() == 2:
+            time.sleep(0.5)
+            raise ValueError("boom from rank 2")
+        t = torch.zeros(1)
+        dist.all_reduce(t)  # ranks 0 and 1 wait here for rank 2, which never comes
+
+    if __name__ == "__main__":
+        manager = MultiGPUManager(train, "0,1,2", device="cpu")
+        manager.setup_multi_gpu_train(OUT)
+        try:
+            train()
+            manager.finalize()
+        except WorkerFailedError as exc:
+            print(f"CAUGHT WorkerFailedError rank={exc.rank}", flush=True)
+            sys.exit(3)
+        except BaseException as exc:
+            print(f"CAUGHT {type(exc).__name__}", flush=True)
+            sys.exit(4)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="a parent blocked in a collective gets gloo's 'Connection closed by "
+                   "peer' RuntimeError, not the WorkerFailedError issue 2 promises to its main thread")
+def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "blocked.py", BLOCKED)
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path)})
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=90)
+    pids = pids_in((tmp_path / "pids.txt").read_text())
+    assert len(set(pids)) == 3
+    assert_gone(pids)
+    assert "CAUGHT WorkerFailedError rank=2" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode == 3

@@ -1,0 +1,274 @@
+"""Several launchers forming one job on 127.0.0.1: layout, run ids, fate sharing, time-outs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_gone, pids_in, run_cli, start_cli, write_script
+
+pytestmark = pytest.mark.integration
+
+ALLREDUCE = """
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print(f"pid={os.getpid()} rank={dist.get_rank()} world={dist.get_world_size()} "
+          f"group={os.environ['GROUP_RANK']} sum={int(t.item())} run={os.environ['TORCHELASTIC_RUN_ID']}")
+    dist.destroy_process_group()
+"""
+
+FAIL_ON_RANK_3 = """
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print(f"pid={os.getpid()}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 3:
+        time.sleep(0.3)
+        raise RuntimeError("rank 3 broke")
+    time.sleep(120)
+"""
+
+SLEEP = """
+    import os, time
+    print(f"pid={os.getpid()}", flush=True)
+    time.sleep(120)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node(tmp_path: Path, script: Path, *args: str) -> subprocess.Popen[str]:
+    return start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
+                      *args, str(script)], cwd=tmp_path)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise
+    return proc.returncode, out, err
+
+
+def test_two_launchers_form_one_2x2_job(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint)
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint)
+    rc0, out0, err0 = finish(first)
+    rc1, out1, err1 = finish(second)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    lines = re.findall(r"rank=(\d) world=4 group=(\d) sum=10 run=(\S+)", out0 + out1)
+    assert sorted((int(r), int(g)) for r, g, _ in lines) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert len({run for _, _, run in lines}) == 1, "every node shares one run id"
+    assert "[node 1 rank 2]" in out1 and "[node 0 rank 0]" in out0
+    assert (tmp_path / "out" / "run_node0.json").exists() and (tmp_path / "out" / "run_node1.json").exists()
+    assert_gone(pids_in(out0 + out1))
+
+
+def test_a_rank_failing_on_one_node_ends_both_with_the_root_cause(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail.py", FAIL_ON_RANK_3)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint)
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint)
+    rc1, out1, err1 = finish(second)
+    ended_second = time.monotonic()
+    rc0, out0, err0 = finish(first)
+    ended_first = time.monotonic()
+    assert rc1 == 1 and rc0 == 1, err0 + err1
+    for err in (err0, err1):
+        assert "root cause: rank 3 (node 1" in err
+        assert "RuntimeError: rank 3 broke" in err
+    assert ended_first - ended_second < 5, "node 0 must tear down within the fate-sharing bound"
+    assert_gone(pids_in(out0 + out1))
+
+
+def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    alone = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                     "--rdzv-timeout", "1.5", "--output", str(tmp_path / "a"), str(script)], tmp_path)
+    assert alone.returncode == 1
+    assert "rank 1 never joined within 1.5s" in alone.stderr.replace("ranks 1 never", "rank 1 never")
+    orphan = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                      "--rdzv-timeout", "1.5", "--output", str(tmp_path / "b"), str(script)], tmp_path)
+    assert orphan.returncode == 1
+    error_lines = [line for line in orphan.stderr.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and endpoint in error_lines[0], orphan.stderr
+    assert "Traceback" not in orphan.stderr
+
+
+def test_nodes_that_disagree_on_the_layout_are_refused_on_both(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--base-rank", "0", "--world-size", "4", "--rdzv-endpoint", endpoint,
+                 "--rdzv-timeout", "20")
+    time.sleep(0.5)
+    second = node(tmp_path, script, "--base-rank", "1", "--world-size", "4", "--rdzv-endpoint", endpoint,
+                  "--rdzv-timeout", "20")
+    rc1, _, err1 = finish(second)
+    rc0, _, err0 = finish(first)
+    assert rc0 == 1 and rc1 == 1
+    for err in (err0, err1):
+        assert "inconsistent layout: rank 1 is claimed by both" in err
+
+
+def test_a_launcher_with_another_run_id_is_refused_and_cannot_disturb_the_job(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                 "--run-id", "job-a")
+    intruder = run_cli(["run", "--cpu", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                        "--run-id", "job-b", "--output", str(tmp_path / "x"), str(script)], tmp_path)
+    assert intruder.returncode == 1
+    assert "run id 'job-b' does not match the live job's run id 'job-a'" in intruder.stderr
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                  "--run-id", "job-a")
+    rc1, out1, err1 = finish(second)
+    rc0, out0, err0 = finish(first)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert out0.count("sum=10 run=job-a") + out1.count("sum=10 run=job-a") == 4
+
+
+def test_node_zero_launcher_killed_ends_the_other_node(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "sleep.py", SLEEP)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint)
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint)
+    try:
+        logs = [tmp_path / "out" / "logs" / "attempt_0" / f"rank_{r}.log" for r in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                log.exists() and "pid=" in log.read_text() for log in logs):
+            time.sleep(0.1)
+        os.kill(first.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rc1, _, err1 = finish(second, timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        first.kill()
+        first.communicate()
+    print(f"node 1 ended {took:.2f}s after node 0's launcher was killed")
+    assert rc1 != 0 and "lost contact with the rendezvous store" in err1
+    assert took < 5
+    pids = [int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs))]
+    assert len(pids) == 4
+    assert_gone(pids)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--base-rank", "3", "--world-size", "4"], "do not fit in --world-size 4"),
+    (["--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "must be below --nnodes"),
+    (["--nnodes", "2"], "go together"),
+    (["--world-size", "1"], "smaller than this node's 2 worker(s)"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:0"], "needs a fixed port"),
+])
+def test_wrong_layouts_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    result = run_cli(["run", "--cpu", "2", *args, str(script)], tmp_path, timeout=10)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.splitlines()) <= 4 and "Traceback" not in result.stderr
+
+
+def _netns_available() -> bool:
+    if os.geteuid() != 0 or (not Path("/usr/sbin/ip").exists() and not Path("/sbin/ip").exists()):
+        return False
+    name = f"mgprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ok
+
+
+def _sh(*args: str) -> None:
+    subprocess.run(list(args), check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def two_hosts() -> object:
+    """Two network namespaces joined by a veth pair: hosts 10.231.<n>.1 and .2, nothing else."""
+    if not _netns_available():
+        pytest.skip("network namespaces need root and iproute2 (ip netns)")
+    tag = os.getpid() % 200 + 20
+    a, b = f"mga{os.getpid()}", f"mgb{os.getpid()}"
+    va, vb = f"va{os.getpid()}"[:15], f"vb{os.getpid()}"[:15]
+    ip_a, ip_b = f"10.231.{tag}.1", f"10.231.{tag}.2"
+    try:
+        _sh("ip", "netns", "add", a)
+        _sh("ip", "netns", "add", b)
+        _sh("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        _sh("ip", "link", "set", va, "netns", a)
+        _sh("ip", "link", "set", vb, "netns", b)
+        for ns, dev, addr in ((a, va, ip_a), (b, vb, ip_b)):
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield {"a": (a, va, ip_a), "b": (b, vb, ip_b)}
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def _in_ns(ns: str, dev: str, args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    from helpers import MULTIGPU, clean_env
+
+    env = clean_env({"GLOO_SOCKET_IFNAME": dev})
+    return subprocess.Popen(["ip", "netns", "exec", ns, *MULTIGPU, *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, two_hosts: dict) -> None:
+    (ns_a, dev_a, ip_a), (ns_b, dev_b, _) = two_hosts["a"], two_hosts["b"]
+    job = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"{ip_a}:29555"
+    common = ["run", "--cpu", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30",
+              "--grace-period", "1"]
+    first = _in_ns(ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a1"), str(job)],
+                   tmp_path)
+    second = _in_ns(ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b1"), str(job)],
+                    tmp_path)
+    rc0, out0, err0 = finish(first)
+    rc1, out1, err1 = finish(second)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert "sum=3" in out0 and "sum=3" in out1
+    assert_gone(pids_in(out0 + out1))
+
+    sleeper = write_script(tmp_path, "sleep.py", SLEEP)
+    first = _in_ns(ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a2"), str(sleeper)],
+                   tmp_path)
+    second = _in_ns(ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b2"),
+                                  str(sleeper)], tmp_path)
+    logs = [tmp_path / "a2" / "logs" / "attempt_0" / "rank_0.log",
+            tmp_path / "b2" / "logs" / "attempt_0" / "rank_1.log"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(log.exists() and "pid=" in log.read_text() for log in logs):
+        time.sleep(0.1)
+    _sh("ip", "-n", ns_b, "link", "set", dev_b, "down")
+    cut = time.monotonic()
+    rc0, _, err0 = finish(first, timeout=30)
+    took_a = time.monotonic() - cut
+    rc1, _, err1 = finish(second, timeout=30)
+    took_b = time.monotonic() - cut
+    print(f"after the cut: node 0 ended in {took_a:.2f}s, node 1 in {took_b:.2f}s")
+    assert rc0 != 0 and rc1 != 0
+    assert "node 1's launcher stopped beating" in err0
+    assert took_a < 5 and took_b < 5
+    pids = [int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs))]
+    assert_gone(pids)

@@ -1,0 +1,144 @@
+"""MultiGPUManager's constructor only validates; is_available and the peer timeout. No processes."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from multigpu import MultiGPUManager, devices
+from multigpu.manager import TIMEOUT_ENV, dist_timeout_s
+from multigpu.rendezvous import DEFAULT_TIMEOUT_S
+
+
+def train() -> None:
+    raise AssertionError("the constructor must never call train_func")
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
+    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+    for key in ("MULTIGPU_RUN_ID", "TORCHELASTIC_RUN_ID", "MULTIGPU_LAUNCHER_PID", TIMEOUT_ENV):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_constructor_has_no_side_effects(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["train.py", "--gpus", "0,1", "params", "--lr", "1"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    manager = MultiGPUManager(train, "0,1,2", device="cpu")
+    assert sys.argv == argv
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert manager.is_available()
+    manager.finalize()  # nothing was started: a no-op, twice
+    manager.finalize()
+    # the hygiene fixture checks that no process, thread, descriptor or variable appeared
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"rdzv_endpoint": "localhost"}, "no port"),
+    ({"rdzv_endpoint": "host:abc"}, "port must be a number"),
+    ({"rdzv_endpoint": "::1:29500"}, "brackets"),
+    ({"rdzv_endpoint": "10.0.0.1:0"}, "port 0 is only allowed on a loopback host"),
+    ({"rdzv_endpoint": "node1:0"}, "port 0 is only allowed on a loopback host"),
+    ({"base_rank": 2, "world_size": 3}, "base_rank 2 + 2 local worker(s) exceeds world_size 3"),
+    ({"base_rank": 1}, "exceeds world_size 2"),
+    ({"base_rank": -1}, "base_rank must be an integer >= 0"),
+    ({"world_size": -2}, "world_size must be an integer >= 0"),
+    ({"world_size": 1}, "exceeds world_size 1"),
+    ({"world_size": 4}, "fixed rdzv_endpoint port"),
+    ({"device": "tpu"}, "device must be 'auto', 'cuda' or 'cpu'"),
+])
+def test_constructor_rejects_with_a_message(kwargs: dict[str, object], message: str) -> None:
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(ValueError) as info:
+        MultiGPUManager(train, "0,1", **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("ids", "named"), [("a", "'a'"), ("0,-1", "'-1'"), ("0,,1", "'0,,1'")])
+def test_constructor_rejects_bad_ids(ids: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        MultiGPUManager(train, ids, device="cpu")
+
+
+def test_train_func_must_be_callable() -> None:
+    with pytest.raises(ValueError, match="callable"):
+        MultiGPUManager("train", "0,1", device="cpu")  # type: ignore[arg-type]
+
+
+def test_ipv6_loopback_port_zero_and_fixed_ports_are_fine() -> None:
+    MultiGPUManager(train, "0,1", rdzv_endpoint="[::1]:0", device="cpu")
+    MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", device="cpu")
+    MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", base_rank=2, world_size=4, device="cpu")
+
+
+def test_world_size_zero_means_the_local_count() -> None:
+    manager = MultiGPUManager(train, "0,1,2", world_size=0, device="cpu")
+    assert manager._world_size == 3
+
+
+def test_duplicate_ids_dropped_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match="duplicate"):
+        manager = MultiGPUManager(train, "0,1,1", device="cpu")
+    assert manager._gpu_ids == [0, 1]
+
+
+def test_is_available() -> None:
+    assert MultiGPUManager(train, "0,1", device="cpu").is_available()
+    assert not MultiGPUManager(train, "0", device="cpu").is_available()
+
+
+@pytest.mark.parametrize("marker", ["TORCHELASTIC_RUN_ID", "MULTIGPU_LAUNCHER_PID"])
+def test_is_available_false_inside_a_launched_worker(monkeypatch: pytest.MonkeyPatch, marker: str) -> None:
+    manager = MultiGPUManager(train, "0,1", device="cpu")
+    monkeypatch.setenv(marker, "1")
+    assert not manager.is_available()
+
+
+def test_auto_device_without_gpu_is_cpu_and_cuda_without_gpu_is_unavailable() -> None:
+    assert MultiGPUManager(train, "0,1").is_available()  # auto: CPU worker slots
+    with pytest.warns(UserWarning, match="no GPU"):
+        cuda = MultiGPUManager(train, "0,1", device="cuda")
+    assert not cuda.is_available()
+
+
+# ---- dist_timeout_s -----------------------------------------------------------------------------------
+
+NOW = datetime(2024, 5, 1, 12, 0, 0)
+
+
+def test_timeout_default_without_start_time() -> None:
+    assert dist_timeout_s(None, env={}) == DEFAULT_TIMEOUT_S
+
+
+def test_timeout_never_below_default() -> None:
+    assert dist_timeout_s(NOW - timedelta(seconds=10), env={}, now=NOW) == DEFAULT_TIMEOUT_S
+
+
+def test_timeout_is_one_and_a_half_times_elapsed() -> None:
+    start = NOW - timedelta(hours=2)
+    assert dist_timeout_s(start, env={}, now=NOW) == pytest.approx(1.5 * 7200)
+
+
+def test_timeout_with_aware_start_time() -> None:
+    start = datetime.now(timezone.utc) - timedelta(hours=1)
+    assert dist_timeout_s(start, env={}) == pytest.approx(5400, abs=5)
+
+
+def test_explicit_timeout_wins() -> None:
+    start = NOW - timedelta(hours=2)
+    assert dist_timeout_s(start, explicit=60.0, env={TIMEOUT_ENV: "99"}, now=NOW) == 60.0
+
+
+def test_environment_timeout_wins_over_elapsed() -> None:
+    start = NOW - timedelta(hours=2)
+    assert dist_timeout_s(start, env={TIMEOUT_ENV: "99"}, now=NOW) == 99.0
+
+
+def test_environment_timeout_read_from_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TIMEOUT_ENV, "42")
+    assert dist_timeout_s(NOW - timedelta(hours=5), now=NOW) == 42.0
