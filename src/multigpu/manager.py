@@ -123,6 +123,7 @@ class MultiGPUManager:
         self._sock: Any = None
         self._rdzv_endpoint = rdzv_endpoint
         self._created_group = False
+        self._previous_excepthook = sys.excepthook
 
     # ---- the seed's API ------------------------------------------------------------------------------
 
@@ -150,6 +151,8 @@ class MultiGPUManager:
         self._watcher = threading.Thread(target=self._watch, name="multigpu-supervisor", daemon=True)
         self._watcher.start()
         self._install_signal_handlers()
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
         os.environ.setdefault(TIMEOUT_ENV, str(timeout))
         os.environ.update(MULTIGPU_RUN_ID=run_id, TORCHELASTIC_RUN_ID=run_id, MULTIGPU_OUTPUT_DIR=str(out),
                           MULTIGPU_DEVICE=self._device)
@@ -297,13 +300,21 @@ class MultiGPUManager:
         if result.status is RunStatus.INTERRUPTED:
             supervisor.close(sig=result.signal or signal.SIGTERM)
             return
-        supervisor.close(dump_stacks=True)
         root = result.root_cause
         assert root is not None
         self._error = WorkerFailedError(root, result.failures[1:])
-        print(f"multigpu: {root.describe()}; stopped the other ranks", file=sys.stderr, flush=True)
         if not self._finalizing and self._main_thread is not None:
-            _raise_in_thread(self._main_thread, self._error)
+            _raise_in_thread(self._main_thread, self._error)  # before teardown: as early as we know
+        supervisor.close(dump_stacks=True)
+        print(f"multigpu: {root.describe()}; stopped the other ranks", file=sys.stderr, flush=True)
+
+    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        """An error in rank 0 is often a peer's death seen through a collective: show the root cause too."""
+        self._previous_excepthook(exc_type, exc, tb)
+        if self._watcher is not None:
+            self._watcher.join(self._grace_period + 2)
+        if self._error is not None and not isinstance(exc, WorkerFailedError):
+            print(f"multigpu: the root cause is a child rank: {self._error}", file=sys.stderr, flush=True)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -330,6 +341,8 @@ class MultiGPUManager:
         self._previous_handlers.clear()
 
     def _shutdown(self) -> None:
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
         if self._supervisor is not None:
             if self._watcher is not None and self._watcher.is_alive():
                 self._supervisor.request_stop()

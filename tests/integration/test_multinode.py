@@ -272,3 +272,41 @@ def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, 
     assert took_a < 5 and took_b < 5
     pids = [int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs))]
     assert_gone(pids)
+
+
+MANAGER_NODE = """
+    import os, sys
+    from multigpu import MultiGPUManager
+
+    def train():
+        import torch, torch.distributed as dist
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        print(f"pid={os.getpid()} rank={dist.get_rank()} world={dist.get_world_size()} "
+              f"group={os.environ['GROUP_RANK']} sum={int(t.item())}", flush=True)
+
+    if __name__ == "__main__":
+        base, endpoint, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        manager = MultiGPUManager(train, "0,1", rdzv_endpoint=endpoint, base_rank=base, world_size=4,
+                                  device="cpu")
+        if manager.is_available():
+            manager.setup_multi_gpu_train(out)
+        train()
+        manager.finalize()
+"""
+
+
+def test_manager_nodes_join_through_base_rank_and_world_size(tmp_path: Path) -> None:
+    from helpers import PYTHON, clean_env
+
+    script = write_script(tmp_path, "node.py", MANAGER_NODE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
+                              cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for base in (0, 2)]
+    results = [finish(p) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0], "".join(err for _, _, err in results)
+    out = "".join(o for _, o, _ in results)
+    found = sorted(re.findall(r"rank=(\d) world=4 group=(\d) sum=10", out))
+    assert found == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
+    assert_gone(pids_in(out))
