@@ -16,15 +16,15 @@ if TYPE_CHECKING:
     from .devices import get_gpu_ids
     from .environment import is_multigpu_child_process
     from .errors import MultiGPUError, RendezvousError, UsageError, WorkerFailedError, WorkerFailure
-    from .heartbeat import heartbeat
     from .manager import MultiGPUManager
+    from .progress import heartbeat
 
 _EXPORTS = {
     "get_gpu_ids": "devices",
     "is_multigpu_child_process": "environment",
     "set_arguments_to_argv": "argv",
     "MultiGPUManager": "manager",
-    "heartbeat": "heartbeat",
+    "heartbeat": "progress",
     "MultiGPUError": "errors",
     "UsageError": "errors",
     "RendezvousError": "errors",

@@ -7,7 +7,7 @@ Every ``run`` option may also come from ``MULTIGPU_<OPTION>`` (``--grace-period`
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib.machinery
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -155,7 +155,8 @@ def _choose_devices(gpus: str | None, cpu: str | None,
 def _check_target(script: str | None, module: str | None) -> None:
     if module is not None:
         top = module.split(".")[0]
-        if not module or importlib.util.find_spec(top) is None:
+        # Workers run with the current directory first on sys.path, as `python -m` does; look there too.
+        if not module or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
             raise UsageError(f"module {module!r} not found (no package {top!r} on sys.path)")
         return
     if script is None:
@@ -164,13 +165,18 @@ def _check_target(script: str | None, module: str | None) -> None:
         raise UsageError(f"script {script!r} not found")
 
 
+def _option_value(ns: argparse.Namespace, option: Option, env: Mapping[str, str]) -> str | None:
+    """The command line's value, else ``MULTIGPU_<OPTION>`` (an empty variable counts as unset)."""
+    given = getattr(ns, option.dest)
+    return given if given is not None else (env.get(option.env_name) or None)
+
+
 def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[RunConfig, str | None]:
     """The RunConfig for ``multigpu run ARGV``, and a note to print (or None)."""
     env = os.environ if env is None else env
     ours, rest = split_run_argv(argv)
     ns = _run_parser().parse_args(ours)
-    values = {o.dest: getattr(ns, o.dest) if getattr(ns, o.dest) is not None else env.get(o.env_name)
-              for o in RUN_OPTIONS}
+    values = {o.dest: _option_value(ns, o, env) for o in RUN_OPTIONS}
     if ns.gpus is not None or ns.cpu is not None:  # a device choice on the command line beats the env's
         values["gpus"], values["cpu"] = ns.gpus, ns.cpu
     if values["status"] not in (None, "auto", "on", "off"):
@@ -216,8 +222,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 
 def cmd_run(argv: Sequence[str]) -> int:
     if inside_launched_worker():
-        raise UsageError("already inside a multigpu/torchrun worker (RANK is set); run the script "
-                         "directly instead of launching a nested group")
+        raise UsageError("already inside a multigpu or torchrun worker (TORCHELASTIC_RUN_ID is set); "
+                         "run the script directly instead of launching a nested group")
     config, note = parse_run_args(argv)
     if note:
         print(f"multigpu: {note}", file=sys.stderr, flush=True)

@@ -107,6 +107,8 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda" and not distributed and manager_ids:
+        torch.cuda.set_device(int(manager_ids.split(",")[0]))  # one GPU: the one asked for, not GPU 0
     dev = torch.device(f"cuda:{torch.cuda.current_device()}") if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     dataset = make_dataset()

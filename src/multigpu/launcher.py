@@ -40,7 +40,7 @@ def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
 def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: int, master_addr: str,
                 master_port: int, store_fd: int | None, base_env: Mapping[str, str],
                 cuda_visible_devices: str | None, launcher_pid: int) -> list[WorkerSpec]:
-    """One spec per local rank; pure apart from reading nothing but its arguments."""
+    """One spec per local rank, from the arguments alone."""
     job = JobContext(
         master_addr=master_addr, master_port=master_port, run_id=run_id, device=config.device,
         restart_count=attempt, max_restarts=config.max_restarts, output_dir=str(output_dir),

@@ -37,7 +37,7 @@ class RunRecord:
         self.path = path
         self.data: dict[str, Any] = {
             "run_id": run_id,
-            "command": command if command is not None else sys.argv,
+            "command": command if command is not None else ["multigpu", *sys.argv[1:]],
             "config": _config_dict(config),
             "devices": devices,
             "status": "starting",

@@ -206,6 +206,7 @@ class Supervisor:
         self._failures: list[WorkerFailure] = []
         self._hung = False
         self._closing = False
+        self._last_finish = float("-inf")
         self._last_tick = 0.0
 
     # ---- start -------------------------------------------------------------------------------------
@@ -422,6 +423,7 @@ class Supervisor:
             worker.state = WorkerState.SUCCEEDED if rc == 0 else WorkerState.STOPPED
         elif rc == 0:
             worker.state = WorkerState.SUCCEEDED
+            self._last_finish = self._clock()
         else:
             worker.state = WorkerState.FAILED
             worker.failure = self._failure_of(worker)
@@ -497,7 +499,8 @@ class Supervisor:
         if not running:
             return
         now = self._clock()
-        silent = now - max(w.last_activity for w in running)
+        # A rank that finished is progress too: the ones left may have been waiting on it.
+        silent = now - max(self._last_finish, *(w.last_activity for w in running))
         if silent < self.hang_timeout:
             return
         self._notify(f"no rank has shown progress for {silent:.1f}s (--hang-timeout "
@@ -546,6 +549,7 @@ class Supervisor:
         grace = self.grace_period if grace_period is None else grace_period
         try:
             if self._started:
+                self._closing = True  # from here on, an exit is the launcher's doing
                 if dump_stacks:
                     self.dump_stacks()
                 self._terminate(sig, grace)

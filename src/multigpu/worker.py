@@ -21,8 +21,11 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-DUMP_SIGNAL = signal.SIGRTMIN + 3
-"""Sent by the launcher to make a rank write the Python stacks of all its threads to stderr."""
+DUMP_SIGNAL = signal.SIGURG
+"""Sent by the launcher to make a rank write the Python stacks of all its threads to stderr.
+
+SIGURG is ignored by default, so a rank that has not registered the dump yet, or is already shutting
+down, is left alone rather than killed."""
 
 _store: Any = None  # keeps rank 0's store server alive for the life of the process
 
@@ -81,10 +84,11 @@ def serve_store_if_asked() -> None:
 
 def user_frames(tb: TracebackType | None) -> TracebackType | None:
     """Drop the bootstrap's own frames (this file and runpy) from the front of a traceback."""
+    ours = os.path.dirname(os.path.abspath(__file__))
     start = tb
     while start is not None:
         filename = start.tb_frame.f_code.co_filename
-        if filename != __file__ and "runpy" not in filename and filename != spawn_file():
+        if not filename.startswith(ours) and "runpy" not in filename and filename != spawn_file():
             break
         start = start.tb_next
     return start or tb
@@ -159,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     error_file = os.environ.get("MULTIGPU_ERROR_FILE")
     try:
         serve_store_if_asked()
+        from .progress import heartbeat
+
+        heartbeat()  # start-up (rank 0 imports torch to serve the store) is not a hang
         run_target(mode, target, args)
     except SystemExit:
         raise

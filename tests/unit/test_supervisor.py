@@ -436,7 +436,7 @@ def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tm
 def test_ranks_that_never_answer_the_dump_signal(make: Callable[..., Supervisor], tmp_path: Path,
                                                  notes: list[str]) -> None:
     """No stack dump arrives (the signal is ignored): one hang report per rank, not a loop of them."""
-    deaf = py("import signal, time; signal.signal(signal.SIGRTMIN + 3, signal.SIG_IGN); time.sleep(30)")
+    deaf = py("import signal, time; signal.signal(signal.SIGURG, signal.SIG_IGN); time.sleep(30)")
     sup = make([spec(r, deaf, tmp_path) for r in range(2)], hang_timeout=0.3, dump_wait=0.3)
     sup.start()
     pids = worker_pids(sup)

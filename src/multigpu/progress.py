@@ -1,4 +1,4 @@
-"""``multigpu.heartbeat()``: tell the launcher this rank is making progress, for ``--hang-timeout``."""
+"""Progress reports: ``multigpu.heartbeat()`` tells the launcher a rank is alive (``--hang-timeout``)."""
 
 from __future__ import annotations
 

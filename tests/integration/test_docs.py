@@ -1,0 +1,281 @@
+"""Every command in the user guide (``docs/*.md``) is run here, on this machine, with CPU workers.
+
+Conventions of the guide's fenced blocks (also described in ``docs/README.md``):
+
+- Only `````bash`` blocks are run (`````text`` blocks hold pasted output, `````python`` blocks code).
+- One command per line, written without a ``$ `` prompt (a ``$ `` prefix is an error here, so there is
+  one convention); blank lines and lines starting with ``#`` are comments; no ``\\`` continuations.
+- A command must exit 0, unless its line ends in ``# exit N``.
+- A comment line ``# expect: TEXT`` right after a command: its stdout+stderr contains ``TEXT``.
+- ``$HOST``, ``$PORT`` and ``$BUSY_PORT`` are environment variables set here: ``127.0.0.1``, a free
+  port, and a port this test holds listening for the block's duration.
+- Block kinds, by the word after ``bash``: none (run line by line, in order), ``nodes`` (every line is
+  one machine's command: all are started at once, on 127.0.0.1), ``gpu`` (run only when a GPU is
+  visible), ``setup`` (``pip install`` lines, run with ``--dry-run --no-deps --no-index
+  --no-build-isolation`` in the repository), ``sbatch`` (a SLURM batch script: it must equal
+  ``docs/examples/multigpu.sbatch``, and its ``srun`` line's command runs under recorded SLURM
+  environments: one node, and two launcher tasks on ``localhost``).
+
+Commands run with ``bash -c`` in a temporary copy of ``examples/`` (one per doc page, so commands of a
+page may use what earlier ones wrote), with the venv's ``bin`` first on ``PATH``. Each is bounded by a
+timeout and started in its own session; afterwards its session and every worker PID in the run
+records it wrote must be gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_gone, clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+SBATCH = DOCS / "examples" / "multigpu.sbatch"
+BIN = Path(sys.executable).parent
+COMMAND_TIMEOUT = 90.0
+
+pytestmark = pytest.mark.integration
+
+_FENCE = re.compile(r"^```bash(?P<kind>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
+_EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
+_EXPECT = "# expect:"
+KINDS = {"", "nodes", "gpu", "setup", "sbatch"}
+
+
+@dataclass
+class Command:
+    text: str
+    line: int
+    exit_code: int = 0
+    expects: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Block:
+    page: str
+    line: int
+    kind: str
+    body: str
+    commands: list[Command]
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}" + (f"[{self.kind}]" if self.kind else "")
+
+
+def parse_block(page: str, line: int, kind: str, body: str) -> Block:
+    if kind not in KINDS:
+        raise ValueError(f"{page}:{line}: unknown block kind 'bash {kind}'")
+    commands: list[Command] = []
+    for offset, raw in enumerate(body.splitlines(), start=1):
+        text = raw.strip()
+        where = f"{page}:{line + offset}"
+        if kind == "sbatch":
+            if text.startswith("srun "):
+                commands.append(Command(text, line + offset))
+            continue
+        if text.startswith(_EXPECT):
+            if not commands:
+                raise ValueError(f"{where}: '# expect:' before any command")
+            commands[-1].expects.append(text[len(_EXPECT):].strip())
+            continue
+        if not text or text.startswith("#"):
+            continue
+        if text.startswith("$ "):
+            raise ValueError(f"{where}: write commands without a '$ ' prompt")
+        if text.endswith("\\"):
+            raise ValueError(f"{where}: one command per line, no continuations")
+        match = _EXIT.search(text)
+        code = int(match.group(1)) if match else 0
+        commands.append(Command(text[: match.start()] if match else text, line + offset, code))
+    if not commands:
+        raise ValueError(f"{page}:{line}: a bash block without a command")
+    return Block(page, line, kind, body, commands)
+
+
+def collect_blocks() -> list[Block]:
+    blocks = []
+    for path in sorted(DOCS.glob("*.md")):
+        text = path.read_text()
+        for m in _FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            blocks.append(parse_block(path.name, line, m.group("kind").strip(), m.group("body")))
+    return blocks
+
+
+BLOCKS = collect_blocks()
+
+
+def gpu_visible() -> bool:
+    from multigpu.devices import visible_gpus
+
+    return bool(visible_gpus())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One fresh copy of the examples per doc page."""
+    dirs = {}
+    for page in sorted({b.page for b in BLOCKS}):
+        d = tmp_path_factory.mktemp(page.removesuffix(".md"))
+        shutil.copytree(ROOT / "examples", d / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+        dirs[page] = d
+    return dirs
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        yield int(s.getsockname()[1])
+
+
+def command_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def _records(cwd: Path) -> dict[Path, float]:
+    return {p: p.stat().st_mtime for p in cwd.rglob("run*.json")}
+
+
+def _worker_pids(cwd: Path, before: Mapping[Path, float]) -> list[int]:
+    import json
+
+    pids = []
+    for path, mtime in _records(cwd).items():
+        if before.get(path) == mtime:
+            continue
+        for attempt in json.loads(path.read_text()).get("attempts", []):
+            pids += [r["pid"] for r in attempt["ranks"].values() if r.get("pid")]
+    return pids
+
+
+def _session_gone(pgid: int, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def start(command: str, cwd: Path, env: Mapping[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(["bash", "-c", command], cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str]:
+    """The exit code (None on timeout, after killing the session) and the output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def check(cmd: Command, code: int | None, out: str, block: Block) -> None:
+    where = f"{block.page}:{cmd.line}: {cmd.text}"
+    assert code is not None, f"{where}\ntimed out after {COMMAND_TIMEOUT:g}s; output:\n{out[-3000:]}"
+    assert code == cmd.exit_code, \
+        f"{where}\nexit {code}, the doc says {cmd.exit_code}; output:\n{out[-3000:]}"
+    for text in cmd.expects:
+        assert text in out, f"{where}\noutput lacks {text!r}:\n{out[-3000:]}"
+
+
+def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]]) -> None:
+    """Start every command at once (one per "node"), wait for all, check all, prove all gone."""
+    before = _records(cwd)
+    procs = [start(c.text, cwd, e) for c, e in zip(commands, envs, strict=True)]
+    deadline = time.monotonic() + COMMAND_TIMEOUT
+    results = [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
+    for p in procs:
+        assert _session_gone(p.pid), f"{block.id}: processes left in the session of {p.args}"
+    pids = _worker_pids(cwd, before)
+    if pids:
+        assert_gone(pids)
+    for cmd, (code, out) in zip(commands, results, strict=True):
+        check(cmd, code, out, block)
+
+
+def run_srun_line(block: Block, cwd: Path, port: int) -> None:
+    assert SBATCH.read_text().strip() == block.body.strip(), \
+        "the sbatch block in multinode.md differs from docs/examples/multigpu.sbatch"
+    (srun,) = block.commands
+    words = shlex.split(srun.text)
+    start_at = words.index("multigpu")
+    assert all(w.startswith("-") for w in words[1:start_at]), srun.text
+    command = srun.text[srun.text.index(" multigpu ") + 1:]
+    job = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "ddp", "MASTER_PORT": str(port)}
+    # One node: the SLURM layout is one machine's, a plain run.
+    one = {**job, "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",
+           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    run_together(block, [Command(command, srun.line, expects=["done: 1 rank(s)"])], cwd,
+                 [command_env(one)])
+    # Two launcher tasks (two "nodes", both localhost): endpoint, node rank and run id from SLURM.
+    two = {**job, "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
+           "MASTER_PORT": str(free_port())}
+    nodes = [{**two, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"} for i in (0, 1)]
+    cmds = [Command(command, srun.line, expects=[f"node {i}: joined run slurm-4242 at localhost:"])
+            for i in (0, 1)]
+    cmds[0].expects.append("[node 0 rank 0] done: 2 rank(s)")
+    run_together(block, cmds, cwd, [command_env(e) for e in nodes])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_doc_block(block: Block, workdirs: dict[str, Path], busy_port: int) -> None:
+    cwd = workdirs[block.page]
+    port = free_port()
+    env = command_env({"HOST": "127.0.0.1", "PORT": str(port), "BUSY_PORT": str(busy_port)})
+    if block.kind == "gpu" and not gpu_visible():
+        pytest.skip("needs a visible GPU")
+    if block.kind == "setup":
+        for cmd in block.commands:
+            assert "pip install" in cmd.text, f"{block.id}: a setup block holds pip install lines only"
+            dry = Command(f"{cmd.text} --dry-run --no-deps --no-index --no-build-isolation", cmd.line,
+                          cmd.exit_code, ["Would install multigpu"])
+            run_together(block, [dry], ROOT, [env])
+    elif block.kind == "sbatch":
+        run_srun_line(block, cwd, port)
+    elif block.kind == "nodes":
+        assert len(block.commands) >= 2, f"{block.id}: a nodes block has one command per node"
+        run_together(block, block.commands, cwd, [env] * len(block.commands))
+    else:
+        for cmd in block.commands:
+            run_together(block, [cmd], cwd, [env])
+
+
+def test_conventions_hold() -> None:
+    """The guide has blocks of every kind the conventions describe, and the pages the index lists."""
+    kinds = {b.kind for b in BLOCKS}
+    assert kinds == KINDS, kinds
+    index = (DOCS / "README.md").read_text()
+    for page in ("quickstart.md", "migrating.md", "multinode.md", "troubleshooting.md"):
+        assert (DOCS / page).exists() and f"({page})" in index, page
+    for block in (b for b in BLOCKS if b.kind == "nodes"):
+        assert all("$HOST:$PORT" in c.text for c in block.commands), f"{block.id}: nodes meet at $HOST:$PORT"
