@@ -106,7 +106,6 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda" and not distributed and manager_ids:
         torch.cuda.set_device(int(manager_ids.split(",")[0]))  # one GPU: the one asked for, not GPU 0
     dev = torch.device(f"cuda:{torch.cuda.current_device()}") if device == "cuda" else torch.device("cpu")
@@ -156,13 +155,9 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     if progress:
         progress.stop()
     accuracy = evaluate(model, dataset, dev, rank, world)
-    summary = {"rank": rank, "local_rank": local_rank, "device": str(dev), "steps": step,
-               "samples": samples, "seconds": round(elapsed, 2), "first_loss": first_loss,
-               "final_loss": loss_value, "pid": os.getpid()}
-    summaries: list[Any] = [summary]
-    if distributed:
-        summaries = [None] * world
-        dist.all_gather_object(summaries, summary)
+    device_index = dev.index if dev.type == "cuda" else -1
+    summaries = gather_summaries(
+        [rank, os.getpid(), device_index, step, samples, elapsed, first_loss, loss_value], dev, world)
     if rank == 0:
         total = sum(s["samples"] for s in summaries)
         print(f"done: loss {first_loss:.4f} -> {loss_value:.4f}, accuracy {accuracy:.1%}, "
@@ -172,6 +167,31 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
             print(f"{s['rank']:>4}  {s['pid']:<7}  {s['device']:<6}  {s['steps']:>5}  {s['samples']:>7}  "
                   f"{s['seconds']:>7}  {s['first_loss']:>10.4f}  {s['final_loss']:>10.4f}", flush=True)
     return {"accuracy": accuracy, "summaries": summaries}
+
+
+SUMMARY_FIELDS = ("rank", "pid", "device", "steps", "samples", "seconds", "first_loss", "final_loss")
+
+
+def gather_summaries(values: list[Any], dev: Any, world: int) -> list[dict[str, Any]]:
+    """Every rank's numbers, gathered as one tensor (``all_gather_object`` would need numpy)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=dev)
+    rows = [mine]
+    if world > 1:
+        rows = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+    out = []
+    for row in rows:
+        record: dict[str, Any] = dict(zip(SUMMARY_FIELDS, row.tolist(), strict=True))
+        for key in ("rank", "pid", "steps", "samples"):
+            record[key] = int(record[key])
+        record["seconds"] = round(record["seconds"], 2)
+        index = int(record["device"])
+        record["device"] = "cpu" if index < 0 else f"cuda:{index}"
+        out.append(record)
+    return out
 
 
 def evaluate(model: Any, dataset: Any, dev: Any, rank: int, world: int) -> float:

@@ -310,9 +310,11 @@ class MultiGPUManager:
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         """An error in rank 0 is often a peer's death seen through a collective: show the root cause too."""
+        self._finalizing = True  # no more errors raised into this thread: it is already ending
         self._previous_excepthook(exc_type, exc, tb)
         if self._watcher is not None:
-            self._watcher.join(self._grace_period + 2)
+            with contextlib.suppress(WorkerFailedError):  # one raised just before we said stop
+                self._watcher.join(self._grace_period + 2)
         if self._error is not None and not isinstance(exc, WorkerFailedError):
             print(f"multigpu: the root cause is a child rank: {self._error}", file=sys.stderr, flush=True)
 
