@@ -7,6 +7,7 @@ runs the target, recording an uncaught exception in a per-rank error file. No de
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -152,6 +153,38 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         raise SystemExit(f"multigpu.worker: unknown mode {mode!r}")
 
 
+def exit_failed(code: int) -> None:
+    """Leave at once after a recorded failure, the way the peers' launcher needs.
+
+    The user's atexit handlers still run and output is flushed; what is skipped is interpreter
+    finalization, where torch's C++ teardown (process groups, stores) takes most of a second after an
+    error while the other ranks wait to be stopped.
+    """
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        flush_open_files()
+        os._exit(code)
+
+
+def flush_open_files() -> None:
+    """Flush every open writable file object, as finalization would, so no buffered output is lost."""
+    import gc
+    import io
+
+    buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    for obj in gc.get_objects():
+        if type(obj) in buffered:  # exact types: isinstance on the io ABCs is slow over every object
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
@@ -174,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         if error_file:
             write_error_file(error_file, exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
-        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+        exit_failed(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""2. From a rank's death to the launcher's exit with every worker gone: exit(3), raise, SIGKILL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common import (
+    LAUNCHERS,
+    MULTIGPU,
+    TORCHRUN,
+    Ctx,
+    all_gone,
+    alternate,
+    median,
+    ratio,
+    read_marks,
+    start_launcher,
+    summarize,
+    wait_until,
+)
+from report import cell, metric_table, ratio_text, target
+
+NAME = "death"
+TITLE = "2. Rank death to launcher exit, every worker reaped"
+MODES = ("exit", "raise", "kill")
+DYING_RANK = 1
+GONE_BOUND_S = 15.0
+PER_JOB_S = {2: 4.3, 4: 6.7}  # launch + teardown, averaged over both launchers
+
+
+def counts(ctx: Ctx) -> tuple[int, ...]:
+    return (2,) if ctx.quick else (2, 4)
+
+
+def estimate(ctx: Ctx) -> float:
+    return ctx.runs * len(MODES) * len(LAUNCHERS) * sum(PER_JOB_S[n] for n in counts(ctx))
+
+
+def one(ctx: Ctx, launcher: str, mode: str, nproc: int) -> dict[str, Any]:
+    job = start_launcher(ctx.root, f"{NAME}-{mode}{nproc}", launcher, nproc, "die.py",
+                         [mode, str(DYING_RANK)])
+    try:
+        code = job.wait(90)
+        procs = job.procs()
+        left_at_exit = sum(p.alive() for p in procs)
+        gone = wait_until(lambda: all_gone(procs), GONE_BOUND_S) if job.exited is not None else None
+        death = read_marks(job.bench_dir, "death").get(DYING_RANK)
+        end = None if gone is None or job.exited is None else max(gone, job.exited)
+        seconds = None if end is None or death is None else end - death
+        out: dict[str, Any] = {
+            "seconds": seconds, "exit_code": code, "left_at_launcher_exit": left_at_exit,
+            "dying_rank_exit_s": dying_rank_exit(job.bench_dir, death), "killed_by_harness": job.finish()}
+        if death is None:  # the rank failed before its planned death: keep the evidence
+            out["error"] = "no death mark: the job failed some other way"
+            out["output_tail"] = job.output()[-4000:]
+        return out
+    finally:
+        job.finish()
+
+
+def dying_rank_exit(bench_dir: Path, death: float | None) -> float | None:
+    """multigpu only: how long the dying rank's own process took to end after its mark (from run.json)."""
+    try:
+        record = json.loads((bench_dir / "mg" / "run.json").read_text())
+        end = record["attempts"][0]["ranks"][str(DYING_RANK)]["end_time"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return None if death is None or end is None else float(end) - death
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {
+        f"{m}/{n}": {k: [] for k in LAUNCHERS} for m in MODES for n in counts(ctx)}
+    for i in range(ctx.runs):
+        for n in counts(ctx):
+            for m in MODES:
+                for launcher in alternate(i):
+                    raw[f"{m}/{n}"][launcher].append(one(ctx, launcher, m, n))
+    summary = {}
+    for case, by in raw.items():
+        secs = {k: [r["seconds"] for r in v] for k, v in by.items()}
+        summary[case] = {**{k: summarize(v) for k, v in secs.items()},
+                         "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN]))}
+    return {"raw": raw, "summary": summary}
+
+
+def _seconds(res: dict[str, Any], case: str) -> dict[str, list[float | None]]:
+    return {k: [r["seconds"] for r in v] for k, v in res["raw"][case].items()}
+
+
+def markdown(res: dict[str, Any]) -> list[str]:
+    rows = [{"label": f"{case.split('/')[0]}, {case.split('/')[1]} workers", "unit": "s",
+             "samples": _seconds(res, case), "ratio": res["summary"][case]["ratio"]} for case in res["raw"]]
+    lines = metric_table(rows, never="no number")
+    errors = [f"{case} {k}" for case, by in res["raw"].items() for k, v in by.items()
+              for r in v if "error" in r]
+    if errors:
+        lines += ["", "Runs that failed before the planned death (output in results.json): "
+                  f"{', '.join(errors)}."]
+    left = {k: sum(r["left_at_launcher_exit"] for v in res["raw"].values() for r in v[k]) for k in LAUNCHERS}
+    codes = {k: sorted({str(r["exit_code"]) for v in res["raw"].values() for r in v[k]}) for k in LAUNCHERS}
+    own = [r["dying_rank_exit_s"] for v in res["raw"].values() for r in v[MULTIGPU]
+           if r.get("dying_rank_exit_s") is not None]
+    by_mode = {m: cell([r.get("dying_rank_exit_s") for c, v in res["raw"].items() if c.startswith(m)
+                        for r in v[MULTIGPU]], "s") for m in MODES}
+    if own:
+        lines += ["", "Of multigpu's time, the dying rank's own process took this long to end after its mark "
+                  "(run.json), before the launcher could see the exit: "
+                  + "; ".join(f"{m} {c}" for m, c in by_mode.items()) + "."]
+    lines += ["", f"Workers still alive when the launcher exited (all runs): multigpu {left[MULTIGPU]}, "
+              f"torchrun {left[TORCHRUN]}. Launcher exit codes: multigpu {', '.join(codes[MULTIGPU])}; "
+              f"torchrun {', '.join(codes[TORCHRUN])}."]
+    return lines
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    ratios = {case: s["ratio"] for case, s in res["summary"].items()}
+    met = all(r is not None and r <= 0.3 for r in ratios.values())
+    worst = max(ratios, key=lambda c: ratios[c] if ratios[c] is not None else float("inf"))
+    return [target("rank death to exit", "<= 0.3x torchrun's time, every case", met,
+                   ", ".join(f"{c}: {ratio_text(r)}" for c, r in ratios.items()),
+                   f"worst case {worst}")]

@@ -1,0 +1,94 @@
+"""9. Scale: whole-job time and launcher peak RSS (sampled every 20 ms) for 8 and 16 CPU workers."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psutil
+from common import (
+    LAUNCHERS,
+    MULTIGPU,
+    TORCHRUN,
+    Ctx,
+    Job,
+    alternate,
+    job_seconds,
+    median,
+    ratio,
+    start_launcher,
+    summarize,
+)
+from report import metric_table
+
+NAME = "scale"
+TITLE = "9. Scale: 8 and 16 CPU workers (tiny job)"
+PER_JOB_S = {8: 10.5, 16: 19.0}
+
+
+def counts(ctx: Ctx) -> tuple[int, ...]:
+    return (8,) if ctx.quick else (8, 16)
+
+
+def estimate(ctx: Ctx) -> float:
+    return ctx.runs * len(LAUNCHERS) * sum(PER_JOB_S[n] for n in counts(ctx))
+
+
+def peak_rss(job: Job, stop: threading.Event, out: list[int]) -> None:
+    try:
+        proc = psutil.Process(job.pid)
+        while not stop.is_set():
+            out.append(int(proc.memory_info().rss))
+            stop.wait(0.02)
+    except psutil.Error:
+        pass
+
+
+def one(ctx: Ctx, launcher: str, nproc: int) -> dict[str, Any]:
+    job = start_launcher(ctx.root, f"{NAME}{nproc}", launcher, nproc, "tiny.py")
+    rss: list[int] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=peak_rss, args=(job, stop, rss), daemon=True)
+    sampler.start()
+    try:
+        code = job.wait(300)
+    finally:
+        stop.set()
+        sampler.join(5)
+        job.finish()
+    return {"seconds": job_seconds(job, code), "peak_rss_mib": max(rss) / 2**20 if rss else None,
+            "exit_code": code}
+
+
+def run(ctx: Ctx) -> dict[str, Any]:
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {k: [] for k in LAUNCHERS}
+                                                       for n in counts(ctx)}
+    for i in range(ctx.runs):
+        for n in counts(ctx):
+            for launcher in alternate(i):
+                raw[str(n)][launcher].append(one(ctx, launcher, n))
+    summary = {}
+    for key, by in raw.items():
+        secs = {k: [r["seconds"] for r in v] for k, v in by.items()}
+        rss = {k: [r["peak_rss_mib"] for r in v] for k, v in by.items()}
+        summary[key] = {"seconds": {k: summarize(v) for k, v in secs.items()},
+                        "peak_rss_mib": {k: summarize(v) for k, v in rss.items()},
+                        "ratio_s": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
+                        "ratio_rss": ratio(median(rss[MULTIGPU]), median(rss[TORCHRUN]))}
+    return {"raw": raw, "summary": summary}
+
+
+def markdown(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for n, by in res["raw"].items():
+        rows.append({"label": f"{n} workers: job time", "unit": "s", "samples":
+                     {k: [r["seconds"] for r in v] for k, v in by.items()},
+                     "ratio": res["summary"][n]["ratio_s"]})
+        rows.append({"label": f"{n} workers: launcher peak RSS", "unit": "MiB", "samples":
+                     {k: [r["peak_rss_mib"] for r in v] for k, v in by.items()},
+                     "ratio": res["summary"][n]["ratio_rss"]})
+    return metric_table(rows, first="metric", digits=1)
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    return []
