@@ -21,6 +21,7 @@ from .devices import dedupe, parse_index_list, visible_gpus
 from .endpoint import parse_endpoint
 from .environment import inside_launched_worker
 from .errors import MultiGPUError, UsageError
+from .layout import apply_layout, parse_int
 
 EXIT_USAGE = 2
 
@@ -104,16 +105,6 @@ def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return ours, []
 
 
-def _int(value: str, flag: str, minimum: int) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
-    if number < minimum:
-        raise UsageError(f"{flag} must be at least {minimum}, got {number}")
-    return number
-
-
 def _seconds(value: str, flag: str, *, positive: bool = False) -> float:
     try:
         number = float(value)
@@ -130,7 +121,7 @@ def _choose_devices(gpus: str | None, cpu: str | None,
     if gpus is not None and cpu is not None:
         raise UsageError("give either --gpus or --cpu, not both")
     if cpu is not None:
-        return "cpu", _int(cpu, "--cpu", 1), (), None
+        return "cpu", parse_int(cpu, "--cpu", 1), (), None
     visible = visible_gpus(env)
     if gpus is None:
         if not visible:
@@ -211,11 +202,9 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         if values["grace_period"] else 5.0,
         hang_timeout=_seconds(values["hang_timeout"], "--hang-timeout", positive=True)
         if values["hang_timeout"] else None,
-        max_restarts=_int(values["max_restarts"], "--max-restarts", 0) if values["max_restarts"] else 0,
+        max_restarts=parse_int(values["max_restarts"], "--max-restarts", 0) if values["max_restarts"] else 0,
         status=values["status"] or "auto",
     )
-    from .layout import apply_layout
-
     config = apply_layout(config, values, env)
     return config, note
 

@@ -11,17 +11,20 @@ from .endpoint import Endpoint
 from .errors import UsageError
 
 
-def _opt_int(values: Mapping[str, str | None], key: str, flag: str, minimum: int) -> int | None:
-    raw = values.get(key)
-    if raw is None or raw == "":
-        return None
+def parse_int(value: str, flag: str, minimum: int) -> int:
+    """An option's integer value, or a UsageError that names the option."""
     try:
-        number = int(raw)
+        number = int(value)
     except ValueError:
-        raise UsageError(f"{flag} must be an integer, got {raw!r}") from None
+        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
     if number < minimum:
         raise UsageError(f"{flag} must be at least {minimum}, got {number}")
     return number
+
+
+def _opt_int(values: Mapping[str, str | None], key: str, flag: str, minimum: int) -> int | None:
+    raw = values.get(key)
+    return None if raw is None or raw == "" else parse_int(raw, flag, minimum)
 
 
 def check_layout(base_rank: int, local: int, world_size: int) -> None:
