@@ -7,7 +7,7 @@ Every ``run`` option may also come from ``MULTIGPU_<OPTION>`` (``--grace-period`
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
+import importlib.util
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -143,11 +143,23 @@ def _choose_devices(gpus: str | None, cpu: str | None,
     return "cuda", len(indices), tuple(indices), None
 
 
+def _module_exists(name: str) -> bool:
+    """Found the way a worker will look (current directory first, as ``python -m`` does), import
+    hooks of editable installs included; the module itself is not imported."""
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path[:] = saved
+
+
 def _check_target(script: str | None, module: str | None) -> None:
     if module is not None:
         top = module.split(".")[0]
-        # Workers run with the current directory first on sys.path, as `python -m` does; look there too.
-        if not module or importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is None:
+        if not module or not _module_exists(top):
             raise UsageError(f"module {module!r} not found (no package {top!r} on sys.path)")
         return
     if script is None:

@@ -23,6 +23,7 @@ class PrefixedConsole:
         self._out = stdout or sys.stdout.buffer
         self._err = stderr or sys.stderr.buffer
         self._prefixes: dict[int, bytes] = {}
+        self._closed = False
 
     def shows(self, rank: int) -> bool:
         return self.log_ranks is None or rank in self.log_ranks
@@ -37,7 +38,12 @@ class PrefixedConsole:
     def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
         if not self.shows(worker.rank):
             return
+        if self._closed:
+            return
         p = self.prefix(worker)
         out = self._err if stream == "stderr" else self._out
-        out.write(b"".join(p + line + b"\n" for line in lines))
-        out.flush()
+        try:
+            out.write(b"".join(p + line + b"\n" for line in lines))
+            out.flush()
+        except OSError:  # the console went away (`| head`, a closed terminal): the log files go on
+            self._closed = True

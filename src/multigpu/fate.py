@@ -16,7 +16,7 @@ from .errors import WorkerFailure
 from .rendezvous import JobStore
 
 BEAT_S = 0.2
-LOST_AFTER_S = 1.0
+LOST_AFTER_S = 1.5
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:

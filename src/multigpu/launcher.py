@@ -173,8 +173,7 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
 
 
 def finish_job(job: JobStore, config: RunConfig, poll_s: float = 0.2) -> None:
-    """Say this node is done; the store's host keeps serving until every node is done or the job died."""
-    job.mark_done()
+    """The store's host keeps serving until every node is done (each said so) or the job died."""
     if config.base_rank != 0:
         return
     lost: list[WorkerFailure] = []
@@ -220,6 +219,10 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
             supervisor.close(sig=sig)
         else:
             supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
+        result = supervisor.final_result(result)
+        if job is not None and result.status is RunStatus.SUCCEEDED:
+            with contextlib.suppress(Exception):  # a store that is gone cannot miss us
+                job.mark_done()  # before the monitor stops beating, so no peer takes us for lost
     if live is not None:
         from .status import print_summary_table
 

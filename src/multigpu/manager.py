@@ -30,6 +30,7 @@ from .console import PrefixedConsole
 from .devices import dedupe, get_gpu_ids, parse_index_list, visible_gpus
 from .endpoint import Endpoint, parse_endpoint
 from .environment import (
+    CONTRACT_KEYS,
     JobContext,
     RankPlacement,
     build_worker_env,
@@ -124,6 +125,7 @@ class MultiGPUManager:
         self._rdzv_endpoint = rdzv_endpoint
         self._created_group = False
         self._previous_excepthook = sys.excepthook
+        self._saved_environ: dict[str, str | None] = {}
 
     # ---- the seed's API ------------------------------------------------------------------------------
 
@@ -153,6 +155,7 @@ class MultiGPUManager:
         self._install_signal_handlers()
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        self._saved_environ = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
         os.environ.setdefault(TIMEOUT_ENV, str(timeout))
         os.environ.update(MULTIGPU_RUN_ID=run_id, TORCHELASTIC_RUN_ID=run_id, MULTIGPU_OUTPUT_DIR=str(out),
                           MULTIGPU_DEVICE=self._device)
@@ -199,7 +202,7 @@ class MultiGPUManager:
         os.environ.update(
             MASTER_ADDR=endpoint.bind_host, MASTER_PORT=str(endpoint.port), RANK=str(rank),
             LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(local_world),
-            GROUP_RANK=str(rank // max(1, local_world)),
+            GROUP_RANK=str((rank - local_rank) // max(1, local_world)),  # the node's, as in _child_specs
             GROUP_WORLD_SIZE=str(max(1, -(-world_size // max(1, local_world)))),
             ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size), ROLE_NAME="default",
             TORCHELASTIC_USE_AGENT_STORE="True",
@@ -314,6 +317,9 @@ class MultiGPUManager:
         self._previous_excepthook(exc_type, exc, tb)
         if self._watcher is not None:
             with contextlib.suppress(WorkerFailedError):  # one raised just before we said stop
+                self._watcher.join(0.3)  # a child's failure already on its way is reported first
+                if self._supervisor is not None and self._watcher.is_alive():
+                    self._supervisor.request_stop()  # rank 0 itself failed: stop the children now
                 self._watcher.join(self._grace_period + 2)
         if self._error is not None and not isinstance(exc, WorkerFailedError):
             print(f"multigpu: the root cause is a child rank: {self._error}", file=sys.stderr, flush=True)
@@ -342,6 +348,15 @@ class MultiGPUManager:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
 
+    def _restore_environ(self) -> None:
+        """Undo what made this process a rank, so a later manager in it (HPO, say) starts afresh."""
+        for key, value in self._saved_environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_environ = {}
+
     def _shutdown(self) -> None:
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
@@ -361,6 +376,7 @@ class MultiGPUManager:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._restore_environ()
         atexit.unregister(self._close_at_exit)
 
     def _close_at_exit(self) -> None:

@@ -48,7 +48,6 @@ def bind_store_socket(endpoint: Endpoint) -> socket.socket:
                 f"rendezvous address {endpoint} is not an address of this machine"
             ) from None
         raise RendezvousError(f"cannot listen on {endpoint}: {exc.strerror}") from None
-    sock.set_inheritable(True)
     return sock
 
 
@@ -128,7 +127,9 @@ class JobStore:
 
     def join(self, timeout_s: float, poll_s: float = 0.1) -> None:
         """Claim this node's ranks, check the world size, and wait until every rank is claimed."""
-        me = f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s))"
+        # The token makes every launcher distinct: the same command started twice is refused too.
+        me = (f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
+              f"{socket.gethostname()} pid {os.getpid()})")
         world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
         if world != str(self.world_size):
             self._refuse(f"{me} says world size {self.world_size}, the job says {world}")

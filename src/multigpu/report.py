@@ -27,8 +27,7 @@ def format_failure(failure: WorkerFailure, *, tail_lines: int = 10) -> str:
     return "\n".join(parts)
 
 
-def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0,
-                  stopped_by: int | None = None) -> str:
+def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0) -> str:
     """A multi-line report for a run that did not succeed."""
     if result.status is RunStatus.INTERRUPTED:
         head = f"attempt {attempt} interrupted by {signal_name(result.signal or 0)}"

@@ -84,6 +84,7 @@ class Worker:
     heartbeat_read_fd: int | None = None
     log_file: IO[bytes] | None = None
     capture: list[str] | None = None
+    group_open: bool = True
     dump: list[str] = field(default_factory=list)
 
     @property
@@ -198,7 +199,7 @@ class Supervisor:
         self._signals: deque[int] = deque()
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
-        self._wake_lock = threading.Lock()
+        self._wake_lock = threading.RLock()  # a signal handler may run while the main thread holds it
         self._started = False
         self._closed = False
         self._stop_signal: int | None = None
@@ -225,13 +226,13 @@ class Supervisor:
 
     def _spawn(self, worker: Worker, now: float) -> None:
         spec = worker.spec
+        if spec.log_path is not None:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            worker.log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the worker
         hb_r, hb_w = os.pipe()
         os.set_blocking(hb_r, False)
         os.set_blocking(hb_w, False)
         env = dict(spec.env, MULTIGPU_HEARTBEAT_FD=str(hb_w))
-        if spec.log_path is not None:
-            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-            worker.log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the worker
         try:
             worker.popen = subprocess.Popen(
                 spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -321,11 +322,19 @@ class Supervisor:
             return RunResult(RunStatus.SUCCEEDED)
         return None
 
+    def final_result(self, result: RunResult) -> RunResult:
+        """``result`` again after ``close()``: ranks that failed during teardown may have failed first."""
+        if result.status in (RunStatus.FAILED, RunStatus.HUNG):
+            return RunResult(result.status, self._sorted_failures(), result.signal)
+        return result
+
     def _sorted_failures(self) -> list[WorkerFailure]:
         return sorted(self._failures, key=lambda f: f.time if f.time is not None else float("inf"))
 
     def _process_events(self, timeout: float | None) -> None:
         for key, _ in self._selector.select(timeout):
+            if self._selector.get_map().get(key.fd) is not key:
+                continue  # closed earlier in this batch (a failed rank's pipes are drained at once)
             kind, obj = key.data
             if kind == "out":
                 self._read_stream(obj)
@@ -340,6 +349,8 @@ class Supervisor:
         for worker in self.workers:
             if worker.pidfd is None and worker.alive and worker.popen and worker.popen.poll() is not None:
                 self._reap(worker)
+        if any(w.group_open and w.returncode is not None for w in self.workers):
+            self._open_groups()
         self._handle_signals()
         self._check_hang()
         self._maybe_tick()
@@ -381,8 +392,8 @@ class Supervisor:
             if len(buffer) < MAX_LINE:
                 stream.buffer = buffer
                 return
-            cut = len(buffer) - 1  # a very long line without a newline: pass it on as it is
-            buffer += b"\n"
+            buffer += b"\n"  # a very long line without a newline: pass it on as it is
+            cut = len(buffer) - 1
         stream.buffer = buffer[cut + 1:]
         self._emit(stream, buffer[: cut + 1])
 
@@ -421,6 +432,11 @@ class Supervisor:
             worker.pidfd = None
         if self._closing or self._stop_signal is not None:
             worker.state = WorkerState.SUCCEEDED if rc == 0 else WorkerState.STOPPED
+            if rc != 0 and self._stop_signal is None and read_error_file(worker.spec.error_file):
+                # It raised on its own while we tore down: it may even have failed first.
+                worker.state = WorkerState.FAILED
+                worker.failure = self._failure_of(worker)
+                self._failures.append(worker.failure)
         elif rc == 0:
             worker.state = WorkerState.SUCCEEDED
             self._last_finish = self._clock()
@@ -436,6 +452,8 @@ class Supervisor:
         # Read what the pipes still hold so the tail and the traceback are complete.
         self._drain_worker(worker, deadline=self._clock() + 0.2)
         record = read_error_file(worker.spec.error_file) or {}
+        if record and rc < 0 and self._closing:
+            rc = 1  # it raised, then our teardown cut its exit short: the exception is what it did
         return WorkerFailure(
             rank=worker.rank,
             local_rank=worker.spec.local_rank,
@@ -556,19 +574,27 @@ class Supervisor:
         finally:
             self._release()
 
+    def _open_groups(self) -> list[int]:
+        """Process groups that still have members. Once a group is empty its id (the rank's pid) may be
+        reused by an unrelated process, so it is never signalled again."""
+        for w in self.workers:
+            if w.group_open and (w.pid is None or (w.returncode is not None and not _group_alive(w.pid))):
+                w.group_open = False
+        return [w.pid for w in self.workers if w.group_open and w.pid is not None]
+
     def _terminate(self, sig: int, grace: float) -> None:
         self._closing = True
-        groups = [w.pid for w in self.workers if w.pid is not None]
-        for pgid in groups:
+        for pgid in self._open_groups():
             _signal_group(pgid, sig)
         deadline = self._clock() + grace
         while self._clock() < deadline and not self._kill_now:
-            if not any(w.alive for w in self.workers) and not any(_group_alive(g) for g in groups):
+            if not any(w.alive for w in self.workers) and not self._open_groups():
                 break
             self._process_events(0.01)
             self._reap_adopted()
         stragglers = [w for w in self.workers if w.alive]
-        if stragglers or any(_group_alive(g) for g in groups):
+        groups = self._open_groups()
+        if stragglers or groups:
             if stragglers:
                 why = "a second interrupt" if self._kill_now else f"{grace:g}s after {signal_name(sig)}"
                 ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
@@ -581,7 +607,7 @@ class Supervisor:
                 w.popen.wait()
                 self._reap(w)
         end = self._clock() + 1.0
-        while any(_group_alive(g) for g in groups) and self._clock() < end:
+        while self._open_groups() and self._clock() < end:
             self._reap_adopted()
             time.sleep(0.005)
         for w in self.workers:

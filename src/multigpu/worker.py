@@ -53,10 +53,15 @@ def guard_parent(expected_parent: int | None) -> None:
 
     A pidfd wakes a daemon thread the instant the launcher exits; checking the parent PID after opening
     it closes the race with a launcher that died while this process was starting. The thread, not a
-    parent-death signal, does the killing, so the worker's own children go too.
+    parent-death signal, does the killing, so the worker's own children go too: a SIGKILL from the
+    kernel would end the worker before it could end them. Only across ``exec``, where the thread is
+    gone, does the kernel's parent-death SIGKILL take over (``arm_pdeathsig_on_exec``).
     """
-    if expected_parent is None:
+    global _guarded
+    if expected_parent is None or _guarded:
         return
+    _guarded = True
+    arm_pdeathsig_on_exec(expected_parent)
     try:
         pidfd: int | None = os.pidfd_open(expected_parent)
     except (AttributeError, OSError):
@@ -65,6 +70,34 @@ def guard_parent(expected_parent: int | None) -> None:
         end_own_group()
     threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
                      daemon=True).start()
+
+
+_guarded = False
+PR_SET_PDEATHSIG = 1
+
+
+def set_pdeathsig(sig: int) -> bool:
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def arm_pdeathsig_on_exec(expected_parent: int) -> None:
+    """Wrap ``os.execv``/``os.execve`` so a worker that replaces itself keeps a parent-death signal."""
+    def wrap(exec_function: Any) -> Any:
+        def arming_exec(*args: Any) -> Any:
+            set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != expected_parent:  # the launcher died just now: do not start the program
+                end_own_group()
+            return exec_function(*args)
+
+        return arming_exec
+
+    os.execv = wrap(os.execv)
+    os.execve = wrap(os.execve)
 
 
 def register_stack_dumps() -> None:

@@ -310,3 +310,19 @@ def test_manager_nodes_join_through_base_rank_and_world_size(tmp_path: Path) -> 
     found = sorted(re.findall(r"rank=(\d) world=4 group=(\d) sum=10", out))
     assert found == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")]
     assert_gone(pids_in(out))
+
+
+def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                 "--rdzv-timeout", "20")
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                  "--rdzv-timeout", "20")
+    time.sleep(0.5)
+    again = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                 "--rdzv-timeout", "20")
+    results = [finish(p) for p in (again, second, first)]
+    refused = [err for rc, _, err in results if rc == 1 and "is claimed by both" in err]
+    assert refused, [err[-500:] for _, _, err in results]
+    assert_gone(pids_in("".join(out for _, out, _ in results)))

@@ -312,3 +312,25 @@ def test_devices_without_gpu(tmp_path: Path) -> None:
     result = run_cli(["devices"], cwd=tmp_path, timeout=20)
     assert result.returncode == 0
     assert "No GPU" in result.stdout and "--cpu N" in result.stdout
+
+
+def test_module_mode_finds_a_package_in_the_current_directory(tmp_path: Path) -> None:
+    """The installed `multigpu` command has no current directory on sys.path; workers do (python -m)."""
+    import sys
+
+    command = Path(sys.executable).parent / "multigpu"
+    if not command.exists():
+        pytest.skip("the multigpu console script is not installed next to this Python")
+    pkg = tmp_path / "localpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write_script(pkg, "job.py", """
+        import os
+        print(f"pid={os.getpid()} ran {__spec__.name}", flush=True)
+    """)
+    result = subprocess.run([str(command), "run", "--cpu", "1", "--output", str(tmp_path / "out"), "-m",
+                             "localpkg.job"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=45)
+    assert result.returncode == 0, result.stderr
+    assert "ran localpkg.job" in result.stdout
+    assert_gone(pids_in(result.stdout))

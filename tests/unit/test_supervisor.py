@@ -480,3 +480,57 @@ def test_abort_from_another_thread_fails_the_run(make: Callable[..., Supervisor]
     sup.close()
     assert [w.state for w in sup.workers] == [WorkerState.STOPPED] * 2
     assert_gone(pids)
+
+
+def test_root_cause_is_first_in_time_even_when_a_later_failure_is_reaped_first(
+        make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """The real cause (rank 0 raised first) is still finishing when a rank hit by it exits; after
+    teardown the report names the first failure in time, not the first one reaped."""
+    cause = py(f"""
+        import json, os, time
+        json.dump({{"type": "ValueError", "message": "the cause", "time": time.time(),
+                    "traceback": "Traceback...\\nValueError: the cause"}},
+                  open(os.environ["MULTIGPU_ERROR_FILE"], "w"))
+        open({str(tmp_path / "raised")!r}, "w").close()
+        time.sleep(1.0)  # a slow exit: atexit handlers, flushing
+        raise SystemExit(1)
+    """)
+    victim = py(f"""
+        import json, os, time
+        while not os.path.exists({str(tmp_path / "raised")!r}):
+            time.sleep(0.01)
+        json.dump({{"type": "RuntimeError", "message": "peer closed", "time": time.time()}},
+                  open(os.environ["MULTIGPU_ERROR_FILE"], "w"))
+        raise SystemExit(1)
+    """)
+    sup = make([spec(0, cause, tmp_path, error_file=True), spec(1, victim, tmp_path, error_file=True)])
+    sup.start()
+    pids = worker_pids(sup)
+    first = finish(sup)
+    assert first.root_cause is not None and first.root_cause.rank == 1  # reaped first
+    sup.close()
+    final = sup.final_result(first)
+    assert final.root_cause is not None
+    assert (final.root_cause.rank, final.root_cause.message) == (0, "the cause")
+    assert final.root_cause.exit_code == 1 and final.root_cause.signal is None
+    assert [f.rank for f in final.failures] == [0, 1]
+    assert_gone(pids)
+
+
+def test_a_long_line_without_newline_reaches_the_sink(make: Callable[..., Supervisor],
+                                                      tmp_path: Path) -> None:
+    seen: list[bytes] = []
+
+    class Sink:
+        def write_lines(self, worker: object, stream: str, lines: list[bytes]) -> None:
+            seen.extend(lines)
+
+    argv = py("import sys; sys.stdout.write('x' * 200000); sys.stdout.flush()")
+    sup = make([spec(0, argv, tmp_path)], sink=Sink())
+    sup.start()
+    pids = worker_pids(sup)
+    assert finish(sup).status is RunStatus.SUCCEEDED
+    sup.close()
+    assert sum(len(line) for line in seen) == 200000
+    assert all(line for line in seen), "no empty lines invented at the cut"
+    assert_gone(pids)
