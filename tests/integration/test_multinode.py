@@ -325,4 +325,8 @@ def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
     results = [finish(p) for p in (again, second, first)]
     refused = [err for rc, _, err in results if rc == 1 and "is claimed by both" in err]
     assert refused, [err[-500:] for _, _, err in results]
-    assert_gone(pids_in("".join(out for _, out, _ in results)))
+    # An inconsistent layout fails the whole job at the rendezvous, so usually no worker started.
+    assert all(rc == 1 for rc, _, _ in results)
+    pids = pids_in("".join(out for _, out, _ in results))
+    if pids:
+        assert_gone(pids)
