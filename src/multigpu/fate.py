@@ -7,6 +7,7 @@ and reports it; a node whose beats stop, or a store that stops answering, counts
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 from .errors import WorkerFailure
 from .rendezvous import JobStore
+from .supervisor import RunResult
 
 BEAT_S = 0.2
 LOST_AFTER_S = 1.5
@@ -118,3 +120,48 @@ class FateMonitor:
             elif now - since > self._lost_after_s:
                 return node
         return None
+
+
+PUBLISH_TIMEOUT_S = 1.0
+
+
+def share_failure(job: JobStore, result: RunResult) -> RunResult:
+    """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
+    root = result.root_cause
+    assert root is not None
+    if root.error_type == "NodeLost":
+        return result  # learned from the store (or its silence): nothing new to tell it
+    published: list[dict[str, Any]] = []
+
+    def publish() -> None:
+        with contextlib.suppress(Exception):  # the store is gone too: our failure is all we know
+            published.append(job.publish_abort(failure_record(root)))
+
+    # A store call over a cut link blocks with no time-out, so it gets a thread and a bound.
+    thread = threading.Thread(target=publish, name="multigpu-publish", daemon=True)
+    thread.start()
+    thread.join(PUBLISH_TIMEOUT_S)
+    if not published:
+        return result
+    winner = failure_from_record(published[0])
+    if (winner.node, winner.rank, winner.time) == (root.node, root.rank, root.time):
+        return result
+    return RunResult(result.status, [winner, *[f for f in result.failures if f is not winner]])
+
+
+def mark_done(job: JobStore) -> None:
+    """Say this node finished well, before its monitor stops beating, so no peer takes it for lost."""
+    with contextlib.suppress(Exception):  # a store that is gone cannot miss us
+        job.mark_done()
+
+
+def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:
+    """The store's host (base rank 0) keeps serving until every node is done or the job died."""
+    lost: list[WorkerFailure] = []
+    monitor = FateMonitor(job, lost.append)
+    monitor.start()
+    try:
+        while not lost and not job.all_done() and job.read_abort() is None:
+            time.sleep(poll_s)
+    finally:
+        monitor.stop()

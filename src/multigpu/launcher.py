@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import sys
-import threading
-import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .config import RunConfig, new_run_id
 from .console import PrefixedConsole
 from .devices import cuda_visible_devices_for, visible_gpus
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
-from .errors import WorkerFailure, signal_name
-from .fate import FateMonitor, failure_from_record, failure_record
+from .errors import signal_name
+from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
@@ -29,7 +25,6 @@ from .signals import capture_signals, set_child_subreaper
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
-PUBLISH_TIMEOUT_S = 1.0
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
@@ -161,8 +156,8 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
         record.end_attempt(result)
         code = _exit_code(result)
         if result.status is RunStatus.SUCCEEDED:
-            if rdzv.job is not None:
-                finish_job(rdzv.job, config)
+            if rdzv.job is not None and config.base_rank == 0:
+                serve_until_all_done(rdzv.job)
             break
         _say(format_report(result, workers, attempt=attempt))
         if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts:
@@ -170,20 +165,6 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
         _say(f"restarting: attempt {attempt + 1} of {config.max_restarts} restart(s)")
     record.finish("succeeded" if code == 0 else "failed", code)
     return code
-
-
-def finish_job(job: JobStore, config: RunConfig, poll_s: float = 0.2) -> None:
-    """The store's host keeps serving until every node is done (each said so) or the job died."""
-    if config.base_rank != 0:
-        return
-    lost: list[WorkerFailure] = []
-    monitor = FateMonitor(job, lost.append)
-    monitor.start()
-    try:
-        while not lost and not job.all_done() and job.read_abort() is None:
-            time.sleep(poll_s)
-    finally:
-        monitor.stop()
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
@@ -221,8 +202,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
             supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
         result = supervisor.final_result(result)
         if job is not None and result.status is RunStatus.SUCCEEDED:
-            with contextlib.suppress(Exception):  # a store that is gone cannot miss us
-                job.mark_done()  # before the monitor stops beating, so no peer takes us for lost
+            mark_done(job)
     if live is not None:
         from .status import print_summary_table
 
@@ -230,27 +210,3 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     else:
         _say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
     return result, supervisor.workers
-
-
-def share_failure(job: JobStore, result: RunResult) -> RunResult:
-    """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
-    root = result.root_cause
-    assert root is not None
-    if root.error_type == "NodeLost":
-        return result  # learned from the store (or its silence): nothing new to tell it
-    published: list[dict[str, Any]] = []
-
-    def publish() -> None:
-        with contextlib.suppress(Exception):  # the store is gone too: our failure is all we know
-            published.append(job.publish_abort(failure_record(root)))
-
-    # A store call over a cut link blocks with no time-out, so it gets a thread and a bound.
-    thread = threading.Thread(target=publish, name="multigpu-publish", daemon=True)
-    thread.start()
-    thread.join(PUBLISH_TIMEOUT_S)
-    if not published:
-        return result
-    winner = failure_from_record(published[0])
-    if (winner.node, winner.rank, winner.time) == (root.node, root.rank, root.time):
-        return result
-    return RunResult(result.status, [winner, *[f for f in result.failures if f is not winner]])

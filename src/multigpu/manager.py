@@ -37,12 +37,14 @@ from .environment import (
     inside_launched_worker,
     usable_cpu_count,
 )
-from .errors import MultiGPUError, WorkerFailedError
-from .rendezvous import DEFAULT_TIMEOUT_S, bind_store_socket, serve_store
+from .errors import MultiGPUError, WorkerFailedError, WorkerFailure
+from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
+from .rendezvous import DEFAULT_TIMEOUT_S, JobStore, bind_store_socket, connect_store, serve_store
 from .supervisor import RunResult, RunStatus, Supervisor, WorkerSpec
 from .worker import guard_parent
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
+RDZV_TIMEOUT_S = 600.0  # how long nodes wait for each other, as `multigpu run --rdzv-timeout`
 HPO_FILE = "optimized_hyper_parameters.json"
 
 
@@ -126,6 +128,8 @@ class MultiGPUManager:
         self._created_group = False
         self._previous_excepthook = sys.excepthook
         self._saved_environ: dict[str, str | None] = {}
+        self._job: JobStore | None = None
+        self._monitor: FateMonitor | None = None
 
     # ---- the seed's API ------------------------------------------------------------------------------
 
@@ -145,10 +149,13 @@ class MultiGPUManager:
         timeout = dist_timeout_s(self._start_time, self._timeout)
         endpoint = self._serve_store(timeout) if self._base_rank == 0 else str(self._endpoint)
         self._rdzv_endpoint = endpoint
-        run_id = new_run_id()
+        run_id = self._join_job() if self._world_size > len(self._gpu_ids) else new_run_id()
         specs = self._child_specs(out, endpoint, run_id, timeout)
         self._supervisor = Supervisor(specs, sink=PrefixedConsole(), grace_period=self._grace_period)
         self._supervisor.start()
+        if self._job is not None:
+            self._monitor = FateMonitor(self._job, self._on_remote_failure)
+            self._monitor.start()
         atexit.register(self._close_at_exit)
         self._watcher = threading.Thread(target=self._watch, name="multigpu-supervisor", daemon=True)
         self._watcher.start()
@@ -177,6 +184,10 @@ class MultiGPUManager:
                 self._watcher.join(self._grace_period + 5)
                 raise MultiGPUError(f"child processes were still running {bound:g}s after rank "
                                     f"{self._base_rank} finished; they were stopped")
+            if self._job is not None and self._error is None:
+                mark_done(self._job)
+                if self._base_rank == 0:
+                    serve_until_all_done(self._job)  # the other nodes still need the store
         finally:
             self._finalized = True
             self._restore_signal_handlers()
@@ -287,9 +298,30 @@ class MultiGPUManager:
             device = f"cuda:{self._gpu_ids[local_rank]}" if self._device == "cuda" else "cpu"
             specs.append(WorkerSpec(
                 rank=rank, local_rank=local_rank, device=device, env=env, error_file=error_file,
+                node=placement.group_rank,
                 argv=[sys.executable, "-m", "multigpu.worker", "function", str(payload)],
                 log_path=out / "logs" / f"rank_{rank}.log"))
         return specs
+
+    def _join_job(self) -> str:
+        """Several nodes: the same membership, run id and layout checks as ``multigpu run``."""
+        local = len(self._gpu_ids)
+        store = self._store if self._base_rank == 0 else connect_store(
+            self._endpoint.host, self._endpoint.port, RDZV_TIMEOUT_S)
+        self._job = JobStore(store, node=self._base_rank // local, base_rank=self._base_rank, nproc=local,
+                             world_size=self._world_size)
+        run_id = self._job.settle_run_id(new_run_id() if self._base_rank == 0 else None)
+        self._job.join(RDZV_TIMEOUT_S)
+        return run_id
+
+    def _on_remote_failure(self, failure: WorkerFailure) -> None:
+        """Another node failed (or vanished): stop the children and tell this process's main thread."""
+        if self._error is None:
+            self._error = WorkerFailedError(failure)
+            if not self._finalizing and self._main_thread is not None:
+                _raise_in_thread(self._main_thread, self._error)
+        if self._supervisor is not None:
+            self._supervisor.abort(failure)
 
     def _watch(self) -> None:
         supervisor = self._supervisor
@@ -303,8 +335,13 @@ class MultiGPUManager:
         if result.status is RunStatus.INTERRUPTED:
             supervisor.close(sig=result.signal or signal.SIGTERM)
             return
+        if self._job is not None:
+            result = share_failure(self._job, result)
         root = result.root_cause
         assert root is not None
+        if self._error is not None:  # a remote failure that the monitor already raised
+            supervisor.close(dump_stacks=True)
+            return
         self._error = WorkerFailedError(root, result.failures[1:])
         if not self._finalizing and self._main_thread is not None:
             _raise_in_thread(self._main_thread, self._error)  # before teardown: as early as we know
@@ -322,7 +359,7 @@ class MultiGPUManager:
                     self._supervisor.request_stop()  # rank 0 itself failed: stop the children now
                 self._watcher.join(self._grace_period + 2)
         if self._error is not None and not isinstance(exc, WorkerFailedError):
-            print(f"multigpu: the root cause is a child rank: {self._error}", file=sys.stderr, flush=True)
+            print(f"multigpu: root cause: {self._error}", file=sys.stderr, flush=True)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -358,6 +395,9 @@ class MultiGPUManager:
         self._saved_environ = {}
 
     def _shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         if self._supervisor is not None:

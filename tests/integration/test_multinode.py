@@ -330,3 +330,46 @@ def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
     pids = pids_in("".join(out for _, out, _ in results))
     if pids:
         assert_gone(pids)
+
+
+MANAGER_NODE_FAILING = """
+    import os, sys, time
+    from multigpu import MultiGPUManager
+
+    def train():
+        import torch, torch.distributed as dist
+        print(f"pid={os.getpid()}", flush=True)
+        dist.barrier()
+        if dist.get_rank() == 3:
+            time.sleep(0.3)
+            raise RuntimeError("rank 3 broke on node 1")
+        t = torch.ones(1)
+        for _ in range(100000):
+            dist.all_reduce(t)
+            time.sleep(0.01)
+
+    if __name__ == "__main__":
+        base, endpoint, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+        manager = MultiGPUManager(train, "0,1", rdzv_endpoint=endpoint, base_rank=base, world_size=4,
+                                  device="cpu", grace_period=1)
+        manager.setup_multi_gpu_train(out)
+        try:
+            train()
+        finally:
+            manager.finalize()
+"""
+
+
+def test_manager_nodes_share_fate(tmp_path: Path) -> None:
+    from helpers import PYTHON, clean_env
+
+    script = write_script(tmp_path, "node.py", MANAGER_NODE_FAILING)
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
+                              cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for base in (0, 2)]
+    results = [finish(p, timeout=60) for p in procs]
+    assert all(rc != 0 for rc, _, _ in results)
+    node0_err = results[0][2]
+    assert "rank 3 (node 1" in node0_err and "rank 3 broke on node 1" in node0_err, node0_err[-2000:]
+    assert_gone(pids_in("".join(out for _, out, _ in results)))
