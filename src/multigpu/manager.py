@@ -40,8 +40,8 @@ from .environment import (
 from .errors import MultiGPUError, WorkerFailedError, WorkerFailure
 from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
 from .rendezvous import DEFAULT_TIMEOUT_S, JobStore, bind_store_socket, connect_store, serve_store
-from .supervisor import RunResult, RunStatus, Supervisor, WorkerSpec
-from .worker import guard_parent
+from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec, read_error_file
+from .worker import ANNOUNCE_ENV, guard_parent
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
 RDZV_TIMEOUT_S = 600.0  # how long nodes wait for each other, as `multigpu run --rdzv-timeout`
@@ -151,7 +151,8 @@ class MultiGPUManager:
         self._rdzv_endpoint = endpoint
         run_id = self._join_job() if self._world_size > len(self._gpu_ids) else new_run_id()
         specs = self._child_specs(out, endpoint, run_id, timeout)
-        self._supervisor = Supervisor(specs, sink=PrefixedConsole(), grace_period=self._grace_period)
+        self._supervisor = Supervisor(specs, sink=PrefixedConsole(), grace_period=self._grace_period,
+                                      on_failing=self._child_failing)
         self._supervisor.start()
         if self._job is not None:
             self._monitor = FateMonitor(self._job, self._on_remote_failure)
@@ -244,14 +245,14 @@ class MultiGPUManager:
         set_arguments_to_argv(["--output", "-o"], output_path)
         set_arguments_to_argv("--rdzv-endpoint", rdzv_endpoint)
         MultiGPUManager.initialize_multigpu_train(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
-        try:
-            train_func()
-        finally:
-            import torch.distributed as dist
+        train_func()
+        # Only after success: on an error the group stays up until the bootstrap has announced the
+        # failure, so the peers learn it from us rather than from a closed socket.
+        import torch.distributed as dist
 
-            if dist.is_initialized():
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
     # ---- internals -----------------------------------------------------------------------------------
 
@@ -295,6 +296,7 @@ class MultiGPUManager:
                                       group_world_size=max(1, -(-self._world_size // local)))
             error_file = out / "logs" / f"error_rank_{rank}.json"
             env = build_worker_env(base, placement, job, error_file=str(error_file))
+            env[ANNOUNCE_ENV] = "1"  # a failing child tells us before its sockets close
             device = f"cuda:{self._gpu_ids[local_rank]}" if self._device == "cuda" else "cpu"
             specs.append(WorkerSpec(
                 rank=rank, local_rank=local_rank, device=device, env=env, error_file=error_file,
@@ -314,12 +316,24 @@ class MultiGPUManager:
         self._job.join(RDZV_TIMEOUT_S)
         return run_id
 
-    def _on_remote_failure(self, failure: WorkerFailure) -> None:
-        """Another node failed (or vanished): stop the children and tell this process's main thread."""
+    def _child_failing(self, worker: Worker) -> None:
+        """A child announced its uncaught exception (it exits in a moment): raise it here now."""
+        record = read_error_file(worker.spec.error_file) or {}
+        self._deliver(WorkerFailure(
+            rank=worker.rank, local_rank=worker.spec.local_rank, pid=worker.pid, exit_code=1,
+            node=worker.spec.node, error_type=record.get("type"), message=record.get("message"),
+            traceback=record.get("traceback"), time=record.get("time"),
+            log_path=str(worker.spec.log_path) if worker.spec.log_path else None))
+
+    def _deliver(self, failure: WorkerFailure) -> None:
         if self._error is None:
             self._error = WorkerFailedError(failure)
             if not self._finalizing and self._main_thread is not None:
                 _raise_in_thread(self._main_thread, self._error)
+
+    def _on_remote_failure(self, failure: WorkerFailure) -> None:
+        """Another node failed (or vanished): stop the children and tell this process's main thread."""
+        self._deliver(failure)
         if self._supervisor is not None:
             self._supervisor.abort(failure)
 
@@ -339,7 +353,7 @@ class MultiGPUManager:
             result = share_failure(self._job, result)
         root = result.root_cause
         assert root is not None
-        if self._error is not None:  # a remote failure that the monitor already raised
+        if self._error is not None:  # already raised: announced by the child, or from another node
             supervisor.close(dump_stacks=True)
             return
         self._error = WorkerFailedError(root, result.failures[1:])

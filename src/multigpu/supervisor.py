@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from .errors import WorkerFailure, signal_name
-from .worker import DUMP_SIGNAL
+from .worker import DUMP_SIGNAL, FAILING_BEAT
 
 LOG_TAIL_LINES = 20
 MAX_LINE = 1 << 16
@@ -179,6 +179,7 @@ class Supervisor:
         notify: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         reap_orphans: bool = False,
+        on_failing: Callable[[Worker], None] | None = None,
     ) -> None:
         self.workers = [Worker(spec) for spec in specs]
         self._sink = sink
@@ -191,6 +192,7 @@ class Supervisor:
         self._notify = notify or (lambda msg: print(f"multigpu: {msg}", file=sys.stderr, flush=True))
         self._clock = clock
         self._reap_orphans = reap_orphans
+        self._on_failing = on_failing
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -372,6 +374,8 @@ class Supervisor:
             return
         if data:
             worker.last_activity = self._clock()
+            if FAILING_BEAT in data and self._on_failing is not None:
+                self._on_failing(worker)
         else:
             self._selector.unregister(fd)
             os.close(fd)

@@ -186,6 +186,26 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         raise SystemExit(f"multigpu.worker: unknown mode {mode!r}")
 
 
+FAILING_BEAT = b"!"
+ANNOUNCE_ENV = "MULTIGPU_ANNOUNCE_FAILURE"
+ANNOUNCE_WAIT_S = 0.2
+
+
+def announce_failure() -> None:
+    """Function mode: tell the parent this rank failed while its sockets are still open.
+
+    The parent is rank 0 and is probably blocked in a collective with this rank; given a moment, it
+    queues the typed error first, so that error, not gloo's "connection closed", is what it raises
+    once this rank's exit wakes the collective.
+    """
+    fd = os.environ.get("MULTIGPU_HEARTBEAT_FD")
+    if os.environ.get(ANNOUNCE_ENV) != "1" or not fd:
+        return
+    with contextlib.suppress(OSError):
+        os.write(int(fd), FAILING_BEAT)
+        time.sleep(ANNOUNCE_WAIT_S)
+
+
 def exit_failed(code: int) -> None:
     """Leave at once after a recorded failure, the way the peers' launcher needs.
 
@@ -195,6 +215,7 @@ def exit_failed(code: int) -> None:
     """
     import atexit
 
+    announce_failure()
     try:
         atexit._run_exitfuncs()
     finally:

@@ -212,8 +212,6 @@ BLOCKED = COMMON + """
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a parent blocked in a collective gets gloo's 'Connection closed by "
-                   "peer' RuntimeError, not the WorkerFailedError issue 2 promises to its main thread")
 def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
     script = write_script(tmp_path, "blocked.py", BLOCKED)
     env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path)})
