@@ -97,3 +97,22 @@ def wait_for_lines(path: Path, pattern: str, count: int, timeout: float) -> list
                 return found
         time.sleep(0.05)
     raise AssertionError(f"{path} never had {count} lines matching {pattern!r}")
+
+
+def free_port() -> int:
+    """A port for a test's fixed rendezvous endpoint, below the kernel's ephemeral range so that no
+    outgoing connection (a gloo pair, a store client) can take it between this check and the bind."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(200):
+        port = random.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import WorkerFailure
 from .rendezvous import JobStore
-from .supervisor import RunResult
+from .supervisor import RunResult, RunStatus
 
 BEAT_S = 0.2
 LOST_AFTER_S = 1.5
@@ -131,22 +131,45 @@ def share_failure(job: JobStore, result: RunResult) -> RunResult:
     assert root is not None
     if root.error_type == "NodeLost":
         return result  # learned from the store (or its silence): nothing new to tell it
-    published: list[dict[str, Any]] = []
+    return _with_root(result, _bounded(lambda: job.publish_abort(failure_record(root))))
 
-    def publish() -> None:
-        with contextlib.suppress(Exception):  # the store is gone too: our failure is all we know
-            published.append(job.publish_abort(failure_record(root)))
 
-    # A store call over a cut link blocks with no time-out, so it gets a thread and a bound.
-    thread = threading.Thread(target=publish, name="multigpu-publish", daemon=True)
+def settle_root(job: JobStore, result: RunResult) -> RunResult:
+    """After teardown, read the job's abort record once more: a peer may have failed earlier than us
+    but published later."""
+    root = result.root_cause
+    if result.status not in (RunStatus.FAILED, RunStatus.HUNG) or root is None:
+        return result
+    if root.error_type == "NodeLost":
+        return result  # a lost node or store: asking the store again would only wait
+    return _with_root(result, _bounded(job.read_abort))
+
+
+def _bounded(call: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A store call over a cut link blocks with no time-out, so it gets a thread and a bound."""
+    answer: list[dict[str, Any] | None] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the store is gone too: what we know locally stands
+            answer.append(call())
+
+    thread = threading.Thread(target=run, name="multigpu-store-call", daemon=True)
     thread.start()
     thread.join(PUBLISH_TIMEOUT_S)
-    if not published:
+    return answer[0] if answer else None
+
+
+def _with_root(result: RunResult, record: dict[str, Any] | None) -> RunResult:
+    """``result`` with the job-wide first failure first, when the store's record is earlier than ours."""
+    root = result.root_cause
+    if record is None or "reason" in record or root is None:
         return result
-    winner = failure_from_record(published[0])
-    if (winner.node, winner.rank, winner.time) == (root.node, root.rank, root.time):
+    winner = failure_from_record(record)
+    if (winner.node, winner.rank) == (root.node, root.rank):
         return result
-    return RunResult(result.status, [winner, *[f for f in result.failures if f is not winner]])
+    if root.time is not None and winner.time is not None and winner.time > root.time:
+        return result
+    return RunResult(result.status, [winner, *result.failures], result.signal)
 
 
 def mark_done(job: JobStore) -> None:

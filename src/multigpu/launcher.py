@@ -17,7 +17,7 @@ from .devices import cuda_visible_devices_for, visible_gpus
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from .errors import signal_name
-from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
+from .fate import FateMonitor, mark_done, serve_until_all_done, settle_root, share_failure
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
@@ -201,6 +201,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         else:
             supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
         result = supervisor.final_result(result)
+        if job is not None:
+            result = settle_root(job, result)
         if job is not None and result.status is RunStatus.SUCCEEDED:
             mark_done(job)
     if live is not None:

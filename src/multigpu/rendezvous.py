@@ -195,9 +195,17 @@ class JobStore:
         return json.loads(value) if value else None
 
     def publish_abort(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Write the abort record unless one exists; return the one that won (the first failure)."""
-        value = self.store.compare_set(self.key("abort"), "", json.dumps(record)).decode()
-        return dict(json.loads(value))
+        """Make the abort record the earliest failure in time (compare-and-set, so concurrent writers
+        from several nodes agree); return the record that stands."""
+        key, ours = self.key("abort"), json.dumps(record)
+        current = self.store.compare_set(key, "", ours).decode()
+        while current != ours:
+            existing = dict(json.loads(current))
+            never = float("inf")
+            if "reason" in existing or (existing.get("time") or never) <= (record.get("time") or never):
+                return existing
+            current = self.store.compare_set(key, current, ours).decode()
+        return record
 
 
 def _ranges(ranks: list[int]) -> str:

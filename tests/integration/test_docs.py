@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, clean_env
+from helpers import assert_gone, clean_env, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -124,11 +124,6 @@ def gpu_visible() -> bool:
 
     return bool(visible_gpus())
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, pids_in, run_cli, start_cli, write_script
+from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
 
 pytestmark = pytest.mark.integration
 
@@ -43,11 +42,6 @@ SLEEP = """
     time.sleep(120)
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node(tmp_path: Path, script: Path, *args: str) -> subprocess.Popen[str]:
