@@ -290,14 +290,19 @@ MANAGER_NODE = """
 """
 
 
-def test_manager_nodes_join_through_base_rank_and_world_size(tmp_path: Path) -> None:
+def start_manager_nodes(tmp_path: Path, code: str) -> list[subprocess.Popen[str]]:
+    """Two processes running ``code`` as MultiGPUManager nodes with base ranks 0 and 2 of a 2x2 job."""
     from helpers import PYTHON, clean_env
 
-    script = write_script(tmp_path, "node.py", MANAGER_NODE)
+    script = write_script(tmp_path, "node.py", code)
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
-                              cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for base in (0, 2)]
+    return [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
+                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for base in (0, 2)]
+
+
+def test_manager_nodes_join_through_base_rank_and_world_size(tmp_path: Path) -> None:
+    procs = start_manager_nodes(tmp_path, MANAGER_NODE)
     results = [finish(p) for p in procs]
     assert [rc for rc, _, _ in results] == [0, 0], "".join(err for _, _, err in results)
     out = "".join(o for _, o, _ in results)
@@ -355,13 +360,7 @@ MANAGER_NODE_FAILING = """
 
 
 def test_manager_nodes_share_fate(tmp_path: Path) -> None:
-    from helpers import PYTHON, clean_env
-
-    script = write_script(tmp_path, "node.py", MANAGER_NODE_FAILING)
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
-                              cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for base in (0, 2)]
+    procs = start_manager_nodes(tmp_path, MANAGER_NODE_FAILING)
     results = [finish(p, timeout=60) for p in procs]
     assert all(rc != 0 for rc, _, _ in results)
     node0_err = results[0][2]
