@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .endpoint import Endpoint
+from .environment import node_count
 
 
 def new_run_id() -> str:
@@ -56,7 +57,7 @@ class RunConfig:
         """Node count: ranks are laid out in equal blocks of ``nproc`` when the layout allows it."""
         if self.nnodes is not None:
             return self.nnodes
-        return max(1, -(-self.resolved_world_size // self.nproc))
+        return node_count(self.resolved_world_size, self.nproc)
 
     @property
     def group_rank(self) -> int:

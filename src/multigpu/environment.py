@@ -32,6 +32,18 @@ class RankPlacement:
     group_rank: int = 0
     group_world_size: int = 1
 
+    @classmethod
+    def on_node(cls, rank: int, local_rank: int, world_size: int, local_world_size: int) -> RankPlacement:
+        """A rank whose node holds ``local_world_size`` consecutive ranks, as every node does here."""
+        local = max(1, local_world_size)
+        return cls(rank=rank, local_rank=local_rank, world_size=world_size,
+                   local_world_size=local_world_size, group_rank=(rank - local_rank) // local,
+                   group_world_size=node_count(world_size, local))
+
+
+def node_count(world_size: int, local_world_size: int) -> int:
+    return max(1, -(-world_size // max(1, local_world_size)))
+
 
 @dataclass(frozen=True)
 class JobContext:
@@ -71,8 +83,26 @@ def build_worker_env(
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` plus the torchrun contract and multigpu's own keys."""
     env = {k: v for k, v in base.items() if k not in CONTRACT_KEYS}
+    env.update(rank_env(placement, job), PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(job.cpu_count, placement.local_world_size)))
+    if job.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = job.cuda_visible_devices
+    if error_file is not None:
+        env["MULTIGPU_ERROR_FILE"] = error_file
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if store_fd is not None:
+        env["MULTIGPU_STORE_FD"] = str(store_fd)
+    return env
+
+
+def rank_env(placement: RankPlacement, job: JobContext) -> dict[str, str]:
+    """Only the keys that make a process this rank: torchrun's contract and multigpu's job keys.
+
+    Function mode applies exactly these to the calling process, which becomes a rank itself.
+    """
     p = placement
-    env.update(
+    env = dict(
         RANK=str(p.rank),
         LOCAL_RANK=str(p.local_rank),
         WORLD_SIZE=str(p.world_size),
@@ -87,7 +117,6 @@ def build_worker_env(
         TORCHELASTIC_RUN_ID=job.run_id,
         TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
-        PYTHONUNBUFFERED="1",
         MULTIGPU_RUN_ID=job.run_id,
         MULTIGPU_DEVICE=job.device,
         MULTIGPU_NODE_RANK=str(p.group_rank),
@@ -95,19 +124,10 @@ def build_worker_env(
     )
     if job.use_agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    env.setdefault("OMP_NUM_THREADS", str(omp_threads(job.cpu_count, p.local_world_size)))
-    if job.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = job.cuda_visible_devices
     if job.output_dir is not None:
         env["MULTIGPU_OUTPUT_DIR"] = job.output_dir
     if job.launcher_pid is not None:
         env["MULTIGPU_LAUNCHER_PID"] = str(job.launcher_pid)
-    if error_file is not None:
-        env["MULTIGPU_ERROR_FILE"] = error_file
-        env["TORCHELASTIC_ERROR_FILE"] = error_file
-    if store_fd is not None:
-        env["MULTIGPU_STORE_FD"] = str(store_fd)
     return env
 
 

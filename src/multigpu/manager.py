@@ -35,6 +35,7 @@ from .environment import (
     RankPlacement,
     build_worker_env,
     inside_launched_worker,
+    rank_env,
     usable_cpu_count,
 )
 from .errors import MultiGPUError, WorkerFailedError, WorkerFailure
@@ -210,21 +211,15 @@ class MultiGPUManager:
         Returns True when it created the group (False when one already existed).
         """
         endpoint = parse_endpoint(rdzv_endpoint)
-        local_world = len(gpu_ids)
-        os.environ.update(
-            MASTER_ADDR=endpoint.bind_host, MASTER_PORT=str(endpoint.port), RANK=str(rank),
-            LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(local_world),
-            GROUP_RANK=str((rank - local_rank) // max(1, local_world)),  # the node's, as in _child_specs
-            GROUP_WORLD_SIZE=str(max(1, -(-world_size // max(1, local_world)))),
-            ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world_size), ROLE_NAME="default",
-            TORCHELASTIC_USE_AGENT_STORE="True",
-        )
-        os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
-        os.environ.setdefault("TORCHELASTIC_MAX_RESTARTS", "0")
         import torch
         import torch.distributed as dist
 
         device = os.environ.get("MULTIGPU_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        placement = RankPlacement.on_node(rank, local_rank, world_size, len(gpu_ids))
+        job = JobContext(master_addr=endpoint.bind_host, master_port=endpoint.port, device=device,
+                         run_id=os.environ.get("TORCHELASTIC_RUN_ID", "multigpu"),
+                         output_dir=os.environ.get("MULTIGPU_OUTPUT_DIR"))
+        os.environ.update(rank_env(placement, job))  # the one place: this process becomes the rank
         if device == "cuda":
             torch.cuda.set_device(gpu_ids[local_rank])
         if dist.is_initialized():
@@ -291,9 +286,7 @@ class MultiGPUManager:
             with open(payload, "wb") as f:
                 pickle.dump(preparation, f)
                 pickle.dump((MultiGPUManager.run_child_process, args), f)
-            placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=self._world_size,
-                                      local_world_size=local, group_rank=self._base_rank // max(1, local),
-                                      group_world_size=max(1, -(-self._world_size // local)))
+            placement = RankPlacement.on_node(rank, local_rank, self._world_size, local)
             error_file = out / "logs" / f"error_rank_{rank}.json"
             env = build_worker_env(base, placement, job, error_file=str(error_file))
             env[ANNOUNCE_ENV] = "1"  # a failing child tells us before its sockets close
