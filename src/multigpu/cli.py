@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from ._version import __version__
 from .config import RunConfig
+from .console import ensure_std_fds
 from .devices import dedupe, parse_index_list, visible_gpus
 from .endpoint import parse_endpoint
 from .environment import inside_launched_worker
@@ -269,6 +270,7 @@ commands:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    ensure_std_fds()  # before anything opens a descriptor: closed 0-2 must not be reused
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(HELP, end="")

@@ -1,12 +1,235 @@
-"""The console side of worker output: whole lines, each prefixed with its rank, one writer."""
+"""The console: the launcher's stdout and stderr, written by a thread the supervisor never waits on.
+
+A console is whatever the user gave us: a terminal, a pager that stopped reading, ``head -1`` that
+left, ``/dev/full``, a closed descriptor. ``ConsoleWriter`` puts every console write (rank lines, the
+launcher's own messages, the live view) into a bounded buffer that a writer thread drains. When the
+buffer is full, lines are dropped and counted, and one notice says how many once the console reads
+again; when a descriptor fails (broken pipe, hang-up, no space) that stream of the console ends and
+nothing else does. The rank log files are written elsewhere (``output.py``) and are always complete.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import select
 import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Iterable
-from typing import IO
+from typing import TYPE_CHECKING
 
-from .supervisor import Worker
+if TYPE_CHECKING:
+    from .supervisor import Worker
+
+CAPACITY = 4 << 20
+"""Bytes the console may hold unwritten; a single larger line is still taken when the buffer is empty."""
+WRITE_CHUNK = 4096  # PIPE_BUF: after POLLOUT, a write this size does not block on a pipe
+STALL_S = 0.25
+"""At close, the buffer is flushed only while the console keeps reading; a stalled one gets this long."""
+FLUSH_LIMIT_S = 5.0
+CLEAR_LINE = b"\x1b[K"
+
+_active: ConsoleWriter | None = None
+
+
+def say(message: str) -> None:
+    """The launcher's own one-line messages, through the active console writer when there is one."""
+    text = f"multigpu: {message}\n"
+    if _active is not None:
+        _active.put(2, text.encode(errors="replace"), text.count("\n"))
+        return
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def active_writer() -> ConsoleWriter | None:
+    """The CLI's console writer while a run is on; None in function mode."""
+    return _active
+
+
+class WriterFile:
+    """A text file object over a ConsoleWriter descriptor, for rich's live view and tables."""
+
+    def __init__(self, writer: ConsoleWriter | None, fd: int = 2) -> None:
+        self._writer, self._fd = writer, fd
+
+    def write(self, text: str) -> int:
+        if self._writer is not None:
+            self._writer.put(self._fd, text.encode(errors="replace"), text.count("\n"))
+        else:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._writer is None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return self._writer.ttys.get(self._fd, False) if self._writer is not None else _isatty(self._fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+def ensure_std_fds() -> None:
+    """Open /dev/null onto closed descriptors 0-2, before anything else can take those numbers.
+
+    Under some daemons and CI runners the launcher starts with stdin, stdout or stderr closed; the
+    next pipe or socket would get that number, and a rank started with ``stdin=DEVNULL`` (a dup2
+    onto 0) or our own console writes would then clobber it.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:  # a lower descriptor was closed too and is now filled; keep going
+                os.dup2(opened, fd)
+                os.close(opened)
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 - the process's own stream
+
+
+class ConsoleWriter:
+    """A bounded buffer of console writes and the thread that drains it; see the module docstring."""
+
+    def __init__(self, capacity: int = CAPACITY, fds: Iterable[int] = (1, 2)) -> None:
+        self.capacity = capacity
+        self._queue: deque[tuple[int, bytes, int]] = deque()
+        self._queued = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.dead: dict[int, str] = {}
+        self.dropped = 0
+        self.dropped_total = 0
+        self._last_progress = time.monotonic()
+        self.ttys = {fd: _isatty(fd) for fd in fds}
+
+    # ---- the producer side (the supervisor's loop): never blocks -------------------------------------
+
+    def put(self, fd: int, data: bytes, lines: int = 1) -> None:
+        with self._cond:
+            if fd in self.dead or self._stop:
+                return
+            if self._queued and self._queued + len(data) > self.capacity:
+                self.dropped += lines
+                self.dropped_total += lines
+                return
+            self._queue.append((fd, data, lines))
+            self._queued += len(data)
+            self._cond.notify()
+
+    # ---- lifetime -------------------------------------------------------------------------------------
+
+    def __enter__(self) -> ConsoleWriter:
+        global _active
+        self._thread = threading.Thread(target=self._run, name="multigpu-console", daemon=True)
+        self._thread.start()
+        _active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush while the console reads (up to FLUSH_LIMIT_S), then stop; a stalled console costs
+        STALL_S at most, and what it never took is dropped."""
+        global _active
+        if _active is self:
+            _active = None
+        deadline = time.monotonic() + FLUSH_LIMIT_S
+        with self._cond:
+            while self._queue and time.monotonic() < deadline:
+                if time.monotonic() - self._last_progress > STALL_S:
+                    break
+                self._cond.wait(0.02)
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=STALL_S)  # a thread stuck in a write is a daemon: left behind
+
+    # ---- the writer thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                fd, data, _ = self._queue[0]
+            self._write(fd, data)
+            with self._cond:
+                self._queue.popleft()
+                self._queued -= len(data)
+                self._last_progress = time.monotonic()
+                notice = self._drop_notice()
+                self._cond.notify_all()
+            if notice:
+                self._write(2, notice)
+
+    def _drop_notice(self) -> bytes | None:
+        if not self.dropped or self._queued > self.capacity // 2:
+            return None
+        count, self.dropped = self.dropped, 0
+        return (f"multigpu: {count} console line(s) dropped: the console was not reading "
+                f"(the rank logs have every line)\n").encode()
+
+    def _write(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        while view and fd not in self.dead:
+            if self._stop:
+                return
+            try:
+                events = poller.poll(100)
+                if not events:
+                    continue
+                if any(ev & (select.POLLERR | select.POLLNVAL) for _, ev in events):
+                    raise OSError(errno.EPIPE, "the console went away")
+                written = os.write(fd, view[:WRITE_CHUNK])
+            except InterruptedError:
+                continue
+            except BlockingIOError:
+                time.sleep(0.01)
+                continue
+            except OSError as exc:  # EPIPE, EIO (hang-up), ENOSPC, EBADF...: this stream is over
+                self._end(fd, exc.strerror or str(exc))
+                return
+            view = view[written:]
+            with self._cond:
+                self._last_progress = time.monotonic()
+
+    def _end(self, fd: int, why: str) -> None:
+        """One stream of the console is gone; say so once on the other if it still works."""
+        with self._cond:
+            self.dead[fd] = why
+            current, *rest = self._queue  # the caller pops the item it was writing
+            self._queued -= sum(len(d) for f, d, _ in rest if f == fd)
+            self._queue = deque([current, *(item for item in rest if item[0] != fd)])
+        other = 2 if fd == 1 else 1
+        if other not in self.dead:
+            name = "stdout" if fd == 1 else "stderr"
+            message = f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n"
+            with contextlib.suppress(OSError):
+                if select.select([], [other], [], 0)[1]:
+                    os.write(other, message.encode())
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def rank_prefix(rank: int, node: int | None = None) -> bytes:
@@ -14,16 +237,22 @@ def rank_prefix(rank: int, node: int | None = None) -> bytes:
 
 
 class PrefixedConsole:
-    """Writes workers' lines to the launcher's stdout/stderr; the per-rank log files keep everything."""
+    """Workers' lines on the launcher's stdout/stderr, each prefixed with its rank.
+
+    With a ``ConsoleWriter`` (the CLI) nothing here blocks. Without one (function mode, where the
+    console is the user's own Python process) lines are written directly, as before.
+    A progress bar (an unfinished line) is drawn in place on a terminal: the bottom line of the
+    stream shows the latest bar; other lines are printed above it and the bar is redrawn.
+    """
 
     def __init__(self, log_ranks: Iterable[int] | None = None, qualify_node: bool = False,
-                 stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> None:
+                 writer: ConsoleWriter | None = None) -> None:
         self.log_ranks = None if log_ranks is None else frozenset(log_ranks)
         self.qualify_node = qualify_node
-        self._out = stdout or sys.stdout.buffer
-        self._err = stderr or sys.stderr.buffer
+        self._writer = writer
         self._prefixes: dict[int, bytes] = {}
-        self._closed = False
+        self._bars: dict[int, tuple[tuple[int, str], bytes]] = {}  # fd -> (rank, stream), drawn bar
+        self._closed: set[int] = set()
 
     def shows(self, rank: int) -> bool:
         return self.log_ranks is None or rank in self.log_ranks
@@ -36,14 +265,51 @@ class PrefixedConsole:
         return p
 
     def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
+        if not self.shows(worker.rank) or not lines:
+            return
+        fd = 2 if stream == "stderr" else 1
+        p = self.prefix(worker)
+        data = b"".join(p + line + b"\n" for line in lines)
+        bar = self._bars.get(fd)
+        if bar is not None:
+            owner, drawn = bar
+            if owner == (worker.rank, stream):  # the bar's own line ended: it replaces the bar
+                del self._bars[fd]
+                data = b"\r" + (CLEAR_LINE if self._tty(fd) else b"") + data
+            else:  # print above the bar, then draw it again
+                data = self._erase(fd) + data + (drawn if self._tty(fd) else b"")
+                if not self._tty(fd):
+                    del self._bars[fd]
+        self._put(fd, data, len(lines))
+
+    def write_partial(self, worker: Worker, stream: str, text: bytes) -> None:
         if not self.shows(worker.rank):
             return
-        if self._closed:
+        fd = 2 if stream == "stderr" else 1
+        drawn = b"\r" + self.prefix(worker) + text + (CLEAR_LINE if self._tty(fd) else b"")
+        bar = self._bars.get(fd)
+        data = drawn
+        if bar is not None and bar[0] != (worker.rank, stream) and not self._tty(fd):
+            data = b"\n" + drawn  # a pipe or file: a new bar starts on its own line
+        self._bars[fd] = ((worker.rank, stream), drawn)
+        self._put(fd, data, 0)
+
+    def _erase(self, fd: int) -> bytes:
+        return b"\r" + CLEAR_LINE if self._tty(fd) else b"\n"
+
+    def _tty(self, fd: int) -> bool:
+        return self._writer.ttys.get(fd, False) if self._writer is not None else _isatty(fd)
+
+    def _put(self, fd: int, data: bytes, lines: int) -> None:
+        if self._writer is not None:
+            self._writer.put(fd, data, lines)
             return
-        p = self.prefix(worker)
-        out = self._err if stream == "stderr" else self._out
+        if fd in self._closed:
+            return
+        out = sys.stderr if fd == 2 else sys.stdout
         try:
-            out.write(b"".join(p + line + b"\n" for line in lines))
             out.flush()
-        except OSError:  # the console went away (`| head`, a closed terminal): the log files go on
-            self._closed = True
+            out.buffer.write(data)
+            out.flush()
+        except (OSError, ValueError, AttributeError):  # the console went away: the log files go on
+            self._closed.add(fd)

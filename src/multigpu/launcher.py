@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import RunConfig, new_run_id
-from .console import PrefixedConsole
+from .console import ConsoleWriter, PrefixedConsole, active_writer, say
 from .devices import cuda_visible_devices_for, visible_gpus
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
@@ -21,7 +21,8 @@ from .fate import FateMonitor, mark_done, serve_until_all_done, settle_root, sha
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
-from .signals import capture_signals, set_child_subreaper
+from .rundir import check_run_id, claim_output, raise_open_file_limit
+from .signals import capture_signals, end_with_signal, set_child_subreaper
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
@@ -63,7 +64,7 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
 
 
 def _say(msg: str) -> None:
-    print(f"multigpu: {msg}", file=sys.stderr, flush=True)
+    say(msg)
 
 
 def _exit_code(result: RunResult) -> int:
@@ -78,7 +79,9 @@ def _exit_code(result: RunResult) -> int:
 def _use_live_view(config: RunConfig) -> bool:
     if config.status == "on":
         return True
-    return config.status == "auto" and sys.stderr.isatty() and sys.stdout.isatty()
+    writer = active_writer()
+    ttys = writer.ttys if writer is not None else {1: sys.stdout.isatty(), 2: sys.stderr.isatty()}
+    return config.status == "auto" and ttys.get(1, False) and ttys.get(2, False)
 
 
 @dataclass
@@ -117,8 +120,24 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
-    """Run the job to its end and return the launcher's exit code."""
+    """Run the job to its end and return the launcher's exit code.
+
+    The console is a ``ConsoleWriter`` for the whole run, so no console (stalled, closed, full) can
+    hold the launcher. After a Ctrl-C the launcher ends itself with SIGINT once everything is torn
+    down, as Python does for KeyboardInterrupt, so a shell loop around it stops too.
+    """
+    with ConsoleWriter():
+        code, record = _launch(config, base_env)
+    if record is not None and record.stop_signal == signal.SIGINT:
+        end_with_signal(signal.SIGINT)
+    return code
+
+
+def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int, RunRecord | None]:
     base_env = dict(os.environ if base_env is None else base_env)
+    raise_open_file_limit(config.nproc)
+    if config.run_id is not None:
+        check_run_id(config.run_id)
     cvd = None
     devices = ["cpu"] * config.nproc
     if config.device == "cuda":
@@ -126,18 +145,28 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
         devices = [f"cuda:{i}" for i in config.gpus]
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
+    folder = None
     try:
         rdzv = rendezvous(config, sock)
+        check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
         output_dir = (config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve()
-        output_dir.mkdir(parents=True, exist_ok=True)
+        folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
         name = f"run_node{config.group_rank}.json" if config.multi_node else "run.json"
-        record = RunRecord(output_dir / name, config, rdzv.run_id, devices)
+        record = RunRecord.create(output_dir / name, config, rdzv.run_id, devices)
         what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
             else f"{config.nproc} CPU worker(s)"
         _say(f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
              f"output in {output_dir}")
-        return run_attempts(config, rdzv, record, output_dir, base_env, cvd)
+        try:
+            code = run_attempts(config, rdzv, record, output_dir, base_env, cvd)
+        except BaseException:
+            record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
+            raise
+        record.finish("succeeded" if code == 0 else "failed", code)
+        return code, record
     finally:
+        if folder is not None:
+            folder.release()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
 
@@ -169,12 +198,12 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
                 attempt: int, job: JobStore | None = None) -> tuple[RunResult, list[Worker]]:
-    console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node)
+    console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node, writer=active_writer())
     live = None
     if _use_live_view(config):
         from .status import LiveStatus
 
-        live = LiveStatus(f"multigpu attempt {attempt}", console)
+        live = LiveStatus(f"multigpu attempt {attempt}", console, active_writer())
     with ExitStack() as stack:
         supervisor = Supervisor(specs, sink=live or console, listener=record,
                                 grace_period=config.grace_period, hang_timeout=config.hang_timeout,
@@ -201,6 +230,9 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         else:
             supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
         result = supervisor.final_result(result)
+        for loss in supervisor.output_losses():
+            _say(f"output lost: {loss}")
+        record.note_losses(supervisor.output_losses())
         if job is not None:
             result = settle_root(job, result)
         if job is not None and result.status is RunStatus.SUCCEEDED:
@@ -208,7 +240,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     if live is not None:
         from .status import print_summary_table
 
-        print_summary_table(supervisor.workers)
+        print_summary_table(supervisor.workers, active_writer())
     else:
         _say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
     return result, supervisor.workers

@@ -1,17 +1,23 @@
 """Signal handling that only records: handlers hand the signal to the supervisor's loop, nothing more.
 
 Previous handlers are restored afterwards. SIGHUP is left alone when it was ignored at start (nohup).
+SIGINT, SIGTERM, SIGQUIT and SIGHUP stop the run (as torchrun does); SIGUSR1/2 are forwarded to the
+ranks. After a Ctrl-C, ``end_with_signal`` lets the launcher die of SIGINT itself, so the shell sees
+an interrupted command and a ``for`` loop around it stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
+             signal.SIGQUIT)
 
 
 @contextlib.contextmanager
@@ -45,3 +51,13 @@ def set_child_subreaper() -> bool:
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def end_with_signal(sig: int) -> None:
+    """Die of ``sig`` with its default action (everything is torn down and flushed by now)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+    os.kill(os.getpid(), sig)

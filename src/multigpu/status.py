@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
-from .console import PrefixedConsole
+from .console import ConsoleWriter, PrefixedConsole, WriterFile
+from .output import display_text
 from .supervisor import Worker, WorkerState
 
 _STATE_STYLE = {
@@ -29,34 +29,47 @@ def _rss_mib(pid: int | None) -> str:
         return "-"
 
 
-def status_table(workers: list[Worker], title: str = "multigpu", live: bool = True) -> Any:
+def status_table(workers: list[Worker], title: str = "multigpu", live: bool = True,
+                 bars: dict[int, str] | None = None) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     now = time.monotonic()
     table = Table(title=title, title_justify="left", expand=False)
-    for col in ("rank", "pid", "device", "state", "run time", "quiet for", "memory"):
-        table.add_column(col, justify="right" if col in ("rank", "pid") else "left")
+    columns = ["rank", "pid", "device", "state", "run time", "quiet for", "memory"]
+    if bars:
+        columns.append("progress")
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("rank", "pid") else "left",
+                         no_wrap=col == "progress", overflow="ellipsis")
     for w in workers:
         took = (w.end_time or time.time()) - (w.start_time or time.time())
         quiet = f"{now - w.last_activity:.0f}s" if w.alive else "-"
-        table.add_row(str(w.rank), str(w.pid or "-"), w.spec.device,
-                      Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
-                      _rss_mib(w.pid) if (live and w.alive) else "-")
+        cells: list[Any] = [str(w.rank), str(w.pid or "-"), w.spec.device,
+                 Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
+                 _rss_mib(w.pid) if (live and w.alive) else "-"]
+        if bars:
+            cells.append(Text(bars.get(w.rank, ""), no_wrap=True))
+        table.add_row(*cells)
     return table
 
 
 class LiveStatus:
-    """A status table pinned under the scrolling log lines; refreshed at most twice a second."""
+    """A status table pinned under the scrolling log lines; refreshed at most twice a second.
 
-    def __init__(self, title: str, console: PrefixedConsole) -> None:
+    A rank's progress bar (an unfinished ``\r`` line) is drawn in place in the table's progress
+    column, never as a line per update. Everything goes through the console writer.
+    """
+
+    def __init__(self, title: str, console: PrefixedConsole, writer: ConsoleWriter | None = None) -> None:
         from rich.console import Console
         from rich.live import Live
 
         self.workers: list[Worker] = []
         self.title = title
         self._prefixed = console
-        self.console = Console(file=sys.stderr)
+        self.bars: dict[int, str] = {}
+        self.console = Console(file=WriterFile(writer, 2), force_terminal=True)  # type: ignore[arg-type]
         self._live = Live(status_table(self.workers, title), console=self.console, auto_refresh=False,
                           transient=True, redirect_stdout=False, redirect_stderr=False)
 
@@ -68,17 +81,24 @@ class LiveStatus:
         self._live.stop()
 
     def refresh(self) -> None:
-        self._live.update(status_table(self.workers, self.title), refresh=True)
+        self._live.update(status_table(self.workers, self.title, bars=self.bars), refresh=True)
+
+    def write_partial(self, worker: Worker, stream: str, text: bytes) -> None:
+        if self._prefixed.shows(worker.rank):
+            self.bars[worker.rank] = display_text(text).decode(errors="replace")
+            self.refresh()
 
     def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
         if not self._prefixed.shows(worker.rank):
             return
+        self.bars.pop(worker.rank, None)
         prefix = self._prefixed.prefix(worker)
         text = "\n".join((prefix + line).decode(errors="replace") for line in lines)
         self._live.console.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
 
 
-def print_summary_table(workers: list[Worker]) -> None:
+def print_summary_table(workers: list[Worker], writer: ConsoleWriter | None = None) -> None:
     from rich.console import Console
 
-    Console(file=sys.stderr).print(status_table(workers, "multigpu summary", live=False))
+    console = Console(file=WriterFile(writer, 2), force_terminal=writer is not None)  # type: ignore[arg-type]
+    console.print(status_table(workers, "multigpu summary", live=False))

@@ -4,7 +4,15 @@
 ``wait()`` runs one event loop over process descriptors, output pipes, heartbeats and a wake-up pipe
 until all ranks succeed, one fails, a hang is seen or a stop is requested, and ``close()`` tears the
 group down: optional stack dumps, the stop signal to every group (exited ranks' included), one shared
-deadline, SIGKILL for what is left, reap. ``close()`` is safe to call twice; ``start()`` twice raises.
+deadline, SIGKILL for what is left, a bounded reap. ``close()`` is safe to call twice; ``start()``
+twice raises. What the workers write is ``output.WorkerOutput``'s business: the loop hands it ready
+pipes and never waits on a console.
+
+Progress for ``--hang-timeout`` is the rank's own: its heartbeats (the bootstrap beats whenever the
+rank itself writes to stdout or stderr, and ``multigpu.heartbeat()``). Pipe output counts only for a
+worker that never beat (a program not run by our bootstrap), since a rank's children share its pipes.
+A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
+succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
 
 Worker states::
 
@@ -21,20 +29,23 @@ import os
 import selectors
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
+from .console import say
 from .errors import WorkerFailure, signal_name
-from .worker import DUMP_SIGNAL, FAILING_BEAT
+from .output import OutputSink, Stream, WorkerOutput
+from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
 
 LOG_TAIL_LINES = 20
-MAX_LINE = 1 << 16
+KILL_WAIT_S = 5.0
+"""How long a rank may take to vanish after SIGKILL; longer means uninterruptible sleep (a driver)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
 
 
 class WorkerState(str, enum.Enum):
@@ -66,6 +77,10 @@ class WorkerSpec:
     error_file: Path | None = None
     pass_fds: tuple[int, ...] = ()
     cwd: str | None = None
+    stream_files: Mapping[str, Path] = field(default_factory=dict)
+    """"stdout"/"stderr" -> a file that gets exactly that stream's bytes (torchrun's --log-dir files)."""
+    console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
+    """The streams shown on the console (torchrun's --redirects without --tee hides one)."""
 
 
 @dataclass
@@ -78,14 +93,22 @@ class Worker:
     end_time: float | None = None
     returncode: int | None = None
     last_activity: float = 0.0
+    """The last progress of the rank itself (heartbeats), for --hang-timeout."""
+    last_output: float = 0.0
     failure: WorkerFailure | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     open_streams: int = 0
     heartbeat_read_fd: int | None = None
-    log_file: IO[bytes] | None = None
     capture: list[str] | None = None
     group_open: bool = True
     dump: list[str] = field(default_factory=list)
+    beats: bool = False
+    """True once the bootstrap beat: from then on only beats count as progress."""
+    finished: bool = False
+    """The bootstrap said its script returned and everything it left to do at exit is done."""
+    late_death: str | None = None
+    """How a finished rank's process ended badly anyway (torch's exit-time abort), for the report."""
+    unkillable: bool = False
 
     @property
     def rank(self) -> int:
@@ -111,24 +134,8 @@ class RunResult:
         return self.failures[0] if self.failures else None
 
 
-class OutputSink(Protocol):
-    """Where whole lines from the workers go besides their log files (the console, a status view)."""
-
-    def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None: ...
-
-
 class SupervisorListener(Protocol):
     def on_worker_change(self, worker: Worker) -> None: ...
-
-
-class _Stream:
-    """One pipe of one worker, split into whole lines."""
-
-    __slots__ = ("buffer", "fd", "name", "worker")
-
-    def __init__(self, worker: Worker, name: str, fd: int) -> None:
-        self.worker, self.name, self.fd = worker, name, fd
-        self.buffer = b""
 
 
 def read_error_file(path: Path | None) -> dict[str, Any] | None:
@@ -145,6 +152,14 @@ def read_error_file(path: Path | None) -> dict[str, Any] | None:
         return {"type": None, "message": info.get("message"), "traceback": extra.get("py_callstack"),
                 "time": float(extra.get("timestamp", 0)) or None}
     return data if isinstance(data, dict) else None
+
+
+def _proc_state(pid: int | None) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -182,15 +197,15 @@ class Supervisor:
         on_failing: Callable[[Worker], None] | None = None,
     ) -> None:
         self.workers = [Worker(spec) for spec in specs]
-        self._sink = sink
         self._listener = listener
         self.grace_period = grace_period
         self.hang_timeout = hang_timeout
         self._tick = tick
         self._tick_period = tick_period
         self._dump_wait = dump_wait
-        self._notify = notify or (lambda msg: print(f"multigpu: {msg}", file=sys.stderr, flush=True))
+        self._notify = notify or say
         self._clock = clock
+        self._output = WorkerOutput(sink, self._notify, clock)
         self._reap_orphans = reap_orphans
         self._on_failing = on_failing
         self._selector = selectors.DefaultSelector()
@@ -228,9 +243,10 @@ class Supervisor:
 
     def _spawn(self, worker: Worker, now: float) -> None:
         spec = worker.spec
-        if spec.log_path is not None:
-            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-            worker.log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the worker
+        if spec.error_file is not None:  # an earlier run's record must never be read as this one's
+            with contextlib.suppress(FileNotFoundError):
+                spec.error_file.unlink()
+        self._output.open(worker)
         hb_r, hb_w = os.pipe()
         os.set_blocking(hb_r, False)
         os.set_blocking(hb_w, False)
@@ -249,13 +265,10 @@ class Supervisor:
         self._selector.register(hb_r, selectors.EVENT_READ, ("beat", worker))
         worker.state = WorkerState.RUNNING
         worker.start_time = time.time()
-        worker.last_activity = now
-        for name, pipe in (("stdout", worker.popen.stdout), ("stderr", worker.popen.stderr)):
-            assert pipe is not None
-            fd = pipe.fileno()
-            os.set_blocking(fd, False)
-            self._selector.register(fd, selectors.EVENT_READ, ("out", _Stream(worker, name, fd)))
-            worker.open_streams += 1
+        worker.last_activity = worker.last_output = now
+        pipes = (("stdout", worker.popen.stdout), ("stderr", worker.popen.stderr))
+        for stream in self._output.attach(worker, pipes):
+            self._selector.register(stream.fd, selectors.EVENT_READ, ("out", stream))
         try:
             worker.pidfd = os.pidfd_open(worker.popen.pid)
             self._selector.register(worker.pidfd, selectors.EVENT_READ, ("exit", worker))
@@ -310,6 +323,9 @@ class Supervisor:
         period = self._tick_period
         if self.hang_timeout is not None:
             period = min(period, max(0.01, self.hang_timeout / 4))
+        due = self._output.due_in()
+        if due is not None:
+            period = min(period, max(0.01, due))
         if any(w.pidfd is None and w.alive for w in self.workers):
             period = min(period, 0.05)
         return period if remaining is None else max(0.0, min(period, remaining))
@@ -340,6 +356,8 @@ class Supervisor:
             kind, obj = key.data
             if kind == "out":
                 self._read_stream(obj)
+                if not obj.worker.beats:  # not our bootstrap: its output is all we know of it
+                    obj.worker.last_activity = obj.worker.last_output
             elif kind == "exit":
                 self._reap(obj)
             elif kind == "beat":
@@ -351,6 +369,7 @@ class Supervisor:
         for worker in self.workers:
             if worker.pidfd is None and worker.alive and worker.popen and worker.popen.poll() is not None:
                 self._reap(worker)
+        self._output.show_partials()
         if any(w.group_open and w.returncode is not None for w in self.workers):
             self._open_groups()
         self._handle_signals()
@@ -367,13 +386,17 @@ class Supervisor:
 
     def _read_beats(self, worker: Worker) -> None:
         fd = worker.heartbeat_read_fd
-        assert fd is not None
+        if fd is None:
+            return
         try:
             data = os.read(fd, 4096)
         except BlockingIOError:
             return
         if data:
             worker.last_activity = self._clock()
+            worker.beats = True
+            if DONE_BEAT in data:
+                worker.finished = True
             if FAILING_BEAT in data and self._on_failing is not None:
                 self._on_failing(worker)
         else:
@@ -381,48 +404,9 @@ class Supervisor:
             os.close(fd)
             worker.heartbeat_read_fd = None
 
-    def _read_stream(self, stream: _Stream) -> None:
-        try:
-            data = os.read(stream.fd, MAX_LINE)
-        except BlockingIOError:
-            return
-        if not data:
-            self._end_stream(stream)
-            return
-        stream.worker.last_activity = self._clock()
-        buffer = stream.buffer + data
-        cut = buffer.rfind(b"\n")
-        if cut < 0:
-            if len(buffer) < MAX_LINE:
-                stream.buffer = buffer
-                return
-            buffer += b"\n"  # a very long line without a newline: pass it on as it is
-            cut = len(buffer) - 1
-        stream.buffer = buffer[cut + 1:]
-        self._emit(stream, buffer[: cut + 1])
-
-    def _end_stream(self, stream: _Stream) -> None:
-        if stream.buffer:
-            self._emit(stream, stream.buffer + b"\n")
-            stream.buffer = b""
-        self._selector.unregister(stream.fd)
-        worker = stream.worker
-        pipe = worker.popen.stdout if stream.name == "stdout" else worker.popen.stderr  # type: ignore[union-attr]
-        if pipe is not None:
-            pipe.close()
-        worker.open_streams -= 1
-
-    def _emit(self, stream: _Stream, chunk: bytes) -> None:
-        """``chunk`` holds whole lines only; it goes to the log file in one write, then to the sink."""
-        worker = stream.worker
-        if worker.log_file is not None:
-            worker.log_file.write(chunk)
-        lines = chunk.split(b"\n")[:-1]
-        worker.tail.extend(line.decode(errors="replace") for line in lines[-LOG_TAIL_LINES:])
-        if worker.capture is not None:
-            worker.capture.extend(line.decode(errors="replace") for line in lines)
-        if self._sink is not None:
-            self._sink.write_lines(worker, stream.name, lines)
+    def _read_stream(self, stream: Stream) -> None:
+        if not self._output.read(stream):
+            self._selector.unregister(stream.fd)
 
     def _reap(self, worker: Worker) -> None:
         if worker.returncode is not None or worker.popen is None:
@@ -434,9 +418,13 @@ class Supervisor:
             self._selector.unregister(worker.pidfd)
             os.close(worker.pidfd)
             worker.pidfd = None
+        self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
+        if rc != 0 and worker.finished:
+            self._finished_anyway(worker, rc)
+            rc = 0
         if self._closing or self._stop_signal is not None:
             worker.state = WorkerState.SUCCEEDED if rc == 0 else WorkerState.STOPPED
-            if rc != 0 and self._stop_signal is None and read_error_file(worker.spec.error_file):
+            if rc != 0 and self._stop_signal is None and self._error_record(worker):
                 # It raised on its own while we tore down: it may even have failed first.
                 worker.state = WorkerState.FAILED
                 worker.failure = self._failure_of(worker)
@@ -450,12 +438,35 @@ class Supervisor:
             self._failures.append(worker.failure)
         self._changed(worker)
 
+    def _finished_anyway(self, worker: Worker, rc: int) -> None:
+        how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
+        worker.late_death = how
+        self._notify(f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had "
+                     f"finished (an exit-time crash, e.g. in torch's C++ teardown); its work is done, "
+                     f"so it counts as a success")
+
+    def _error_record(self, worker: Worker) -> dict[str, Any] | None:
+        """The rank's error record, if this very process wrote it (never an earlier run's file)."""
+        path = worker.spec.error_file
+        record = read_error_file(path)
+        if not record or path is None:
+            return None
+        pid = record.get("pid")
+        if pid is not None:
+            return record if pid == worker.pid else None
+        try:  # torch's @record format carries no pid: it must at least be newer than the process
+            fresh = path.stat().st_mtime >= (worker.start_time or 0) - 1.0
+        except OSError:
+            return None
+        return record if fresh else None
+
     def _failure_of(self, worker: Worker) -> WorkerFailure:
         rc = worker.returncode
         assert rc is not None
-        # Read what the pipes still hold so the tail and the traceback are complete.
-        self._drain_worker(worker, deadline=self._clock() + 0.2)
-        record = read_error_file(worker.spec.error_file) or {}
+        # Read what the pipes hold now, so the tail and the traceback are complete; not a moment
+        # more: a DataLoader-style child may keep them open long after the rank itself has gone.
+        self._output.drain(self._output.of(worker))
+        record = self._error_record(worker) or {}
         if record and rc < 0 and self._closing:
             rc = 1  # it raised, then our teardown cut its exit short: the exception is what it did
         return WorkerFailure(
@@ -473,23 +484,9 @@ class Supervisor:
             log_path=str(worker.spec.log_path) if worker.spec.log_path else None,
         )
 
-    def _drain_worker(self, worker: Worker, deadline: float) -> None:
-        """Read a worker's pipes until EOF or the deadline (grandchildren may hold them open)."""
-        streams = [key.data[1] for key in self._selector.get_map().values()
-                   if key.data[0] == "out" and key.data[1].worker is worker]
-        while streams and self._clock() < deadline:
-            ready = selectors.DefaultSelector()
-            for s in streams:
-                ready.register(s.fd, selectors.EVENT_READ, s)
-            try:
-                events = ready.select(max(0.0, deadline - self._clock()))
-            finally:
-                ready.close()
-            if not events:
-                break
-            for key, _ in events:
-                self._read_stream(key.data)
-            streams = [s for s in streams if s.fd in self._selector.get_map()]
+    def output_losses(self) -> list[str]:
+        """Log files that could not be written in full (a full disk), one line each."""
+        return self._output.losses()
 
     def _changed(self, worker: Worker) -> None:
         if self._listener is not None:
@@ -500,7 +497,7 @@ class Supervisor:
             self._failures.append(self._external.popleft())
         while self._signals:
             signum = self._signals.popleft()
-            if signum in (signal.SIGINT, signal.SIGTERM):
+            if signum in STOP_SIGNALS:
                 if self._stop_signal is not None or self._closing:
                     if signum == signal.SIGINT:
                         self._kill_now = True  # a second Ctrl-C: no more grace
@@ -546,7 +543,7 @@ class Supervisor:
         targets = [w for w in (workers or self.workers) if w.alive and w.pid is not None]
         if not targets:
             return
-        activity = {w.rank: w.last_activity for w in targets}
+        activity = {w.rank: w.last_output for w in targets}
         for w in targets:
             w.capture = []
             with contextlib.suppress(ProcessLookupError):
@@ -554,8 +551,8 @@ class Supervisor:
         deadline = self._clock() + self._dump_wait
         while self._clock() < deadline:
             self._process_events(0.02)
-            pending = [w for w in targets if w.alive and w.last_activity == activity[w.rank]]
-            quiet = all(self._clock() - w.last_activity >= 0.03 for w in targets if w.alive)
+            pending = [w for w in targets if w.alive and w.last_output == activity[w.rank]]
+            quiet = all(self._clock() - w.last_output >= 0.03 for w in targets if w.alive)
             if not pending and quiet:
                 break
         for w in targets:
@@ -606,16 +603,32 @@ class Supervisor:
             for pgid in groups:
                 _signal_group(pgid, signal.SIGKILL)
         self._kill_escaped()
-        for w in self.workers:
-            if w.popen is not None and w.returncode is None:
-                w.popen.wait()
-                self._reap(w)
+        self._reap_killed()
         end = self._clock() + 1.0
         while self._open_groups() and self._clock() < end:
             self._reap_adopted()
             time.sleep(0.005)
         for w in self.workers:
-            self._drain_worker(w, deadline=self._clock() + 0.2)
+            self._output.drain(self._output.of(w))
+
+    def _reap_killed(self) -> None:
+        """Reap every rank after SIGKILL, within KILL_WAIT_S: one in uninterruptible sleep (a driver
+        call that never returns) is named and left, not waited on forever."""
+        deadline = time.monotonic() + KILL_WAIT_S
+        for w in self.workers:
+            if w.popen is None or w.returncode is not None:
+                continue
+            try:
+                w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.unkillable = True
+                w.state = WorkerState.STOPPED
+                self._notify(f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
+                             f"(state {_proc_state(w.pid)}: probably stuck in the kernel or a driver); "
+                             f"leaving it behind")
+                self._changed(w)
+                continue
+            self._reap(w)
 
     def _kill_escaped(self) -> None:
         """As a subreaper, also end descendants that left their worker's process group (setsid)."""
@@ -643,10 +656,7 @@ class Supervisor:
                 os.waitpid(child.pid, os.WNOHANG)
 
     def _release(self) -> None:
-        for key in list(self._selector.get_map().values()):
-            kind, obj = key.data
-            if kind == "out":
-                self._end_stream(obj)
+        self._output.close()
         for w in self.workers:
             if w.heartbeat_read_fd is not None:
                 with contextlib.suppress(KeyError):
@@ -658,9 +668,6 @@ class Supervisor:
                     self._selector.unregister(w.pidfd)
                 os.close(w.pidfd)
                 w.pidfd = None
-            if w.log_file is not None:
-                w.log_file.close()
-                w.log_file = None
         self._selector.close()
         with self._wake_lock:
             os.close(self._wake_r)

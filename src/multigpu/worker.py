@@ -1,8 +1,12 @@
 """The worker bootstrap: ``python -m multigpu.worker {script|module|function} TARGET [ARGS...]``.
 
 Before any user code runs it (1) ties the worker's fate to its launcher, (2) registers faulthandler
-for crashes and on-demand stack dumps, (3) serves the c10d store on rank 0 when asked to, and then
-runs the target, recording an uncaught exception in a per-rank error file. No decorator needed.
+for crashes and on-demand stack dumps, (3) takes the heartbeat descriptor out of the environment and
+beats whenever the rank itself writes to stdout or stderr, (4) serves the c10d store on rank 0 when
+asked to, and then runs the target, recording an uncaught exception in a per-rank error file. No
+decorator needed. When the target returns, the bootstrap finishes what interpreter exit would (non-
+daemon threads, atexit handlers, file buffers) and only then tells the launcher "done": a crash after
+that point (torch's C++ teardown aborting at exit) cannot undo finished work.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -62,6 +67,7 @@ def guard_parent(expected_parent: int | None) -> None:
         return
     _guarded = True
     arm_pdeathsig_on_exec(expected_parent)
+    set_pdeathsig(signal.SIGCONT)  # wakes a SIGSTOPped rank so its watch thread can run
     try:
         pidfd: int | None = os.pidfd_open(expected_parent)
     except (AttributeError, OSError):
@@ -187,6 +193,78 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
 
 
 FAILING_BEAT = b"!"
+DONE_BEAT = b"D"
+DONE_WAIT_S = 1.0
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+class _BeatingStream:
+    """sys.stdout/sys.stderr as they were, plus a heartbeat (at most every 50 ms) on each write by
+    this process: a rank's own output is progress, its children's output (same pipe) is not."""
+
+    def __init__(self, stream: Any) -> None:
+        object.__setattr__(self, "_stream", stream)
+        object.__setattr__(self, "_next", 0.0)
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            object.__setattr__(self, "_next", now + 0.05)
+            from .progress import heartbeat
+
+            heartbeat()
+
+    def write(self, text: str) -> int:
+        self._beat()
+        return int(self._stream.write(text))
+
+    def writelines(self, lines: Any) -> None:
+        self._beat()
+        self._stream.writelines(lines)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._stream, name, value)
+
+
+def take_heartbeat() -> None:
+    """Own the heartbeat descriptor: out of the environment (grandchildren never see it), not
+    inheritable, and output written by this process counts as progress."""
+    from .progress import attach
+
+    fd = os.environ.pop("MULTIGPU_HEARTBEAT_FD", None)
+    if fd is None or not fd.isdigit():
+        return
+    attach(int(fd))
+    sys.stdout = _BeatingStream(sys.stdout)  # type: ignore[assignment]
+    sys.stderr = _BeatingStream(sys.stderr)  # type: ignore[assignment]
+
+
+def quiet_numpy_warning() -> None:
+    """torch installs without numpy and then warns "Failed to initialize NumPy" at import, once per
+    rank. Nothing is lost by hiding exactly that warning, for every script: code that uses numpy
+    fails at its own ``import numpy`` or gets torch's explicit "Numpy is not available" error."""
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+
+
+def finish_like_exit() -> None:
+    """What interpreter exit does for the user's code, done now, then "done" to the launcher."""
+    import atexit
+
+    current = threading.current_thread()
+    while True:
+        waiting = [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]
+        if not waiting:
+            break
+        for thread in waiting:
+            thread.join()
+    atexit._run_exitfuncs()
+    flush_open_files()
+    from .progress import send
+
+    send(DONE_BEAT, wait_s=DONE_WAIT_S)
 ANNOUNCE_ENV = "MULTIGPU_ANNOUNCE_FAILURE"
 ANNOUNCE_WAIT_S = 0.2
 
@@ -198,11 +276,11 @@ def announce_failure() -> None:
     queues the typed error first, so that error, not gloo's "connection closed", is what it raises
     once this rank's exit wakes the collective.
     """
-    fd = os.environ.get("MULTIGPU_HEARTBEAT_FD")
-    if os.environ.get(ANNOUNCE_ENV) != "1" or not fd:
+    from .progress import send
+
+    if os.environ.get(ANNOUNCE_ENV) != "1":
         return
-    with contextlib.suppress(OSError):
-        os.write(int(fd), FAILING_BEAT)
+    if send(FAILING_BEAT):
         time.sleep(ANNOUNCE_WAIT_S)
 
 
@@ -247,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     launcher = os.environ.get("MULTIGPU_LAUNCHER_PID")
     guard_parent(int(launcher) if launcher else None)
     register_stack_dumps()
+    take_heartbeat()
+    quiet_numpy_warning()
     error_file = os.environ.get("MULTIGPU_ERROR_FILE")
     try:
         serve_store_if_asked()
@@ -254,7 +334,9 @@ def main(argv: list[str] | None = None) -> None:
 
         heartbeat()  # start-up (rank 0 imports torch to serve the store) is not a hang
         run_target(mode, target, args)
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            finish_like_exit()
         raise
     except BaseException as exc:
         exc.__traceback__ = user_frames(exc.__traceback__)
@@ -262,6 +344,8 @@ def main(argv: list[str] | None = None) -> None:
             write_error_file(error_file, exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         exit_failed(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    else:
+        finish_like_exit()
 
 
 if __name__ == "__main__":
