@@ -45,7 +45,8 @@ from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
 LOG_TAIL_LINES = 20
 KILL_WAIT_S = 5.0
 """How long a rank may take to vanish after SIGKILL; longer means uninterruptible sleep (a driver)."""
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+"""Signals that stop the run; the others the launcher catches (SIGHUP, SIGUSR1/2) go to the ranks."""
 
 
 class WorkerState(str, enum.Enum):

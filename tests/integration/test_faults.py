@@ -293,8 +293,11 @@ def test_launcher_sigkill_takes_everything_down(tmp_path: Path,
     assert proc.returncode == -signal.SIGKILL
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
-                         ids=["SIGINT", "SIGTERM"])
+# After a Ctrl-C the launcher dies of SIGINT itself (so a shell loop stops); other stop signals exit
+# 128 + N, SIGQUIT included (handled like SIGTERM, as torchrun does). SIGHUP is forwarded (below).
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 143),
+                                           (signal.SIGQUIT, 131)],
+                         ids=["SIGINT", "SIGTERM", "SIGQUIT"])
 def test_launcher_signal_stops_everything(tmp_path: Path, launched: list[subprocess.Popen[str]],
                                           sig: signal.Signals, code: int) -> None:
     proc, out, pids = start_sleepers(tmp_path, launched, "--max-restarts", "2")
@@ -306,6 +309,8 @@ def test_launcher_signal_stops_everything(tmp_path: Path, launched: list[subproc
     assert f"{sig.name} received" in err
     attempts = record(out)["attempts"]
     assert [a["status"] for a in attempts] == ["interrupted"]  # an interrupt is never retried
+    assert record(out)["status"] == "interrupted" and record(out)["exit_code"] == abs(code) % 128 + 128
+    assert record(out)["signal"] == sig.name
     assert_gone(pids)
 
 
@@ -332,7 +337,7 @@ time.sleep(60)
     rc, _, err = finish(proc, timeout=15)
     took = time.monotonic() - t0
     print(f"launcher exited {took:.3f}s after the first SIGINT (grace period 30s)")
-    assert rc == 130, err
+    assert rc == -signal.SIGINT, err
     assert "a second interrupt; sending SIGKILL" in err
     assert took < 15
     assert_gone(pids)
