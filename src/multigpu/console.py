@@ -155,6 +155,13 @@ class ConsoleWriter:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=STALL_S)  # a thread stuck in a write is a daemon: left behind
+        with self._cond:
+            lost = self.dropped + sum(lines for _, _, lines in self._queue)
+            self.dropped = 0
+        if lost and 2 not in self.dead and select.select([], [2], [], 0)[1]:
+            with contextlib.suppress(OSError):
+                os.write(2, f"multigpu: {lost} console line(s) dropped: the console was not reading "
+                            f"(the rank logs have every line)\n".encode())
 
     # ---- the writer thread ----------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 Previous handlers are restored afterwards. SIGHUP is left alone when it was ignored at start (nohup).
 SIGINT, SIGTERM and SIGQUIT stop the run (as torchrun does); SIGHUP and SIGUSR1/2 are forwarded to
-the ranks, whose own outcome then ends the run. After a Ctrl-C, ``end_with_signal`` lets the launcher die of SIGINT itself, so the shell sees
-an interrupted command and a ``for`` loop around it stops.
+the ranks, whose own outcome then ends the run. After a Ctrl-C, ``end_with_signal`` lets the
+launcher die of SIGINT itself, so the shell sees an interrupted command and a ``for`` loop stops.
 """
 
 from __future__ import annotations
