@@ -97,35 +97,50 @@ def ensure_std_fds() -> None:
             setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 - the process's own stream
 
 
+class _Channel:
+    """One descriptor of the console: its own queue, so a stalled stdout never holds stderr back."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.queue: deque[tuple[bytes, int]] = deque()
+        self.queued = 0
+        self.offset = 0  # bytes of the first item already written
+        self.dropped = 0
+        self.dead: str | None = None
+
+    def lines_left(self) -> int:
+        return self.dropped + sum(lines for _, lines in self.queue)
+
+
 class ConsoleWriter:
-    """A bounded buffer of console writes and the thread that drains it; see the module docstring."""
+    """Bounded buffers of console writes and the thread that drains them; see the module docstring."""
 
     def __init__(self, capacity: int = CAPACITY, fds: Iterable[int] = (1, 2)) -> None:
         self.capacity = capacity
-        self._queue: deque[tuple[int, bytes, int]] = deque()
-        self._queued = 0
+        self._channels = {fd: _Channel(fd) for fd in fds}
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.dead: dict[int, str] = {}
-        self.dropped = 0
-        self.dropped_total = 0
         self._last_progress = time.monotonic()
         self.ttys = {fd: _isatty(fd) for fd in fds}
+
+    @property
+    def dead(self) -> dict[int, str]:
+        return {fd: ch.dead for fd, ch in self._channels.items() if ch.dead is not None}
 
     # ---- the producer side (the supervisor's loop): never blocks -------------------------------------
 
     def put(self, fd: int, data: bytes, lines: int = 1) -> None:
         with self._cond:
-            if fd in self.dead or self._stop:
+            channel = self._channels.get(fd)
+            if channel is None or channel.dead is not None or self._stop:
                 return
-            if self._queued and self._queued + len(data) > self.capacity:
-                self.dropped += lines
-                self.dropped_total += lines
+            if channel.queued and channel.queued + len(data) > self.capacity:
+                channel.dropped += lines
                 return
-            self._queue.append((fd, data, lines))
-            self._queued += len(data)
-            self._cond.notify()
+            channel.queue.append((data, lines))
+            channel.queued += len(data)
+            self._cond.notify_all()
 
     # ---- lifetime -------------------------------------------------------------------------------------
 
@@ -141,13 +156,13 @@ class ConsoleWriter:
 
     def close(self) -> None:
         """Flush while the console reads (up to FLUSH_LIMIT_S), then stop; a stalled console costs
-        STALL_S at most, and what it never took is dropped."""
+        STALL_S at most, and what it never took is counted in one last notice."""
         global _active
         if _active is self:
             _active = None
         deadline = time.monotonic() + FLUSH_LIMIT_S
         with self._cond:
-            while self._queue and time.monotonic() < deadline:
+            while self._pending() and time.monotonic() < deadline:
                 if time.monotonic() - self._last_progress > STALL_S:
                     break
                 self._cond.wait(0.02)
@@ -156,80 +171,85 @@ class ConsoleWriter:
         if self._thread is not None:
             self._thread.join(timeout=STALL_S)  # a thread stuck in a write is a daemon: left behind
         with self._cond:
-            lost = self.dropped + sum(lines for _, _, lines in self._queue)
-            self.dropped = 0
-        if lost and 2 not in self.dead and select.select([], [2], [], 0)[1]:
+            lost = sum(ch.lines_left() for ch in self._channels.values() if ch.dead is None)
+        err = self._channels.get(2)
+        if lost and err is not None and err.dead is None and select.select([], [2], [], 0)[1]:
             with contextlib.suppress(OSError):
-                os.write(2, f"multigpu: {lost} console line(s) dropped: the console was not reading "
-                            f"(the rank logs have every line)\n".encode())
+                os.write(2, _drop_notice(lost))
 
     # ---- the writer thread ----------------------------------------------------------------------------
 
+    def _pending(self) -> list[_Channel]:
+        return [ch for ch in self._channels.values() if ch.queue and ch.dead is None]
+
     def _run(self) -> None:
+        poller = select.poll()
         while True:
             with self._cond:
-                while not self._queue and not self._stop:
+                while not self._pending() and not self._stop:
                     self._cond.wait()
                 if self._stop:
                     return
-                fd, data, _ = self._queue[0]
-            self._write(fd, data)
-            with self._cond:
-                self._queue.popleft()
-                self._queued -= len(data)
-                self._last_progress = time.monotonic()
-                notice = self._drop_notice()
-                self._cond.notify_all()
-            if notice:
-                self._write(2, notice)
-
-    def _drop_notice(self) -> bytes | None:
-        if not self.dropped or self._queued > self.capacity // 2:
-            return None
-        count, self.dropped = self.dropped, 0
-        return (f"multigpu: {count} console line(s) dropped: the console was not reading "
-                f"(the rank logs have every line)\n").encode()
-
-    def _write(self, fd: int, data: bytes) -> None:
-        view = memoryview(data)
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        while view and fd not in self.dead:
-            if self._stop:
-                return
+                pending = {ch.fd: ch for ch in self._pending()}
+            for fd in pending:
+                poller.register(fd, select.POLLOUT)
             try:
                 events = poller.poll(100)
-                if not events:
-                    continue
-                if any(ev & (select.POLLERR | select.POLLNVAL) for _, ev in events):
-                    raise OSError(errno.EPIPE, "the console went away")
-                written = os.write(fd, view[:WRITE_CHUNK])
             except InterruptedError:
-                continue
-            except BlockingIOError:
-                time.sleep(0.01)
-                continue
-            except OSError as exc:  # EPIPE, EIO (hang-up), ENOSPC, EBADF...: this stream is over
-                self._end(fd, exc.strerror or str(exc))
-                return
-            view = view[written:]
-            with self._cond:
-                self._last_progress = time.monotonic()
+                events = []
+            finally:
+                for fd in pending:
+                    poller.unregister(fd)
+            for fd, ev in events:
+                self._write_some(pending[fd], ev)
 
-    def _end(self, fd: int, why: str) -> None:
+    def _write_some(self, channel: _Channel, event: int) -> None:
+        data, _ = channel.queue[0]
+        try:
+            if event & (select.POLLERR | select.POLLNVAL):
+                raise OSError(errno.EPIPE, "the console went away")
+            written = os.write(channel.fd, data[channel.offset: channel.offset + WRITE_CHUNK])
+        except (InterruptedError, BlockingIOError):
+            return
+        except OSError as exc:  # EPIPE, EIO (hang-up), ENOSPC, EBADF...: this stream is over
+            self._end(channel, exc.strerror or str(exc))
+            return
+        with self._cond:
+            self._last_progress = time.monotonic()
+            channel.offset += written
+            if channel.offset >= len(data):
+                channel.queue.popleft()
+                channel.queued -= len(data)
+                channel.offset = 0
+            if channel.dropped and channel.queued <= self.capacity // 2:
+                count, channel.dropped = channel.dropped, 0
+                self._notice(_drop_notice(count))
+            self._cond.notify_all()
+
+    def _notice(self, text: bytes) -> None:
+        """Queue one of our own notices on stderr (stdout if stderr is gone); caller holds the lock."""
+        for fd in (2, 1):
+            channel = self._channels.get(fd)
+            if channel is not None and channel.dead is None:
+                channel.queue.append((text, 1))
+                channel.queued += len(text)
+                return
+
+    def _end(self, channel: _Channel, why: str) -> None:
         """One stream of the console is gone; say so once on the other if it still works."""
         with self._cond:
-            self.dead[fd] = why
-            current, *rest = self._queue  # the caller pops the item it was writing
-            self._queued -= sum(len(d) for f, d, _ in rest if f == fd)
-            self._queue = deque([current, *(item for item in rest if item[0] != fd)])
-        other = 2 if fd == 1 else 1
-        if other not in self.dead:
-            name = "stdout" if fd == 1 else "stderr"
-            message = f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n"
-            with contextlib.suppress(OSError):
-                if select.select([], [other], [], 0)[1]:
-                    os.write(other, message.encode())
+            channel.dead = why
+            channel.queue.clear()
+            channel.queued = channel.offset = channel.dropped = 0
+            name = "stdout" if channel.fd == 1 else "stderr"
+            self._notice(f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n"
+                         .encode())
+            self._cond.notify_all()
+
+
+def _drop_notice(count: int) -> bytes:
+    return (f"multigpu: {count} console line(s) dropped: the console was not reading "
+            f"(the rank logs have every line)\n").encode()
 
 
 def _isatty(fd: int) -> bool:

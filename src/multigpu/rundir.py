@@ -22,7 +22,6 @@ import os
 import resource
 import shutil
 from pathlib import Path
-from typing import IO
 
 from .errors import UsageError
 
@@ -63,46 +62,43 @@ def _describe(exc: OSError) -> str:
 class RunFolder:
     """The checked, locked output folder of one run (one node); ``release()`` unlocks it."""
 
-    def __init__(self, path: Path, lock: IO[str]) -> None:
+    def __init__(self, path: Path, lock_fd: int) -> None:
         self.path = path
-        self._lock: IO[str] | None = lock
+        self._lock_fd: int | None = lock_fd
 
     def release(self) -> None:
-        if self._lock is not None:
+        if self._lock_fd is not None:
             with contextlib.suppress(OSError):
-                self._lock.close()
-            self._lock = None
+                os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
     """Create ``path``, prove it writable with room to spare, and lock it for this run."""
+    name = ".multigpu.lock" if node is None else f".multigpu-node{node}.lock"
     try:
         path.mkdir(parents=True, exist_ok=True)
         if not path.is_dir():
             raise OSError(errno.ENOTDIR, "not a folder")
-        name = ".multigpu.lock" if node is None else f".multigpu-node{node}.lock"
-        lock = open(path / name, "a+")  # noqa: SIM115 - held for the run's life, closed by release()
+        fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise UsageError(f"output folder {path}: {_describe(exc)}") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another run"
-        lock.close()
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another run"
+        os.close(fd)
         raise UsageError(f"output folder {path} is in use by {holder}; give this run its own "
                          f"--output (or wait for that run to end)") from None
     try:
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"run {run_id} (launcher pid {os.getpid()})\n")
-        lock.flush()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"run {run_id} (launcher pid {os.getpid()})\n".encode(), 0)
         if shutil.disk_usage(path).free < MIN_FREE_BYTES:
             raise OSError(errno.ENOSPC, "no space")
     except OSError as exc:
-        lock.close()
+        os.close(fd)
         raise UsageError(f"output folder {path}: {_describe(exc)}") from None
-    return RunFolder(path, lock)
+    return RunFolder(path, fd)
 
 
 def raise_open_file_limit(nproc: int) -> None:
