@@ -1,4 +1,5 @@
-"""2. From a rank's death to the launcher's exit with every worker gone: exit(3), raise, SIGKILL."""
+"""2. From a rank's death to the launcher's exit with every worker gone: exit(3), raise, SIGKILL, and
+raise with a DataLoader-style grandchild still holding the rank's stdout and stderr."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from report import cell, metric_table, ratio_text, target
 
 NAME = "death"
 TITLE = "2. Rank death to launcher exit, every worker reaped"
-MODES = ("exit", "raise", "kill")
+MODES = ("exit", "raise", "kill", "grandchild")
 DYING_RANK = 1
 GONE_BOUND_S = 15.0
 PER_JOB_S = {2: 4.3, 4: 6.7}  # launch + teardown, averaged over both launchers
@@ -43,14 +44,17 @@ def one(ctx: Ctx, launcher: str, mode: str, nproc: int) -> dict[str, Any]:
                          [mode, str(DYING_RANK)])
     try:
         code = job.wait(90)
-        procs = job.procs()
+        procs = [p for p in job.procs() if p.kind != "grandchild"]
+        grandchildren = [p for p in job.procs() if p.kind == "grandchild"]
         left_at_exit = sum(p.alive() for p in procs)
         gone = wait_until(lambda: all_gone(procs), GONE_BOUND_S) if job.exited is not None else None
+        grandchildren_left = sum(p.alive() for p in grandchildren)
         death = read_marks(job.bench_dir, "death").get(DYING_RANK)
         end = None if gone is None or job.exited is None else max(gone, job.exited)
         seconds = None if end is None or death is None else end - death
         out: dict[str, Any] = {
             "seconds": seconds, "exit_code": code, "left_at_launcher_exit": left_at_exit,
+            "grandchildren_left": grandchildren_left,
             "dying_rank_exit_s": dying_rank_exit(job.bench_dir, death), "killed_by_harness": job.finish()}
         if death is None:  # the rank failed before its planned death: keep the evidence
             out["error"] = "no death mark: the job failed some other way"
@@ -109,6 +113,11 @@ def markdown(res: dict[str, Any]) -> list[str]:
         lines += ["", "Of multigpu's time, the dying rank's own process took this long to end after its mark "
                   "(run.json), before the launcher could see the exit: "
                   + "; ".join(f"{m} {c}" for m, c in by_mode.items()) + "."]
+    orphans = {k: sum(r.get("grandchildren_left", 0) for c, v in res["raw"].items() if c.startswith("grandchild")
+                      for r in v[k]) for k in LAUNCHERS}
+    lines += ["", "The grandchild case times the ranks (the launcher's exit and every rank gone); the "
+              f"DataLoader-style grandchildren still alive after that (all runs): multigpu "
+              f"{orphans[MULTIGPU]}, torchrun {orphans[TORCHRUN]}."]
     lines += ["", f"Workers still alive when the launcher exited (all runs): multigpu {left[MULTIGPU]}, "
               f"torchrun {left[TORCHRUN]}. Launcher exit codes: multigpu {', '.join(codes[MULTIGPU])}; "
               f"torchrun {', '.join(codes[TORCHRUN])}."]

@@ -61,25 +61,66 @@ def guard_parent(expected_parent: int | None) -> None:
     parent-death signal, does the killing, so the worker's own children go too: a SIGKILL from the
     kernel would end the worker before it could end them. Only across ``exec``, where the thread is
     gone, does the kernel's parent-death SIGKILL take over (``arm_pdeathsig_on_exec``).
+
+    The thread cannot run in a rank that is stopped (SIGSTOP) or holds the GIL in a long C call, so a
+    sentinel process (``start_sentinel``) watches too: it needs neither the rank's GIL nor its
+    scheduling, and ends the same group.
     """
     global _guarded
     if expected_parent is None or _guarded:
         return
     _guarded = True
     arm_pdeathsig_on_exec(expected_parent)
-    set_pdeathsig(signal.SIGCONT)  # wakes a SIGSTOPped rank so its watch thread can run
     try:
         pidfd: int | None = os.pidfd_open(expected_parent)
     except (AttributeError, OSError):
         pidfd = None
     if os.getppid() != expected_parent:
         end_own_group()
+    if pidfd is not None:
+        start_sentinel(pidfd)
     threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
                      daemon=True).start()
 
 
 _guarded = False
 PR_SET_PDEATHSIG = 1
+
+
+def start_sentinel(launcher_pidfd: int) -> None:
+    """Fork (twice, so the rank never has to reap it) a process that SIGKILLs the rank's group when
+    the launcher dies, and leaves quietly when the rank ends. Done before any thread or user code.
+
+    It keeps only the two pidfds (no copy of the rank's pipes, so it never holds the launcher's
+    output open) and runs nothing but select and kill.
+    """
+    try:
+        rank_pidfd = os.pidfd_open(os.getpid())
+        middle = os.fork()
+    except OSError:
+        return
+    if middle:
+        os.close(rank_pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(middle, 0)
+        return
+    try:  # the middle process: fork the sentinel and leave at once
+        if os.fork():
+            os._exit(0)
+        keep = {launcher_pidfd, rank_pidfd}
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2 and fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        ready, _, _ = select.select([launcher_pidfd, rank_pidfd], [], [])
+        if launcher_pidfd in ready and rank_pidfd not in ready:
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def set_pdeathsig(sig: int) -> bool:

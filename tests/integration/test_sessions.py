@@ -547,26 +547,37 @@ def test_a_hard_open_file_limit_too_low_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "started").exists()
 
 
-def test_sigstopped_rank_is_gone_after_launcher_sigkill(tmp_path: Path,
-                                                        procs: list[subprocess.Popen[bytes]]) -> None:
+@pytest.mark.parametrize("stuck", ["SIGSTOP", "GIL"])
+def test_a_rank_that_cannot_run_its_watchdog_is_gone_after_launcher_sigkill(
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]], stuck: str) -> None:
+    """Rank 1 is stopped, or holds the GIL in a long C call (a catastrophic regex): its watch thread
+    cannot run, yet it and its child are gone soon after the launcher is SIGKILLed."""
     job = script(tmp_path, """
+import re
 child = subprocess.Popen(["sleep", "60"])
 print(f"gc={child.pid}", flush=True)
 ready()
+if RANK == 1 and sys.argv[1] == "GIL":
+    pathlib.Path("in_c_call").touch()
+    re.match(r"(a+)+$", "a" * 40 + "b")  # minutes inside the regex engine, the GIL held
 time.sleep(60)
 """)
     out = tmp_path / "out"
-    proc = start(args(out, job), tmp_path, procs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = start([*args(out, job), stuck], tmp_path, procs, stdout=subprocess.PIPE,
+                 stderr=subprocess.DEVNULL)
     wait_files(tmp_path / "ready_0", tmp_path / "ready_1")
     pids = rank_pids(out)
-    os.kill(pids[1], signal.SIGSTOP)
+    if stuck == "SIGSTOP":
+        os.kill(pids[1], signal.SIGSTOP)
+    else:
+        wait_files(tmp_path / "in_c_call")
     os.kill(proc.pid, signal.SIGKILL)
     stdout, _ = proc.communicate(timeout=10)
     grandchildren = pids_in(stdout.decode(), "gc")
     assert len(grandchildren) == 2
     t0 = time.monotonic()
     assert_gone(pids + grandchildren, timeout=5)
-    print(f"stopped rank and its child gone {time.monotonic() - t0:.2f}s after the launcher's SIGKILL")
+    print(f"{stuck}: rank and its child gone {time.monotonic() - t0:.2f}s after the launcher's SIGKILL")
     assert not any(alive(p) for p in pids)
 
 
