@@ -113,8 +113,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
         lines += ["", "Of multigpu's time, the dying rank's own process took this long to end after its mark "
                   "(run.json), before the launcher could see the exit: "
                   + "; ".join(f"{m} {c}" for m, c in by_mode.items()) + "."]
-    orphans = {k: sum(r.get("grandchildren_left", 0) for c, v in res["raw"].items() if c.startswith("grandchild")
-                      for r in v[k]) for k in LAUNCHERS}
+    orphans = {k: sum(r.get("grandchildren_left", 0) for c, v in res["raw"].items()
+                      if c.startswith("grandchild") for r in v[k]) for k in LAUNCHERS}
     lines += ["", "The grandchild case times the ranks (the launcher's exit and every rank gone); the "
               f"DataLoader-style grandchildren still alive after that (all runs): multigpu "
               f"{orphans[MULTIGPU]}, torchrun {orphans[TORCHRUN]}."]
