@@ -118,6 +118,7 @@ class ConsoleWriter:
     def __init__(self, capacity: int = CAPACITY, fds: Iterable[int] = (1, 2)) -> None:
         self.capacity = capacity
         self._channels = {fd: _Channel(fd) for fd in fds}
+        self._notice_fds = tuple(reversed(self._channels))  # stderr (the last given) first
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -172,10 +173,10 @@ class ConsoleWriter:
             self._thread.join(timeout=STALL_S)  # a thread stuck in a write is a daemon: left behind
         with self._cond:
             lost = sum(ch.lines_left() for ch in self._channels.values() if ch.dead is None)
-        err = self._channels.get(2)
-        if lost and err is not None and err.dead is None and select.select([], [2], [], 0)[1]:
+        err = self._channels[self._notice_fds[0]] if self._notice_fds else None
+        if lost and err is not None and err.dead is None and select.select([], [err.fd], [], 0)[1]:
             with contextlib.suppress(OSError):
-                os.write(2, _drop_notice(lost))
+                os.write(err.fd, _drop_notice(lost))
 
     # ---- the writer thread ----------------------------------------------------------------------------
 
@@ -228,9 +229,9 @@ class ConsoleWriter:
 
     def _notice(self, text: bytes) -> None:
         """Queue one of our own notices on stderr (stdout if stderr is gone); caller holds the lock."""
-        for fd in (2, 1):
-            channel = self._channels.get(fd)
-            if channel is not None and channel.dead is None:
+        for fd in self._notice_fds:
+            channel = self._channels[fd]
+            if channel.dead is None:
                 channel.queue.append((text, 1))
                 channel.queued += len(text)
                 return
@@ -241,7 +242,7 @@ class ConsoleWriter:
             channel.dead = why
             channel.queue.clear()
             channel.queued = channel.offset = channel.dropped = 0
-            name = "stdout" if channel.fd == 1 else "stderr"
+            name = {1: "stdout", 2: "stderr"}.get(channel.fd, f"descriptor {channel.fd}")
             self._notice(f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n"
                          .encode())
             self._cond.notify_all()

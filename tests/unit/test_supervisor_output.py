@@ -131,10 +131,12 @@ def test_console_writer_never_blocks_and_counts_what_it_dropped() -> None:
                 writer.put(out_w, f"line {i:05d} {'x' * 100}\n".encode())
             took = time.monotonic() - t0
             writer.put(err_w, b"stderr is not held back by stdout\n")
-            ready = select.select([err_r], [], [], 5)[0]
-            assert ready, "stderr never written while stdout was stalled"
-            assert b"not held back" in os.read(err_r, 65536)
-            got = bytearray()
+            got = bytearray()  # stdout stays unread until stderr's line has arrived
+            deadline = time.monotonic() + 5
+            while b"not held back" not in got:
+                assert time.monotonic() < deadline, "stderr never written while stdout was stalled"
+                if select.select([err_r], [], [], 0.1)[0]:
+                    got += os.read(err_r, 65536)
             deadline = time.monotonic() + 10
             while b"line(s) dropped" not in got and time.monotonic() < deadline:
                 for fd in select.select([out_r, err_r], [], [], 0.1)[0]:
