@@ -73,14 +73,12 @@ if RANK == 0:
     pathlib.Path("ready_0").touch()
     time.sleep(30)
 else:
-    while not os.path.exists("ready_0"):
-        time.sleep(0.01)
     {after}
 """
 
 
 def stalled_reader(launcher: str, d: Path) -> str:
-    job = write(d, CHATTY.replace("{after}", 'raise ValueError("rank one fails")'))
+    job = write(d, CHATTY.replace("{after}", 'time.sleep(2)\n    raise ValueError("rank one fails")'))
     r, w = os.pipe()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=w,

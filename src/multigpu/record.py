@@ -102,6 +102,10 @@ class RunRecord:
             "signal": signal_name(-rc) if rc is not None and rc < 0 else None,
             "log": str(worker.spec.log_path) if worker.spec.log_path else None,
         }
+        if worker.late_death is not None:  # its script had finished: a warning, not a failure
+            self.data["attempts"][-1]["ranks"][str(worker.rank)]["died_after_finishing"] = worker.late_death
+        if worker.unkillable:
+            self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
         self.write()
 
     def end_attempt(self, result: RunResult) -> None:

@@ -47,7 +47,10 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     for w in workers:
         if w.rank in failed:
             continue
-        if w.state is WorkerState.STOPPED:
+        if w.unkillable:
+            lines.append(f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
+                         f"e.g. a driver call); it was left running")
+        elif w.state is WorkerState.STOPPED:
             how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
             lines.append(f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})")
         elif w.state is WorkerState.FAILED and w.failure is not None:

@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import reaping
 from .console import say
 from .errors import WorkerFailure, signal_name
 from .output import OutputSink, Stream, WorkerOutput
 from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
 
 LOG_TAIL_LINES = 20
-KILL_WAIT_S = 5.0
-"""How long a rank may take to vanish after SIGKILL; longer means uninterruptible sleep (a driver)."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
 """Signals that stop the run; the others the launcher catches (SIGHUP, SIGUSR1/2) go to the ranks."""
 
@@ -153,29 +152,6 @@ def read_error_file(path: Path | None) -> dict[str, Any] | None:
         return {"type": None, "message": info.get("message"), "traceback": extra.get("py_callstack"),
                 "time": float(extra.get("timestamp", 0)) or None}
     return data if isinstance(data, dict) else None
-
-
-def _proc_state(pid: int | None) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "unknown"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 class Supervisor:
@@ -372,7 +348,7 @@ class Supervisor:
                 self._reap(worker)
         self._output.show_partials()
         if any(w.group_open and w.returncode is not None for w in self.workers):
-            self._open_groups()
+            reaping.open_groups(self.workers)
         self._handle_signals()
         self._check_hang()
         self._maybe_tick()
@@ -510,7 +486,7 @@ class Supervisor:
     def _forward(self, signum: int) -> None:
         for worker in self.workers:
             if worker.alive and worker.pid is not None:
-                _signal_group(worker.pid, signum)
+                reaping.signal_group(worker.pid, signum)
 
     def _check_hang(self) -> None:
         if self.hang_timeout is None or self._failures or self._closing or self._hung:
@@ -576,85 +552,42 @@ class Supervisor:
         finally:
             self._release()
 
-    def _open_groups(self) -> list[int]:
-        """Process groups that still have members. Once a group is empty its id (the rank's pid) may be
-        reused by an unrelated process, so it is never signalled again."""
-        for w in self.workers:
-            if w.group_open and (w.pid is None or (w.returncode is not None and not _group_alive(w.pid))):
-                w.group_open = False
-        return [w.pid for w in self.workers if w.group_open and w.pid is not None]
-
     def _terminate(self, sig: int, grace: float) -> None:
         self._closing = True
-        for pgid in self._open_groups():
-            _signal_group(pgid, sig)
+        for pgid in reaping.open_groups(self.workers):
+            reaping.signal_group(pgid, sig)
         deadline = self._clock() + grace
         while self._clock() < deadline and not self._kill_now:
-            if not any(w.alive for w in self.workers) and not self._open_groups():
+            if not any(w.alive for w in self.workers) and not reaping.open_groups(self.workers):
                 break
             self._process_events(0.01)
             self._reap_adopted()
         stragglers = [w for w in self.workers if w.alive]
-        groups = self._open_groups()
+        groups = reaping.open_groups(self.workers)
         if stragglers or groups:
             if stragglers:
                 why = "a second interrupt" if self._kill_now else f"{grace:g}s after {signal_name(sig)}"
                 ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
                 self._notify(f"{ranks} still running {why}; sending SIGKILL")
             for pgid in groups:
-                _signal_group(pgid, signal.SIGKILL)
-        self._kill_escaped()
-        self._reap_killed()
+                reaping.signal_group(pgid, signal.SIGKILL)
+        if self._reap_orphans:
+            reaping.kill_escaped(self.workers)
+        for w in reaping.reap_killed(self.workers, self._notify):
+            if w.unkillable:
+                self._changed(w)
+            else:
+                self._reap(w)
         end = self._clock() + 1.0
-        while self._open_groups() and self._clock() < end:
+        while reaping.open_groups(self.workers) and self._clock() < end:
             self._reap_adopted()
             time.sleep(0.005)
         for w in self.workers:
             self._output.drain(self._output.of(w))
 
-    def _reap_killed(self) -> None:
-        """Reap every rank after SIGKILL, within KILL_WAIT_S: one in uninterruptible sleep (a driver
-        call that never returns) is named and left, not waited on forever."""
-        deadline = time.monotonic() + KILL_WAIT_S
-        for w in self.workers:
-            if w.popen is None or w.returncode is not None:
-                continue
-            try:
-                w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                w.unkillable = True
-                w.state = WorkerState.STOPPED
-                self._notify(f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
-                             f"(state {_proc_state(w.pid)}: probably stuck in the kernel or a driver); "
-                             f"leaving it behind")
-                self._changed(w)
-                continue
-            self._reap(w)
-
-    def _kill_escaped(self) -> None:
-        """As a subreaper, also end descendants that left their worker's process group (setsid)."""
-        if not self._reap_orphans:
-            return
-        import psutil
-
-        workers = {w.pid for w in self.workers}
-        for child in psutil.Process().children(recursive=True):
-            if child.pid not in workers:
-                with contextlib.suppress(psutil.Error):
-                    child.kill()
-
     def _reap_adopted(self) -> None:
-        """Reap orphans re-parented to this launcher (it is a child subreaper in CLI mode)."""
-        if not self._reap_orphans:
-            return
-        import psutil
-
-        workers = {w.pid for w in self.workers if w.returncode is None}
-        for child in psutil.Process().children():
-            if child.pid in workers:
-                continue
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(child.pid, os.WNOHANG)
+        if self._reap_orphans:
+            reaping.reap_adopted(self.workers)
 
     def _release(self) -> None:
         self._output.close()

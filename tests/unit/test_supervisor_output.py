@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, assert_gone, clean_env
-from multigpu import supervisor as supervisor_module
+from multigpu import reaping
 from multigpu.console import ConsoleWriter, PrefixedConsole
 from multigpu.errors import UsageError
 from multigpu.output import LogFile, display_text
@@ -253,10 +253,10 @@ def test_a_rank_that_survives_sigkill_is_named_not_waited_on(make: Callable[...,
                                                             tmp_path: Path, notes: list[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Uninterruptible sleep, simulated: SIGKILL does not reach the rank. The wait is bounded."""
-    real = supervisor_module._signal_group
-    monkeypatch.setattr(supervisor_module, "_signal_group",
+    real = reaping.signal_group
+    monkeypatch.setattr(reaping, "signal_group",
                         lambda pgid, sig: None if sig == signal.SIGKILL else real(pgid, sig))
-    monkeypatch.setattr(supervisor_module, "KILL_WAIT_S", 0.3)
+    monkeypatch.setattr(reaping, "KILL_WAIT_S", 0.3)
     argv = py("""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
