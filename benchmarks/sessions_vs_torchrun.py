@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pty
+import re
 import select
 import shlex
 import signal
@@ -200,7 +201,8 @@ def many_ranks(launcher: str, d: Path) -> str:
     c = cmd(launcher, job, d / "out")
     c[c.index("2")] = "64"
     rc, secs, out, _err = bash(f"ulimit -Sn 128 && exec {q(c)}", d, 120)
-    return f"exit {rc} in {secs:.1f}s, {out.count(b'rank ')} rank lines"
+    lines = [ln for ln in out.decode(errors="replace").splitlines() if re.search(r"(^|\] )rank \d+$", ln)]
+    return f"exit {rc} in {secs:.1f}s, {len(lines)} of 64 rank lines on the console"
 
 
 def ctrl_c_loop(launcher: str, d: Path) -> str:

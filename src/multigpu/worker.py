@@ -294,13 +294,15 @@ def finish_like_exit() -> None:
     """What interpreter exit does for the user's code, done now, then "done" to the launcher."""
     import atexit
 
-    current = threading.current_thread()
-    while True:
-        waiting = [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]
-        if not waiting:
-            break
-        for thread in waiting:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:  # exactly the interpreter's own step: threading atexits, then the joins
+        shutdown()
+    else:
+        current = threading.current_thread()
+        while waiting := [t for t in threading.enumerate()
+                          if t is not current and not t.daemon and t.is_alive()]:
+            for thread in waiting:
+                thread.join()
     atexit._run_exitfuncs()
     flush_open_files()
     from .progress import send

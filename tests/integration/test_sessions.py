@@ -454,6 +454,9 @@ def late_worker():
     pathlib.Path(f"thread_done_{RANK}").touch()
 
 threading.Thread(target=late_worker).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(2)  # never shut down: interpreter exit does it, and so must the bootstrap
+pool.submit(print, "from the pool", flush=True)
 if RANK == 1:
     sys.modules["abort_at_teardown"] = AbortAtTeardown()  # freed only at interpreter teardown
 print("work done", flush=True)
