@@ -82,7 +82,7 @@ def stalled_reader(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", 'time.sleep(2)\n    raise ValueError("rank one fails")'))
     r, w = os.pipe()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=w,
+    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     os.close(w)
     rc = end(proc, 30)
@@ -93,7 +93,7 @@ def stalled_reader(launcher: str, d: Path) -> str:
 def stalled_then_sigterm(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", "time.sleep(30)"))
     r, w = os.pipe()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=w,
+    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     os.close(w)
     deadline = time.monotonic() + 60
