@@ -82,8 +82,8 @@ def stalled_reader(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", 'time.sleep(2)\n    raise ValueError("rank one fails")'))
     r, w = os.pipe()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     os.close(w)
     rc = end(proc, 30)
     os.close(r)
@@ -93,8 +93,8 @@ def stalled_reader(launcher: str, d: Path) -> str:
 def stalled_then_sigterm(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", "time.sleep(30)"))
     r, w = os.pipe()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     os.close(w)
     deadline = time.monotonic() + 60
     while not (d / "ready_0").exists() and time.monotonic() < deadline:
