@@ -20,7 +20,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 VENV = Path(sys.executable).parent
@@ -233,7 +233,50 @@ def bad_folder(launcher: str, d: Path) -> str:
     return f"exit {rc}, {err.decode(errors='replace').count(chr(10))} stderr line(s)"
 
 
+@contextlib.contextmanager
+def tmpfs(d: Path, *options: str) -> Iterator[Path]:
+    where = d / "mnt"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def read_only_folder(launcher: str, d: Path) -> str:
+    job = write(d, "pass\n")
+    with tmpfs(d, "size=1m", "ro") as mnt:
+        rc, _, _, err = bash(q(cmd(launcher, job, mnt / "out")), d, 60)
+    return f"exit {rc}, {err.decode(errors='replace').count(chr(10))} stderr line(s)"
+
+
+def disk_fills(launcher: str, d: Path) -> str:
+    job = write(d, 'for i in range(30000):\n    print(f"line {i:05d} " + "z" * 100)\n')
+    with tmpfs(d, "size=1m") as mnt:
+        extra = ["--redirects", "3"] if launcher == "torchrun" else []
+        rc, _, _, err = bash(q(cmd(launcher, job, mnt / "out", *extra)), d, 60)
+        status = _status(mnt / "out")
+    tb = ", traceback" if b"Traceback" in err else ""
+    return f"exit {rc}{status}{tb}"
+
+
+def two_at_once(launcher: str, d: Path) -> str:
+    job = write(d, 'pathlib.Path(f"ready_{RANK}_{os.getpid()}").touch()\ntime.sleep(3)\n')
+    first = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(list(d.glob("ready_*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rc, _, _, err = bash(q(cmd(launcher, job, d / "out")), d, 60)
+    rc1 = end(first, 60)
+    return f"first exit {rc1}; second exit {rc}, {err.decode(errors='replace').count(chr(10))} stderr line(s)"
+
+
 CASES: dict[str, Callable[[str, Path], str]] = {
+    "output folder read-only": read_only_folder,
+    "disk fills during the run (1 MiB tmpfs)": disk_fills,
+    "two runs at once, same --output / --log-dir": two_at_once,
     "stdout to a reader that stops; rank 1 raises": stalled_reader,
     "the same stalled reader, then SIGTERM": stalled_then_sigterm,
     "stdin closed (<&-)": redirected("<&-"),
