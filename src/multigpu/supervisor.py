@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -66,6 +66,10 @@ class WorkerSpec:
     error_file: Path | None = None
     pass_fds: tuple[int, ...] = ()
     cwd: str | None = None
+    stream_files: Mapping[str, Path] = field(default_factory=dict)
+    """"stdout"/"stderr" -> an extra file that gets exactly that stream's bytes (torchrun's --log-dir)."""
+    console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
+    """Streams shown on the console (torchrun's --redirects without --tee hides one)."""
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Worker:
     heartbeat_read_fd: int | None = None
     log_file: IO[bytes] | None = None
     capture: list[str] | None = None
+    stream_files: dict[str, IO[bytes]] = field(default_factory=dict)
     group_open: bool = True
     dump: list[str] = field(default_factory=list)
 
@@ -231,6 +236,9 @@ class Supervisor:
         if spec.log_path is not None:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
             worker.log_file = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 - owned by the worker
+        for name, path in spec.stream_files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            worker.stream_files[name] = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in close()
         hb_r, hb_w = os.pipe()
         os.set_blocking(hb_r, False)
         os.set_blocking(hb_w, False)
@@ -417,11 +425,14 @@ class Supervisor:
         worker = stream.worker
         if worker.log_file is not None:
             worker.log_file.write(chunk)
+        extra = worker.stream_files.get(stream.name)
+        if extra is not None:
+            extra.write(chunk)
         lines = chunk.split(b"\n")[:-1]
         worker.tail.extend(line.decode(errors="replace") for line in lines[-LOG_TAIL_LINES:])
         if worker.capture is not None:
             worker.capture.extend(line.decode(errors="replace") for line in lines)
-        if self._sink is not None:
+        if self._sink is not None and stream.name in worker.spec.console_streams:
             self._sink.write_lines(worker, stream.name, lines)
 
     def _reap(self, worker: Worker) -> None:
@@ -661,6 +672,9 @@ class Supervisor:
             if w.log_file is not None:
                 w.log_file.close()
                 w.log_file = None
+            for extra in w.stream_files.values():
+                extra.close()
+            w.stream_files.clear()
         self._selector.close()
         with self._wake_lock:
             os.close(self._wake_r)
