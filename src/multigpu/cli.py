@@ -206,7 +206,6 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     if module_mode and module is None:
         raise UsageError("-m/--module needs a module name: multigpu run [options] -m MODULE [ARGS...]")
     device, nproc, gpus, note = _choose_devices(options.device_choice(given, env), env)
-    _check_target(script, module, run_mode)
     config = RunConfig(
         target=module if module is not None else str(script),
         target_args=tuple(rest[1:]),
@@ -227,7 +226,9 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     )
     config = apply_torchrun_options(config, values)
     config = apply_layout(config, rendezvous_values(config, values), env)
-    return apply_rank_filters(config, values), note
+    config = apply_rank_filters(config, values)
+    _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
+    return config, note
 
 
 def cmd_run(argv: Sequence[str]) -> int:
