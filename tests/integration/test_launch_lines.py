@@ -123,11 +123,21 @@ def _fill(text: str, values: dict[str, str]) -> str:
     return text
 
 
-def _run_line(line: Line, launcher: str, work: Path) -> tuple[dict[int, dict[str, object]], list[str]]:
-    """Start the line's launchers (one per node), wait for them, and read what every rank reported."""
+@dataclass
+class Run:
+    """One launcher's run of a line: a process per node, and what every rank reported."""
+
+    port: str
+    probe_dir: Path
+    procs: list[subprocess.Popen[str]]
+    outputs: list[str] = field(default_factory=list)
+    ranks: dict[int, dict[str, object]] = field(default_factory=dict)
+
+
+def _start_line(line: Line, launcher: str, work: Path, port: str) -> Run:
+    """Start the line's launchers, one per node."""
     probe_dir = work / f"probe_{launcher}"
     probe_dir.mkdir()
-    port = str(free_port())
     procs = []
     for node in range(line.nodes):
         values = {"SCRIPT": "train.py", "MODULE": "train_probe", "PORT": port, "N": "2", "NODE": str(node)}
@@ -137,16 +147,20 @@ def _run_line(line: Line, launcher: str, work: Path) -> tuple[dict[int, dict[str
         argv = [*LAUNCHERS[launcher], *shlex.split(_fill(line.argv, values))]
         procs.append(subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
+    return Run(port, probe_dir, procs)
+
+
+def _finish(run: Run) -> Run:
+    for proc in run.procs:
         try:
-            outputs.append(proc.communicate(timeout=90)[0])
+            run.outputs.append(proc.communicate(timeout=120)[0])
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
-    ranks = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in probe_dir.glob("rank_*.json")}
-    return ranks, outputs
+                proc.communicate()
+    run.ranks = {int(p.stem.split("_")[1]): json.loads(p.read_text())
+                 for p in run.probe_dir.glob("rank_*.json")}
+    return run
 
 
 @pytest.fixture
@@ -159,19 +173,29 @@ def work(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("line", MATRIX, ids=[line.name for line in MATRIX])
 def test_line_runs_the_same_under_both_launchers(line: Line, work: Path) -> None:
     started = time.monotonic()
-    theirs, their_out = _run_line(line, "torchrun", work)
-    ours, our_out = _run_line(line, "multigpu", work)
+    ports = [str(free_port())]
+    while len(ports) < 2:
+        ports += [p for p in [str(free_port())] if p not in ports]
+    # both launchers at once, each on a port of its own: half the wait
+    runs = {name: _start_line(line, name, work, port) for name, port in zip(LAUNCHERS, ports, strict=True)}
+    theirs, ours = (_finish(runs[name]) for name in LAUNCHERS)
     print(f"{line.name}: both launchers in {time.monotonic() - started:.1f}s")
-    world = int(str(next(iter(theirs.values()))["WORLD_SIZE"])) if theirs else 0
-    assert world and sorted(theirs) == list(range(world)), f"torchrun did not run the line: {their_out}"
-    assert sorted(ours) == sorted(theirs), f"multigpu ranks {sorted(ours)}: {our_out}"
-    for rank in theirs:
-        expected = {k: theirs[rank][k] for k in CONTRACT}
-        assert {k: ours[rank][k] for k in CONTRACT} == expected, f"rank {rank}"
-    if "--master_port" in line.argv and "--rdzv" not in line.argv:  # static: the port the line names
-        assert {r["master_port"] for r in ours.values()} == {r["master_port"] for r in theirs.values()}
-    assert all(f"PROBE rank={r} " in "".join(our_out) for r in _shown(line, world))
-    assert_gone([int(str(r["pid"])) for r in (*theirs.values(), *ours.values())])
+    world = int(str(next(iter(theirs.ranks.values()))["WORLD_SIZE"])) if theirs.ranks else 0
+    assert world and sorted(theirs.ranks) == list(range(world)), f"torchrun did not run it: {theirs.outputs}"
+    assert sorted(ours.ranks) == sorted(theirs.ranks), f"multigpu ranks {sorted(ours.ranks)}: {ours.outputs}"
+    for rank, expected in theirs.ranks.items():
+        assert {k: ours.ranks[rank][k] for k in CONTRACT} == {k: expected[k] for k in CONTRACT}, rank
+        if _static(line):  # the workers' MASTER_PORT is the line's port (c10d: torchrun picks a new one)
+            assert ours.ranks[rank]["master_port"] == ours.port
+            assert expected["master_port"] == theirs.port
+    assert all(f"PROBE rank={r} " in "".join(ours.outputs) for r in _shown(line, world))
+    assert_gone([int(str(r["pid"])) for run in (theirs, ours) for r in run.ranks.values()])
+
+
+def _static(line: Line) -> bool:
+    """A static rendezvous on a port the line names (c10d and --standalone choose their own)."""
+    names_port = "{PORT}" in line.argv + str(line.env)
+    return names_port and "c10d" not in line.argv and "--standalone" not in line.argv
 
 
 def _shown(line: Line, world: int) -> list[int]:
