@@ -138,6 +138,18 @@ SYNONYMS = (("grace_period", "shutdown_timeout"), ("run_id", "rdzv_id"))
 """Ours and torchrun's names for one setting: both work; two different values are a usage error."""
 
 
+def expand_abbreviation(token: str) -> str:
+    """torchrun (argparse) takes a unique prefix of its long options, e.g. ``--nnode=2``; so do we.
+
+    Only torchrun's options: ours stay whole words, so a script's ``--out`` is never taken for ours.
+    """
+    name, sep, value = token.partition("=")
+    if not name.startswith("--") or name in BY_FLAG:
+        return token
+    matches = {BY_FLAG[f] for opt in TORCHRUN for f in opt.flags if f.startswith(name) and len(name) > 2}
+    return (matches.pop().flags[0] + sep + value) if len(matches) == 1 else token
+
+
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Launcher options, then the target and its arguments (passed on untouched).
 
@@ -154,6 +166,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             return [*ours, "-m"], [token[2:], *argv[i + 1:]]
         if not token.startswith("-") or token == "-":
             return ours, list(argv[i:])
+        token = expand_abbreviation(token)
         ours.append(token)
         option = BY_FLAG.get(token)
         if option is not None and option.takes_value and i + 1 < len(argv):

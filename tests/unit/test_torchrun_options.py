@@ -64,6 +64,13 @@ def test_both_spellings_and_both_value_forms(script: str, spelling: list[str]) -
     assert (config.device, config.nproc, config.target_args) == ("cpu", 2, ("--nproc_per_node", "9"))
 
 
+def test_unique_prefixes_of_torchruns_options_as_argparse_takes_them(script: str) -> None:
+    config = parse(["--nnode=1", "--nproc_per", "2", "--master_p", "29511", script])
+    assert (config.nproc, config.rdzv_endpoint) == (2, Endpoint("127.0.0.1", 29511))
+    assert "--rdzv" in usage_error(["--rdzv", "x", script])  # ambiguous: refused, as under torchrun
+    assert "--out" in usage_error(["--out", "dir", script])  # ours stay whole words
+
+
 def test_pet_variables_and_precedence(script: str) -> None:
     env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "2", "PET_RDZV_CONF": "join_timeout=7",
            "PET_STANDALONE": "1", "PET_ROLE": "trainer"}
