@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -227,3 +228,51 @@ def test_elastic_lines_are_helper_bs(line: Line, work: Path) -> None:
     result = subprocess.run([*LAUNCHERS["multigpu"], *shlex.split(_fill(line.argv, values))], cwd=work,
                             env=clean_env(), capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "c10d" in result.stderr
+
+
+ECHO = """\
+import os, sys
+print("out from rank", os.environ["RANK"], flush=True)
+print("err from rank", os.environ["RANK"], file=sys.stderr, flush=True)
+"""
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """The files under the one ``<run id>_<suffix>`` directory a launcher made, by relative path."""
+    (run_dir,) = list(root.iterdir())
+    return {str(p.relative_to(run_dir)): p.read_text() for p in sorted(run_dir.rglob("*.log"))}
+
+
+def test_log_dir_redirects_and_tee_write_the_files_torchrun_writes(work: Path) -> None:
+    """``--log-dir D -r 3 -t 0:1``: the same per-local-rank files with the same bytes; the console shows
+    what torchrun's shows (rank 0's stdout only)."""
+    write_script(work, "echo.py", ECHO)
+    results = {}
+    for name, cmd in LAUNCHERS.items():
+        argv = ["--nproc-per-node", "2", "--log-dir", str(work / name), "-r", "3", "-t", "0:1", "echo.py"]
+        results[name] = subprocess.run([*cmd, *argv], cwd=work, env=clean_env({"MULTIGPU_STATUS": "off"}),
+                                       capture_output=True, text=True, timeout=120)
+    theirs, ours = _tree(work / "torchrun"), _tree(work / "multigpu")
+    assert sorted(theirs) == sorted(ours) == ["attempt_0/0/stderr.log", "attempt_0/0/stdout.log",
+                                              "attempt_0/1/stderr.log", "attempt_0/1/stdout.log"]
+    for path, text in theirs.items():
+        assert [line for line in ours[path].splitlines() if "rank" in line] == \
+            [line for line in text.splitlines() if "rank" in line], path
+    for name, result in results.items():
+        assert "out from rank 0" in result.stdout, name
+        assert "out from rank 1" not in result.stdout + result.stderr, name
+        assert "err from rank" not in result.stdout + result.stderr, name
+
+
+def test_directory_and_zip_targets_run_as_python_runs_them(work: Path) -> None:
+    app = work / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(ECHO)
+    with zipfile.ZipFile(work / "app.zip", "w") as archive:
+        archive.writestr("__main__.py", ECHO)
+    for target in ("app", "app.zip"):
+        result = subprocess.run([*LAUNCHERS["multigpu"], "--nproc-per-node", "2", target], cwd=work,
+                                env=clean_env({"MULTIGPU_STATUS": "off"}), capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "out from rank 0" in result.stdout and "out from rank 1" in result.stdout
