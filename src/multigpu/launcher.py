@@ -11,8 +11,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import numa
-from . import torchrun_options as options
+from . import torchrun_specs as extras
 from .config import RunConfig, new_run_id
 from .console import PrefixedConsole
 from .devices import cuda_visible_devices_for, visible_gpus
@@ -34,57 +33,6 @@ def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
     return [python, "-m", "multigpu.worker", mode, config.target, *config.target_args]
 
 
-def torchrun_attempt_dir(config: RunConfig, run_id: str, output_dir: Path, attempt: int,
-                         launcher_pid: int) -> Path | None:
-    """torchrun's ``<log_dir>/<run id>_<suffix>/attempt_<k>`` (DefaultLogsSpecs), or None without
-    ``--log-dir``/``-r``/``-t``. The suffix is this launcher's pid, not mkdtemp's random one, so every
-    attempt of one launcher finds the same directory. ``-r``/``-t`` without ``--log-dir`` write under
-    the run's output directory (torchrun picks a temporary one)."""
-    if config.log_dir is None and config.redirects == "0" and config.tee == "0":
-        return None
-    base = config.log_dir if config.log_dir is not None else output_dir / "torchrun_logs"
-    return base.resolve() / f"{run_id}_{launcher_pid}" / f"attempt_{attempt}"
-
-
-def torchrun_streams(config: RunConfig, local_rank: int, rank_dir: Path | None
-                     ) -> tuple[dict[str, Path], frozenset[str]]:
-    """(stream -> file, streams on the console) for one local rank, as torchrun's -r/-t decide."""
-    if rank_dir is None:
-        return {}, frozenset({"stdout", "stderr"})
-    redirected = options.streams_for(options.parse_std(config.redirects, "--redirects"), local_rank)
-    teed = options.streams_for(options.parse_std(config.tee, "--tee"), local_rank)
-    files = {name: rank_dir / f"{name}.log" for name in sorted(redirected | teed)}
-    return files, frozenset({"stdout", "stderr"}) - (redirected - teed)
-
-
-def rank_affinity(config: RunConfig, base_env: Mapping[str, str]) -> list[list[int] | None]:
-    """``--numa-binding``: the CPUs of each local rank, or None where sysfs does not say."""
-    if config.numa_binding is None:
-        return [None] * config.nproc
-    allowed = set(os.sched_getaffinity(0))
-    if config.device != "cuda":
-        return numa.cpu_rank_cpus(config.nproc, allowed)
-    visible = {g.index: g.ordinal for g in visible_gpus(base_env)}
-    bus = numa.gpu_bus_ids()
-    ids = [bus[int(o)] if o.isdigit() and int(o) < len(bus) else "" for o in
-           (visible.get(i, "") for i in config.gpus)]
-    return numa.gpu_rank_cpus(config.numa_binding, ids, allowed)
-
-
-def _torchrun_env(env: dict[str, str], config: RunConfig, local_rank: int, cpus: list[int] | None,
-                  cuda_visible_devices: str | None) -> dict[str, str]:
-    """torchrun's per-option changes to one worker's environment: role, virtual local rank, NUMA."""
-    env["ROLE_NAME"] = config.role
-    if config.virtual_local_rank:
-        env["LOCAL_RANK"] = "0"
-        if cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices.split(",")[local_rank]
-    env.pop(numa.AFFINITY_ENV, None)
-    if cpus:
-        env[numa.AFFINITY_ENV] = numa.format_cpulist(cpus)
-    return env
-
-
 def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: int, master_addr: str,
                 master_port: int, store_fd: int | None, base_env: Mapping[str, str],
                 cuda_visible_devices: str | None, launcher_pid: int) -> list[WorkerSpec]:
@@ -96,30 +44,36 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
         launcher_pid=launcher_pid,
     )
     logs = output_dir / "logs" / f"attempt_{attempt}"
-    torchrun_dir = torchrun_attempt_dir(config, run_id, output_dir, attempt, launcher_pid)
-    argv = worker_argv(config)
-    affinity = rank_affinity(config, base_env)
-    specs = []
+    envs = {}
     for local_rank in range(config.nproc):
         rank = config.base_rank + local_rank
         placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
                                   local_world_size=config.nproc, group_rank=config.group_rank,
                                   group_world_size=config.group_world_size)
+        envs[local_rank] = build_worker_env({**base_env, **config.extra_env}, placement, job,
+                                            error_file=str(logs / f"error_rank_{rank}.json"),
+                                            store_fd=store_fd if rank == 0 else None)
+    if config.logs_specs is not None:
+        rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)
+    else:
+        attempt_dir = extras.torchrun_attempt_dir(config, run_id, output_dir, attempt, launcher_pid)
+        rank_logs = [extras.default_rank_logs(config, r, attempt_dir) for r in range(config.nproc)]
+    affinity = extras.rank_affinity(config, base_env)
+    argv = worker_argv(config)
+    specs = []
+    for local_rank, env in envs.items():
+        rank = config.base_rank + local_rank
         hosts_store = rank == 0 and store_fd is not None
-        rank_dir = torchrun_dir / str(local_rank) if torchrun_dir is not None else None
-        if rank_dir is not None:
-            rank_dir.mkdir(parents=True, exist_ok=True)  # torchrun makes it even with nothing redirected
-        error_file = rank_dir / "error.json" if rank_dir is not None else logs / f"error_rank_{rank}.json"
-        env = build_worker_env({**base_env, **config.extra_env}, placement, job,
-                               error_file=str(error_file), store_fd=store_fd if hosts_store else None)
-        env = _torchrun_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices)
-        stream_files, console_streams = torchrun_streams(config, local_rank, rank_dir)
+        files = rank_logs[local_rank]
+        error_file = files.error_file or logs / f"error_rank_{rank}.json"
+        env = extras.apply_to_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices,
+                                  error_file)
         device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
                                 node=config.group_rank, log_path=logs / f"rank_{rank}.log",
                                 error_file=error_file,
                                 pass_fds=(store_fd,) if hosts_store and store_fd is not None else (),
-                                stream_files=stream_files, console_streams=console_streams))
+                                stream_files=files.stream_files, console_streams=files.console_streams))
     return specs
 
 

@@ -120,8 +120,8 @@ TORCHRUN = (
            "node without it gets a free port)", torchrun=True),
     Option(_both("local-addr"), "HOST", "the address this node announces in a c10d rendezvous "
            "(unused by static, as under torchrun)", torchrun=True),
-    Option(_both("logs-specs"), "NAME", "a torchrun.logs_specs entry point deciding where the --log-dir "
-           "files go", torchrun=True, pet=False),
+    Option(_both("logs-specs"), "NAME", "an installed torchrun.logs_specs entry point that decides where "
+           "the -r/-t files and error files go", torchrun=True, pet=False),
     Option(_both("numa-binding"), "MODE", "bind each rank to the CPUs (and memory) of its GPU's NUMA node "
            "(CPU workers: an equal share of the usable cores)", torchrun=True, pet=False,
            choices=("node", "socket", "exclusive", "core-complex")),

@@ -276,3 +276,41 @@ def test_directory_and_zip_targets_run_as_python_runs_them(work: Path) -> None:
                                 timeout=120)
         assert result.returncode == 0, result.stderr
         assert "out from rank 0" in result.stdout and "out from rank 1" in result.stdout
+
+
+FLAT_SPECS = """\
+import os
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+
+
+class FlatLogsSpecs(DefaultLogsSpecs):
+    \"\"\"Each redirected stdout straight in the log directory, as a plugin might put it.\"\"\"
+
+    def reify(self, envs):
+        dest = super().reify(envs)
+        for rank, path in dest.stdouts.items():
+            if path:
+                dest.stdouts[rank] = os.path.join(self.root_log_dir, "flat_%d.out" % rank)
+        return dest
+"""
+
+
+def test_logs_specs_plugin_decides_the_paths_under_both(work: Path) -> None:
+    """``--logs-specs NAME`` loads the installed ``torchrun.logs_specs`` entry point and its paths are
+    used, as torchrun uses them."""
+    site = work / "site"
+    info = site / "flat_logs-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flat-logs\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchrun.logs_specs]\nflat = flat_logs_specs:FlatLogsSpecs\n")
+    (site / "flat_logs_specs.py").write_text(FLAT_SPECS)
+    write_script(work, "echo.py", ECHO)
+    for name, cmd in LAUNCHERS.items():
+        argv = ["--nproc-per-node", "2", "--logs-specs", "flat", "--log-dir", str(work / name), "-r", "1",
+                "echo.py"]
+        result = subprocess.run([*cmd, *argv], cwd=work, capture_output=True, text=True, timeout=120,
+                                env=clean_env({"MULTIGPU_STATUS": "off", "PYTHONPATH": str(site)}))
+        for rank in (0, 1):
+            flat = work / name / f"flat_{rank}.out"
+            assert flat.read_text().strip() == f"out from rank {rank}", (name, result.stderr)
+        assert "out from rank" not in result.stdout, name  # redirected, not teed: off the console
