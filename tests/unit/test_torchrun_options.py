@@ -107,6 +107,20 @@ def test_nproc_per_node_with_gpus_uses_gpu_i_for_local_rank_i(script: str) -> No
     assert "not --gpus and --nproc-per-node" in usage_error(["--gpus", "0", "--nproc-per-node", "1", script])
 
 
+def test_nproc_per_node_lands_on_the_physical_gpu_torchrun_would_use(
+        monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """Under torchrun rank i calls set_device(i) among the visible GPUs; here it sees only its chosen
+    GPUs, in order, so set_device(i) names the same physical GPU."""
+    monkeypatch.setattr(devices, "_nvml_gpus",
+                        lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)])
+    env = {"CUDA_VISIBLE_DEVICES": "3,1,2,0"}
+    config = parse(["--nproc-per-node", "2", script], env)
+    visible = devices.visible_gpus(env)
+    under_torchrun = [visible[i].ordinal for i in range(2)]  # physical GPU of set_device(LOCAL_RANK)
+    ours = devices.cuda_visible_devices_for(list(config.gpus), visible).split(",")
+    assert ours == under_torchrun == ["3", "1"]
+
+
 def test_standalone_is_one_node_on_a_free_port(script: str) -> None:
     config = parse(["--standalone", "--rdzv-endpoint", "10.1.1.1:1234", "--nproc-per-node", "2", script])
     assert (config.rdzv_backend, config.rdzv_endpoint, config.multi_node) == ("c10d", None, False)

@@ -46,7 +46,7 @@ def test_log_dir_files_where_torchrun_writes_them(tmp_path: Path) -> None:
 
 def test_without_log_options_nothing_changes(tmp_path: Path) -> None:
     worker = specs(["--nproc-per-node", "1"], tmp_path)[0]
-    assert (dict(worker.stream_files), worker.console_streams) == ({}, {"stdout", "stderr"})
+    assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
     assert worker.error_file == tmp_path / "out" / "logs" / "attempt_1" / "error_rank_0.json"
     assert AFFINITY_ENV not in worker.env
 
