@@ -7,6 +7,7 @@ Kept apart from the option table (``torchrun_options``) so the table stays a pla
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -20,6 +21,8 @@ from .layout import parse_int
 
 TORCHRUN_MASTER_PORT = 29500
 """torchrun's ``--master-port`` default for a static rendezvous over several nodes."""
+C10D_PORT = 29400
+"""torchrun's port for a c10d ``--rdzv-endpoint`` written without one."""
 CONF_SECONDS = ("join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "timeout",
                 "keep_alive_interval", "heartbeat")
 TRUTHY, FALSY = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -57,8 +60,11 @@ def _backend(values: Mapping[str, str | None]) -> str:
 
 def _endpoint(values: Mapping[str, str | None], backend: str, max_nodes: int) -> Endpoint | None:
     """torchrun's ``get_rdzv_endpoint``: the endpoint, else master addr:port for static."""
-    if values["rdzv_endpoint"]:
-        return parse_endpoint(values["rdzv_endpoint"], option="--rdzv-endpoint")
+    text = values["rdzv_endpoint"]
+    if text:
+        if backend == "c10d" and not re.search(r":\d+$", text):
+            text = f"{text}:{C10D_PORT}"
+        return parse_endpoint(text, option="--rdzv-endpoint")
     port = values["master_port"]
     if backend != "static" or (port is None and max_nodes == 1):
         return None  # one node: torchrun uses localhost:0, as we do by default

@@ -149,6 +149,12 @@ def test_c10d_on_one_node_and_refusals(script: str) -> None:
                     "--rdzv-id", "job7", script])
     assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", Endpoint("localhost", 0),
                                                                           "job7")
+    # FlagAI's BMTrain example: a c10d endpoint without a port is torchrun's 29400
+    assert parse(["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost", script]).rdzv_endpoint \
+        == Endpoint("localhost", 29400)
+    ipv6 = parse(["--rdzv_backend=c10d", "--rdzv_endpoint=[::1]", script])
+    assert ipv6.rdzv_endpoint == Endpoint("::1", 29400)
+    assert "no port" in usage_error(["--rdzv_endpoint=localhost", script])  # static needs one
     assert "c10d" in usage_error(["--rdzv-backend", "etcd-v2", script])
     assert "c10d" in usage_error(["--rdzv-backend", "etcd", script])
     assert "static or c10d" in usage_error(["--rdzv-backend", "zk", script])
