@@ -189,17 +189,20 @@ def run_program(program: str, args: list[str]) -> None:
     children, and on one machine rank 0's bootstrap serves the job's store, which must outlive the
     program's start. So the bootstrap stays as a small parent: its watchdog thread still ends the whole
     process group when the launcher dies, and it holds the store. The launcher signals the group, so
-    PROGRAM receives every signal directly; this parent blocks them and waits, then exits with
-    PROGRAM's code, or dies of PROGRAM's signal, so the launcher's report reads as for a Python rank.
+    PROGRAM receives every signal directly; this parent ignores them (ignoring is process-wide, where a
+    blocked mask would only cover this thread, not the watchdog's or the store's) and waits, then exits
+    with PROGRAM's code, or dies of PROGRAM's signal, so the report reads as for a Python rank.
     """
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+    for sig in PASSED_ON:
+        signal.signal(sig, signal.SIG_IGN)
     faulthandler.unregister(DUMP_SIGNAL)
     faulthandler.disable()
     pid = os.fork()
-    if pid == 0:  # the child: plain signal state, then the program
+    if pid == 0:  # the child: default signal handling (an ignored signal stays ignored across exec)
         try:
+            for sig in PASSED_ON:
+                signal.signal(sig, signal.SIG_DFL)
             set_pdeathsig(signal.SIGKILL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             import shutil
 
             _EXECVE(shutil.which(program) or program, [program, *args], os.environ)
@@ -212,7 +215,6 @@ def run_program(program: str, args: list[str]) -> None:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         os.kill(os.getpid(), sig)
     os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))
 
