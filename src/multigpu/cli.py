@@ -83,10 +83,16 @@ def _seconds(value: str, flag: str, *, positive: bool = False) -> float:
     return number
 
 
-def _choose_devices(choice: Mapping[str, str | None],
-                    env: Mapping[str, str]) -> tuple[str, int, tuple[int, ...], str | None]:
-    """(device, local worker count, GPU indices, a note for the user)."""
+def _choose_devices(choice: Mapping[str, str | None], env: Mapping[str, str],
+                    torchrun_line: bool = False) -> tuple[str, int, tuple[int, ...], str | None]:
+    """(device, local worker count, GPU indices, a note for the user).
+
+    Without a device option, a torchrun line gets torchrun's default of one worker per node (its world
+    size must not change with the launcher); any other line, one worker per visible GPU.
+    """
     gpus, cpu, nproc = choice["gpus"], choice["cpu"], choice["nproc_per_node"]
+    if gpus is None and cpu is None and nproc is None and torchrun_line:
+        nproc = "1"
     if cpu is not None:
         return "cpu", parse_int(cpu, "--cpu", 1), (), None
     visible = visible_gpus(env)
@@ -205,7 +211,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     script = None if module_mode else (rest[0] if rest else None)
     if module_mode and module is None:
         raise UsageError("-m/--module needs a module name: multigpu run [options] -m MODULE [ARGS...]")
-    device, nproc, gpus, note = _choose_devices(options.device_choice(given, env), env)
+    device, nproc, gpus, note = _choose_devices(options.device_choice(given, env), env,
+                                                options.is_torchrun_line(values))
     config = RunConfig(
         target=module if module is not None else str(script),
         target_args=tuple(rest[1:]),

@@ -209,6 +209,16 @@ def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, st
     return values
 
 
+SHARED = frozenset({"nnodes", "node_rank", "rdzv_endpoint", "max_restarts"})
+"""Options both launchers have always had: using them says nothing about whose line this is."""
+
+
+def is_torchrun_line(values: Mapping[str, str | None]) -> bool:
+    """Whether the options (command line or ``PET_``/``MULTIGPU_`` variables) use one only torchrun has;
+    such a line gets torchrun's defaults where ours differ (one worker per node)."""
+    return any(values.get(opt.dest) not in (None, "0") for opt in TORCHRUN if opt.dest not in SHARED)
+
+
 def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, str | None]:
     """``--gpus``, ``--cpu`` and ``--nproc-per-node`` all choose the workers: the first source that names
     any of them decides, and it may name only one."""

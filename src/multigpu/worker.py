@@ -213,9 +213,9 @@ def run_program(program: str, args: list[str]) -> None:
     status = os.waitpid(pid, 0)[1]
     flush_open_files()
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
+        died_of = os.WTERMSIG(status)
+        signal.signal(died_of, signal.SIG_DFL)
+        os.kill(os.getpid(), died_of)
     os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))
 
 

@@ -121,6 +121,18 @@ def test_nproc_per_node_lands_on_the_physical_gpu_torchrun_would_use(
     assert ours == under_torchrun == ["3", "1"]
 
 
+@pytest.mark.usefixtures("four_gpus")
+def test_a_torchrun_line_without_nproc_gets_torchruns_one_worker(script: str) -> None:
+    line = parse(["--nnodes=2", "--node_rank=0", "--master_addr=h", "--master_port=1", script])
+    assert (line.device, line.nproc, line.gpus, line.world_size) == ("cuda", 1, (0,), 2)
+    assert parse(["--standalone", script]).nproc == 1
+    assert parse([script], {"PET_NNODES": "1", "PET_MASTER_ADDR": "h"}).nproc == 1
+    # ours, or options both launchers share: every visible GPU, as before
+    assert parse([script]).nproc == 4
+    assert parse(["--max-restarts", "1", script]).nproc == 4
+    assert parse([script], {"PET_STANDALONE": "0"}).nproc == 4
+
+
 def test_standalone_is_one_node_on_a_free_port(script: str) -> None:
     config = parse(["--standalone", "--rdzv-endpoint", "10.1.1.1:1234", "--nproc-per-node", "2", script])
     assert (config.rdzv_backend, config.rdzv_endpoint, config.multi_node) == ("c10d", None, False)
