@@ -74,7 +74,8 @@ TORCHRUN = (
            "c10d)", torchrun=True),
     Option(_both("nproc-per-node"), "N|auto|gpu|cpu", "workers per node: N (N GPUs when GPUs are visible, "
            "else N CPU workers), gpu (every visible GPU), cpu (one CPU worker per usable core), auto (gpu "
-           "if any, else cpu)", torchrun=True),
+           "if any, else cpu); default: 1 on a line with torchrun-only options, as torchrun, else every "
+           "visible GPU", torchrun=True),
     Option(_both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused",
            torchrun=True),
     Option(_both("rdzv-endpoint"), "HOST:PORT", "where the nodes meet (default: 127.0.0.1, a free port, "
