@@ -9,20 +9,22 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import sys
+import zipfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from . import torchrun_options as options
 from ._version import __version__
 from .config import RunConfig
 from .console import ensure_std_fds
 from .devices import dedupe, parse_index_list, visible_gpus
-from .endpoint import parse_endpoint
-from .environment import inside_launched_worker
+from .environment import inside_launched_worker, usable_cpu_count
 from .errors import MultiGPUError, UsageError
-from .layout import apply_layout, parse_int
+from .layout import apply_layout, parse_int, rendezvous_values
+from .torchrun_args import apply_rank_filters, apply_torchrun_options
 
 EXIT_USAGE = 2
 
@@ -34,76 +36,42 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-@dataclass(frozen=True)
-class Option:
-    flag: str
-    metavar: str
-    help: str
-    choices: tuple[str, ...] | None = None
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-    @property
-    def env_name(self) -> str:
-        return "MULTIGPU_" + self.dest.upper()
-
-
-RUN_OPTIONS = (
-    Option("--gpus", "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)"),
-    Option("--cpu", "N", "run N CPU workers (gloo) instead of GPUs"),
-    Option("--output", "DIR", "run directory (default: ./multigpu_runs/<run id>)"),
-    Option("--run-id", "ID", "job id shared by every node (default: generated, or SLURM_JOB_ID)"),
-    Option("--log-ranks", "LIST", "ranks shown on the console, e.g. 0,2 (log files keep every rank)"),
-    Option("--rdzv-endpoint", "HOST:PORT", "c10d store address (default: 127.0.0.1, a free port)"),
-    Option("--rdzv-timeout", "S", "seconds to wait for peer nodes (default 600)"),
-    Option("--base-rank", "R", "global rank of this node's first worker (multi-node)"),
-    Option("--world-size", "W", "total workers over all nodes (multi-node)"),
-    Option("--nnodes", "N", "node count, when every node runs the same number of workers"),
-    Option("--node-rank", "I", "this node's index, with --nnodes"),
-    Option("--grace-period", "S", "seconds between SIGTERM and SIGKILL at teardown (default 5)"),
-    Option("--hang-timeout", "S", "stop the run, with stack dumps, after S seconds without progress"),
-    Option("--max-restarts", "K", "restart the whole group up to K times after a failure (default 0)"),
-    Option("--status", "MODE", "live status view: auto (on a terminal), on, off", ("auto", "on", "off")),
-)
-_VALUE_FLAGS = {o.flag for o in RUN_OPTIONS}
+def _default_text(name: str) -> str:
+    """A RunConfig default as --help shows it: the dataclass is where defaults are written."""
+    value = RunConfig.__dataclass_fields__[name].default
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _run_parser() -> _Parser:
     parser = _Parser(
         prog="multigpu run",
         usage="multigpu run [options] SCRIPT [ARGS...]\n       multigpu run [options] -m MODULE [ARGS...]",
-        description="Launch SCRIPT (or -m MODULE) once per device with torchrun's environment.",
-        epilog="Every option may also be set as MULTIGPU_<OPTION>, e.g. MULTIGPU_GRACE_PERIOD=2.",
-        allow_abbrev=False,  # split_run_argv knows only the full flags: '--out DIR' must not eat DIR
+        description="Launch SCRIPT (or -m MODULE) once per device with torchrun's environment. Every "
+        "torchrun command line works with 'torchrun' replaced by 'multigpu run'.",
+        epilog="Every option may also be set as MULTIGPU_<OPTION> (e.g. MULTIGPU_GRACE_PERIOD=2), and "
+        "torchrun's as PET_<OPTION> (e.g. PET_NPROC_PER_NODE=2); the command line wins, then MULTIGPU_, "
+        "then PET_.",
+        allow_abbrev=False,  # split_argv knows only full flags: '--out DIR' must not eat DIR
     )
-    for opt in RUN_OPTIONS:
-        parser.add_argument(opt.flag, metavar=opt.metavar, help=opt.help, choices=opt.choices)
-    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    defaults = {k: _default_text(k) for k in ("grace_period", "rdzv_timeout", "max_restarts", "role")}
+    groups = (("multigpu options", options.OURS),
+              ("torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)",
+               options.TORCHRUN))
+    for title, table in groups:
+        group = parser.add_argument_group(title)
+        for opt in table:
+            text = opt.help.format(**defaults).replace("%", "%%")
+            if opt.takes_value:
+                group.add_argument(*opt.flags, dest=opt.dest, metavar=opt.metavar, help=text,
+                                   choices=opt.choices)
+            else:
+                group.add_argument(*opt.flags, dest=opt.dest, action="store_true", default=None, help=text)
     return parser
 
 
 def split_run_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Our options, then the target and its arguments, passed on untouched."""
-    ours: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token == "--":
-            return ours, list(argv[i + 1:])
-        if token == "-m":
-            return ours + list(argv[i:i + 2]), list(argv[i + 2:])
-        if token.startswith("-m") and len(token) > 2 and not token.startswith("--"):
-            return [*ours, "-m", token[2:]], list(argv[i + 1:])
-        if not token.startswith("-") or token == "-":
-            return ours, list(argv[i:])
-        ours.append(token)
-        if token in _VALUE_FLAGS and i + 1 < len(argv):
-            ours.append(argv[i + 1])
-            i += 1
-        i += 1
-    return ours, []
+    return options.split_argv(argv)
 
 
 def _seconds(value: str, flag: str, *, positive: bool = False) -> float:
@@ -116,14 +84,21 @@ def _seconds(value: str, flag: str, *, positive: bool = False) -> float:
     return number
 
 
-def _choose_devices(gpus: str | None, cpu: str | None,
-                    env: Mapping[str, str]) -> tuple[str, int, tuple[int, ...], str | None]:
-    """(device, local worker count, GPU indices, a note for the user)."""
-    if gpus is not None and cpu is not None:
-        raise UsageError("give either --gpus or --cpu, not both")
+def _choose_devices(choice: Mapping[str, str | None], env: Mapping[str, str],
+                    torchrun_line: bool = False) -> tuple[str, int, tuple[int, ...], str | None]:
+    """(device, local worker count, GPU indices, a note for the user).
+
+    Without a device option, a torchrun line gets torchrun's default of one worker per node (its world
+    size must not change with the launcher); any other line, one worker per visible GPU.
+    """
+    gpus, cpu, nproc = choice["gpus"], choice["cpu"], choice["nproc_per_node"]
+    if gpus is None and cpu is None and nproc is None and torchrun_line:
+        nproc = "1"
     if cpu is not None:
         return "cpu", parse_int(cpu, "--cpu", 1), (), None
     visible = visible_gpus(env)
+    if nproc is not None:
+        return _nproc_per_node(nproc.strip().lower(), len(visible))
     if gpus is None:
         if not visible:
             return "cpu", 1, (), "no GPU is visible: running 1 CPU worker (use --cpu N for more)"
@@ -144,6 +119,27 @@ def _choose_devices(gpus: str | None, cpu: str | None,
     return "cuda", len(indices), tuple(indices), None
 
 
+def _nproc_per_node(value: str, visible: int) -> tuple[str, int, tuple[int, ...], str | None]:
+    """torchrun's ``--nproc-per-node``: local rank i uses visible GPU i, as ``set_device(LOCAL_RANK)``."""
+    if value == "cpu" or (value == "auto" and not visible):
+        return "cpu", usable_cpu_count(), (), None
+    if value in ("gpu", "auto"):
+        if not visible:
+            raise UsageError("--nproc-per-node gpu: no GPU is visible; use a number or cpu")
+        return "cuda", visible, tuple(range(visible)), None
+    if value == "xpu":
+        raise UsageError("--nproc-per-node xpu: XPU devices are not supported; use a number, gpu or cpu")
+    if not value.isdigit():
+        raise UsageError(f"--nproc-per-node must be a number, auto, gpu or cpu, got {value!r}")
+    count = parse_int(value, "--nproc-per-node", 1)
+    if not visible:
+        return "cpu", count, (), None
+    if count > visible:
+        raise UsageError(f"--nproc-per-node {count}: only {visible} GPU(s) visible, and rank i uses GPU i; "
+                         f"use --cpu {count} for CPU workers")
+    return "cuda", count, tuple(range(count)), None
+
+
 def _module_exists(name: str) -> bool:
     """Found the way a worker will look (current directory first, as ``python -m`` does), import
     hooks of editable installs included; the module itself is not imported."""
@@ -157,7 +153,17 @@ def _module_exists(name: str) -> bool:
         sys.path[:] = saved
 
 
-def _check_target(script: str | None, module: str | None) -> None:
+def _runnable_by_python(path: Path) -> bool:
+    """A file, or a directory or zip archive with a ``__main__.py``: what ``python PATH`` runs."""
+    if path.is_dir():
+        return (path / "__main__.py").is_file()
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            return "__main__.py" in archive.namelist()
+    return path.is_file()
+
+
+def _check_target(script: str | None, module: str | None, run_mode: str) -> None:
     if module is not None:
         top = module.split(".")[0]
         if not module or not _module_exists(top):
@@ -165,60 +171,71 @@ def _check_target(script: str | None, module: str | None) -> None:
         return
     if script is None:
         raise UsageError("no script given: multigpu run [options] SCRIPT [ARGS...] (or -m MODULE)")
-    if not Path(script).is_file():
+    if run_mode == "exec":
+        found = shutil.which(script) if os.sep not in script else (script if os.access(script, os.X_OK)
+                                                                    and Path(script).is_file() else None)
+        if found is None:
+            raise UsageError(f"--no-python: program {script!r} not found or not executable")
+        return
+    if not Path(script).exists():
         raise UsageError(f"script {script!r} not found")
+    if not _runnable_by_python(Path(script)):
+        raise UsageError(f"{script!r} is a directory or archive without a __main__.py")
 
 
-def _option_value(ns: argparse.Namespace, option: Option, env: Mapping[str, str]) -> str | None:
-    """The command line's value, else ``MULTIGPU_<OPTION>`` (an empty variable counts as unset)."""
-    given = getattr(ns, option.dest)
-    return given if given is not None else (env.get(option.env_name) or None)
+def _run_mode(values: Mapping[str, str | None]) -> tuple[str, bool]:
+    """(run mode, module mode), as torchrun: --run-path beats --no-python; -m with --no-python is refused."""
+    module = values["module"] == "1"
+    if values["run_path"] == "1":
+        return "python", module
+    if values["no_python"] == "1":
+        if module:
+            raise UsageError("--no-python and --module (-m) cannot be used together")
+        return "exec", False
+    return "python", module
+
+
+def _status(value: str | None) -> str:
+    if value not in (None, "auto", "on", "off"):
+        raise UsageError(f"MULTIGPU_STATUS must be auto, on or off, got {value!r}")
+    return value or "auto"
 
 
 def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[RunConfig, str | None]:
     """The RunConfig for ``multigpu run ARGV``, and a note to print (or None)."""
     env = os.environ if env is None else env
     ours, rest = split_run_argv(argv)
-    ns = _run_parser().parse_args(ours)
-    values = {o.dest: _option_value(ns, o, env) for o in RUN_OPTIONS}
-    if ns.gpus is not None or ns.cpu is not None:  # a device choice on the command line beats the env's
-        values["gpus"], values["cpu"] = ns.gpus, ns.cpu
-    if values["status"] not in (None, "auto", "on", "off"):
-        raise UsageError(f"MULTIGPU_STATUS must be auto, on or off, got {values['status']!r}")
-    module = ns.module
-    script = None if module is not None else (rest[0] if rest else None)
-    target_args = rest if module is not None else rest[1:]
-    device, nproc, gpus, note = _choose_devices(values["gpus"], values["cpu"], env)
-    _check_target(script, module)
-    endpoint = parse_endpoint(values["rdzv_endpoint"], option="--rdzv-endpoint") \
-        if values["rdzv_endpoint"] else None
-    log_ranks = None
-    if values["log_ranks"]:
-        try:
-            log_ranks = frozenset(parse_index_list(values["log_ranks"], what="--log-ranks"))
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    given = vars(_run_parser().parse_args(ours))
+    values = options.resolve(given, env)
+    run_mode, module_mode = _run_mode(values)
+    module = rest[0] if module_mode and rest else None
+    script = None if module_mode else (rest[0] if rest else None)
+    if module_mode and module is None:
+        raise UsageError("-m/--module needs a module name: multigpu run [options] -m MODULE [ARGS...]")
+    device, nproc, gpus, note = _choose_devices(options.device_choice(given, env), env,
+                                                options.is_torchrun_line(values))
     config = RunConfig(
         target=module if module is not None else str(script),
-        target_args=tuple(target_args),
+        target_args=tuple(rest[1:]),
         module=module is not None,
         device=device,
         nproc=nproc,
         gpus=gpus,
         output_dir=Path(values["output"]) if values["output"] else None,
         run_id=values["run_id"],
-        log_ranks=log_ranks,
-        rdzv_endpoint=endpoint,
-        rdzv_timeout=_seconds(values["rdzv_timeout"], "--rdzv-timeout", positive=True)
-        if values["rdzv_timeout"] else 600.0,
         grace_period=_seconds(values["grace_period"], "--grace-period")
-        if values["grace_period"] else 5.0,
+        if values["grace_period"] else RunConfig.grace_period,
         hang_timeout=_seconds(values["hang_timeout"], "--hang-timeout", positive=True)
         if values["hang_timeout"] else None,
-        max_restarts=parse_int(values["max_restarts"], "--max-restarts", 0) if values["max_restarts"] else 0,
-        status=values["status"] or "auto",
+        max_restarts=parse_int(values["max_restarts"], "--max-restarts", 0)
+        if values["max_restarts"] else RunConfig.max_restarts,
+        status=_status(values["status"]),
+        run_mode=run_mode,
     )
-    config = apply_layout(config, values, env)
+    config = apply_torchrun_options(config, values)
+    config = apply_layout(config, rendezvous_values(config, values), env)
+    config = apply_rank_filters(config, values)
+    _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
 
 

@@ -43,6 +43,25 @@ class RunConfig:
     status: str = "auto"
     """``auto`` (a live view on a terminal), ``on`` or ``off``."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    # -- torchrun options (A)
+    rdzv_backend: str = "static"
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    run_mode: str = "python"
+    """``python`` (a script or module), or ``exec`` (``--no-python``: SCRIPT is a program)."""
+    role: str = "default"
+    local_addr: str | None = None
+    log_dir: Path | None = None
+    """torchrun's ``--log-dir``: its per-local-rank files are written there too."""
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+    logs_specs: str | None = None
 
     @property
     def resolved_world_size(self) -> int:

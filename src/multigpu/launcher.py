@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import torchrun_specs as extras
 from .config import RunConfig, new_run_id
 from .console import ConsoleWriter, PrefixedConsole, active_writer, say
 from .devices import cuda_visible_devices_for, visible_gpus
@@ -29,7 +30,7 @@ LOOPBACK = Endpoint("127.0.0.1", 0)
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
-    mode = "module" if config.module else "script"
+    mode = "exec" if config.run_mode == "exec" else "module" if config.module else "script"
     return [python, "-m", "multigpu.worker", mode, config.target, *config.target_args]
 
 
@@ -44,22 +45,36 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
         launcher_pid=launcher_pid,
     )
     logs = output_dir / "logs" / f"attempt_{attempt}"
-    argv = worker_argv(config)
-    specs = []
+    envs = {}
     for local_rank in range(config.nproc):
         rank = config.base_rank + local_rank
         placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
                                   local_world_size=config.nproc, group_rank=config.group_rank,
                                   group_world_size=config.group_world_size)
+        envs[local_rank] = build_worker_env({**base_env, **config.extra_env}, placement, job,
+                                            error_file=str(logs / f"error_rank_{rank}.json"),
+                                            store_fd=store_fd if rank == 0 else None)
+    if config.logs_specs is not None:
+        rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)
+    else:
+        attempt_dir = extras.torchrun_attempt_dir(config, run_id, output_dir, attempt, launcher_pid)
+        rank_logs = [extras.default_rank_logs(config, r, attempt_dir) for r in range(config.nproc)]
+    affinity = extras.rank_affinity(config, base_env)
+    argv = worker_argv(config)
+    specs = []
+    for local_rank, env in envs.items():
+        rank = config.base_rank + local_rank
         hosts_store = rank == 0 and store_fd is not None
-        error_file = logs / f"error_rank_{rank}.json"
-        env = build_worker_env({**base_env, **config.extra_env}, placement, job,
-                               error_file=str(error_file), store_fd=store_fd if hosts_store else None)
+        files = rank_logs[local_rank]
+        error_file = files.error_file or logs / f"error_rank_{rank}.json"
+        env = extras.apply_to_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices,
+                                  error_file)
         device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
                                 node=config.group_rank, log_path=logs / f"rank_{rank}.log",
                                 error_file=error_file,
-                                pass_fds=(store_fd,) if hosts_store and store_fd is not None else ()))
+                                pass_fds=(store_fd,) if hosts_store and store_fd is not None else (),
+                                stream_files=files.stream_files, console_streams=files.console_streams))
     return specs
 
 

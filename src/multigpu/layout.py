@@ -27,6 +27,25 @@ def _opt_int(values: Mapping[str, str | None], key: str, flag: str, minimum: int
     return None if raw is None or raw == "" else parse_int(raw, flag, minimum)
 
 
+def rendezvous_values(config: RunConfig, values: Mapping[str, str | None]) -> dict[str, str | None]:
+    """The layout options, with torchrun's defaults filled in where a torchrun line relies on them.
+
+    A fixed ``--nnodes N`` without ``--node-rank`` is node 0 (torchrun's default), ``--node-rank``
+    alone is one node, and under c10d the node rank is the rendezvous's to assign, not the user's.
+    """
+    fixed = config.min_nodes is not None and config.min_nodes == config.max_nodes
+    nnodes = str(config.min_nodes) if fixed else None
+    node_rank = values.get("node_rank") if config.rdzv_backend == "static" else None
+    if nnodes is not None and node_rank is None and config.min_nodes != 1:
+        node_rank = "0"
+    if node_rank is not None and nnodes is None and config.max_nodes is None:
+        nnodes = "1"
+    if nnodes == "1" and node_rank is None:
+        nnodes = None  # one node: the layout (and SLURM) decide as before
+    return {"nnodes": nnodes, "node_rank": node_rank, "base_rank": values.get("base_rank"),
+            "world_size": values.get("world_size")}
+
+
 def check_layout(base_rank: int, local: int, world_size: int) -> None:
     if base_rank < 0:
         raise UsageError(f"--base-rank must be at least 0, got {base_rank}")

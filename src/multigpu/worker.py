@@ -1,4 +1,4 @@
-"""The worker bootstrap: ``python -m multigpu.worker {script|module|function} TARGET [ARGS...]``.
+"""The worker bootstrap: ``python -m multigpu.worker {script|module|function|exec} TARGET [ARGS...]``.
 
 Before any user code runs it (1) ties the worker's fate to its launcher, (2) registers faulthandler
 for crashes and on-demand stack dumps, (3) takes the heartbeat descriptor out of the environment and
@@ -222,8 +222,54 @@ def run_function(payload_path: str) -> None:
     func(*args)
 
 
+_EXECVE = os.execve
+"""The plain ``execve``: ``arm_pdeathsig_on_exec`` wraps ``os.execve`` for the rank itself, and its
+parent check would take the exec shim for an orphan."""
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_program(program: str, args: list[str]) -> None:
+    """``--no-python``: run PROGRAM as a child and end the way it ends.
+
+    Why not just ``exec``: a program that is not Python cannot keep this bootstrap's guarantees. The
+    kernel's parent-death signal would kill PROGRAM if the launcher died, but not PROGRAM's own
+    children, and on one machine rank 0's bootstrap serves the job's store, which must outlive the
+    program's start. So the bootstrap stays as a small parent: its watchdog thread still ends the whole
+    process group when the launcher dies, and it holds the store. The launcher signals the group, so
+    PROGRAM receives every signal directly; this parent ignores them (ignoring is process-wide, where a
+    blocked mask would only cover this thread, not the watchdog's or the store's) and waits, then exits
+    with PROGRAM's code, or dies of PROGRAM's signal, so the report reads as for a Python rank.
+    """
+    for sig in PASSED_ON:
+        signal.signal(sig, signal.SIG_IGN)
+    faulthandler.unregister(DUMP_SIGNAL)
+    faulthandler.disable()
+    pid = os.fork()
+    if pid == 0:  # the child: default signal handling (an ignored signal stays ignored across exec)
+        try:
+            for sig in PASSED_ON:
+                signal.signal(sig, signal.SIG_DFL)
+            set_pdeathsig(signal.SIGKILL)
+            import shutil
+
+            _EXECVE(shutil.which(program) or program, [program, *args], os.environ)
+        except OSError as exc:
+            print(f"multigpu: cannot run {program!r}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(127)
+    status = os.waitpid(pid, 0)[1]
+    flush_open_files()
+    if os.WIFSIGNALED(status):
+        died_of = os.WTERMSIG(status)
+        signal.signal(died_of, signal.SIG_DFL)
+        os.kill(os.getpid(), died_of)
+    os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))
+
+
 def run_target(mode: str, target: str, args: list[str]) -> None:
-    if mode == "script":
+    if mode == "exec":
+        run_program(target, args)
+    elif mode == "script":
         run_script(target, args)
     elif mode == "module":
         run_module(target, args)
@@ -363,10 +409,13 @@ def flush_open_files() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
-        raise SystemExit("usage: python -m multigpu.worker {script|module|function} TARGET [ARGS...]")
+        raise SystemExit("usage: python -m multigpu.worker {script|module|function|exec} TARGET [ARGS...]")
     mode, target, *args = argv
     launcher = os.environ.get("MULTIGPU_LAUNCHER_PID")
     guard_parent(int(launcher) if launcher else None)
+    from .numa import apply_affinity
+
+    apply_affinity()  # --numa-binding: before user code, so its threads inherit it
     register_stack_dumps()
     take_heartbeat()
     quiet_numpy_warning()

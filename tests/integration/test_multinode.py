@@ -167,9 +167,9 @@ def test_node_zero_launcher_killed_ends_the_other_node(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--base-rank", "3", "--world-size", "4"], "do not fit in --world-size 4"),
-    (["--nnodes", "2", "--node-rank", "0"], "needs --rdzv-endpoint"),
+    (["--nnodes", "2", "--master-port", "0"], "needs a fixed port"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "must be below --nnodes"),
-    (["--nnodes", "2"], "go together"),
+    (["--nnodes", "3:1"], "0 < MIN <= MAX"),
     (["--world-size", "1"], "smaller than this node's 2 worker(s)"),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:0"], "needs a fixed port"),
 ])

@@ -76,8 +76,10 @@ def test_double_dash_ends_our_options(tmp_path: Path) -> None:
 
 def test_split_run_argv() -> None:
     assert split_run_argv(["--cpu", "2", "s.py", "--cpu", "3"]) == (["--cpu", "2"], ["s.py", "--cpu", "3"])
-    assert split_run_argv(["-m", "pkg.mod", "--cpu", "3"]) == (["-m", "pkg.mod"], ["--cpu", "3"])
-    assert split_run_argv(["-mpkg", "x"]) == (["-m", "pkg"], ["x"])
+    assert split_run_argv(["-m", "pkg.mod", "--cpu", "3"]) == (["-m"], ["pkg.mod", "--cpu", "3"])
+    assert split_run_argv(["-mpkg", "x"]) == (["-m"], ["pkg", "x"])
+    assert split_run_argv(["--nproc_per_node", "2", "-r", "3", "--standalone", "s.py", "-r", "1"]) == (
+        ["--nproc_per_node", "2", "-r", "3", "--standalone"], ["s.py", "-r", "1"])
     assert split_run_argv(["--cpu", "2"]) == (["--cpu", "2"], [])
 
 
@@ -165,7 +167,7 @@ def test_gpus_on_a_machine_without_gpu_says_use_cpu(script: str) -> None:
     (["--bogus", "{script}"], "--bogus"),
     (["--cpu", "1", "--rdzv-endpoint", "localhost", "{script}"], "no port"),
     (["--cpu", "1", "--rdzv-endpoint", "127.0.0.1:x", "{script}"], "port must be a number"),
-    (["--cpu", "2", "--gpus", "0", "{script}"], "not both"),
+    (["--cpu", "2", "--gpus", "0", "{script}"], "not --gpus and --cpu"),
     (["--cpu"], "expected one argument"),
     (["--status", "loud", "{script}"], "invalid choice"),
     (["--log-ranks", "0,a", "{script}"], "'a'"),

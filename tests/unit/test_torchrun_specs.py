@@ -1,0 +1,87 @@
+"""What torchrun's options change in each worker's spec: files, console streams, environment, argv."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from multigpu import devices
+from multigpu.cli import parse_run_args
+from multigpu.launcher import build_specs, worker_argv
+from multigpu.numa import AFFINITY_ENV
+from multigpu.supervisor import WorkerSpec
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
+    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+
+
+def specs(argv: list[str], tmp_path: Path, cvd: str | None = None) -> list[WorkerSpec]:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config, _ = parse_run_args([*argv, str(script)], {})
+    return build_specs(config, run_id="job1", output_dir=tmp_path / "out", attempt=1, master_addr="127.0.0.1",
+                       master_port=1234, store_fd=None, base_env={"PATH": "/bin"}, cuda_visible_devices=cvd,
+                       launcher_pid=4321)
+
+
+def test_log_dir_files_where_torchrun_writes_them(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    workers = specs(["--nproc-per-node", "2", "--log-dir", str(logs), "-r", "3", "-t", "0:1"], tmp_path)
+    attempt = logs / "job1_4321" / "attempt_1"
+    for w in workers:
+        rank_dir = attempt / str(w.local_rank)
+        assert rank_dir.is_dir()
+        assert dict(w.stream_files) == {"stdout": rank_dir / "stdout.log", "stderr": rank_dir / "stderr.log"}
+        assert w.error_file == rank_dir / "error.json"
+        assert w.env["TORCHELASTIC_ERROR_FILE"] == str(rank_dir / "error.json")
+        assert w.log_path == tmp_path / "out" / "logs" / "attempt_1" / f"rank_{w.rank}.log"  # ours stay
+    assert workers[0].console_streams == {"stdout"}  # teed stdout shows, redirected stderr does not
+    assert workers[1].console_streams == frozenset()
+
+
+def test_without_log_options_nothing_changes(tmp_path: Path) -> None:
+    worker = specs(["--nproc-per-node", "1"], tmp_path)[0]
+    assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
+    assert worker.error_file == tmp_path / "out" / "logs" / "attempt_1" / "error_rank_0.json"
+    assert AFFINITY_ENV not in worker.env
+
+
+def test_log_dir_alone_makes_the_rank_dirs_and_error_files(tmp_path: Path) -> None:
+    worker = specs(["--log-dir", str(tmp_path / "l")], tmp_path)[0]
+    assert worker.error_file == tmp_path / "l" / "job1_4321" / "attempt_1" / "0" / "error.json"
+    assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
+
+
+def test_tee_without_log_dir_writes_under_the_run_directory(tmp_path: Path) -> None:
+    worker = specs(["--tee", "3"], tmp_path)[0]
+    assert worker.stream_files["stdout"] == tmp_path / "out" / "torchrun_logs" / "job1_4321" / "attempt_1" \
+        / "0" / "stdout.log"
+
+
+def test_role_and_virtual_local_rank(tmp_path: Path) -> None:
+    workers = specs(["--nproc-per-node", "2", "--role", "trainer", "--virtual-local-rank"], tmp_path,
+                    cvd="3,5")
+    assert [w.env["ROLE_NAME"] for w in workers] == ["trainer", "trainer"]
+    assert [w.env["LOCAL_RANK"] for w in workers] == ["0", "0"]
+    assert [w.env["RANK"] for w in workers] == ["0", "1"]
+    assert [w.env["CUDA_VISIBLE_DEVICES"] for w in workers] == ["3", "5"]
+
+
+def test_numa_binding_on_cpu_workers_shares_the_cores(tmp_path: Path) -> None:
+    workers = specs(["--nproc-per-node", "2", "--numa-binding", "node"], tmp_path)
+    chosen = [set(map(int, w.env[AFFINITY_ENV].split(","))) for w in workers]
+    assert all(chosen) and (len(chosen[0] & chosen[1]) == 0 or len(chosen[0]) == 1)
+
+
+def test_worker_argv_per_mode(tmp_path: Path) -> None:
+    config, _ = parse_run_args(["--no-python", "echo", "a"], {})
+    assert worker_argv(config) == [sys.executable, "-m", "multigpu.worker", "exec", "echo", "a"]
+    script = tmp_path / "t.py"
+    script.write_text("")
+    config, _ = parse_run_args(["--run-path", str(script), "x"], {})
+    assert worker_argv(config)[3:] == ["script", str(script), "x"]
