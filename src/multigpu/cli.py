@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -21,7 +21,7 @@ from .devices import dedupe, parse_index_list, visible_gpus
 from .endpoint import parse_endpoint
 from .environment import inside_launched_worker
 from .errors import MultiGPUError, UsageError
-from .layout import apply_layout, parse_int
+from .layout import apply_layout, parse_int, parse_rdzv_conf
 
 EXIT_USAGE = 2
 
@@ -59,12 +59,17 @@ RUN_OPTIONS = (
     Option("--rdzv-timeout", "S", "seconds to wait for peer nodes (default 600)"),
     Option("--base-rank", "R", "global rank of this node's first worker (multi-node)"),
     Option("--world-size", "W", "total workers over all nodes (multi-node)"),
-    Option("--nnodes", "N", "node count, when every node runs the same number of workers"),
+    Option("--nnodes", "N|MIN:MAX", "node count, when every node runs the same number of workers; MIN:MAX "
+                                    "(with --rdzv-backend c10d) for an elastic job"),
     Option("--node-rank", "I", "this node's index, with --nnodes"),
     Option("--grace-period", "S", "seconds between SIGTERM and SIGKILL at teardown (default 5)"),
     Option("--hang-timeout", "S", "stop the run, with stack dumps, after S seconds without progress"),
     Option("--max-restarts", "K", "restart the whole group up to K times after a failure (default 0)"),
     Option("--status", "MODE", "live status view: auto (on a terminal), on, off", ("auto", "on", "off")),
+    # -- elastic (B): the minimal torchrun rendezvous options; helper A's parser supersedes these at merge
+    Option("--rdzv-backend", "NAME", "static (default) or c10d: torch's elastic rendezvous on the endpoint"),
+    Option("--rdzv-conf", "K=V,...", "rendezvous settings, e.g. join_timeout=600,last_call_timeout=30"),
+    Option("--rdzv-id", "ID", "torchrun's name for --run-id"),
 )
 _VALUE_FLAGS = {o.flag for o in RUN_OPTIONS}
 
@@ -217,8 +222,25 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         max_restarts=parse_int(values["max_restarts"], "--max-restarts", 0) if values["max_restarts"] else 0,
         status=values["status"] or "auto",
     )
+    config = _with_rendezvous(config, values)
     config = apply_layout(config, values, env)
     return config, note
+
+
+# -- elastic (B): torchrun's rendezvous options into RunConfig's fields (helper A's parser supersedes this)
+def _with_rendezvous(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig:
+    backend = (values["rdzv_backend"] or "static").strip().lower()
+    if backend in ("etcd", "etcd-v2"):
+        raise UsageError(f"--rdzv-backend {backend} is not supported; use --rdzv-backend c10d")
+    if backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend must be static or c10d, got {backend!r}")
+    run_id = config.run_id
+    if values["rdzv_id"]:
+        if run_id is not None and run_id != values["rdzv_id"]:
+            raise UsageError(f"--rdzv-id {values['rdzv_id']!r} contradicts --run-id {run_id!r}")
+        run_id = values["rdzv_id"]
+    return replace(config, rdzv_backend=backend, run_id=run_id,
+                   rdzv_conf=parse_rdzv_conf(values["rdzv_conf"] or ""))
 
 
 def cmd_run(argv: Sequence[str]) -> int:

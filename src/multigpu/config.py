@@ -43,6 +43,11 @@ class RunConfig:
     status: str = "auto"
     """``auto`` (a live view on a terminal), ``on`` or ``off``."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    # -- torchrun rendezvous
+    rdzv_backend: str = "static"
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    min_nodes: int | None = None
+    max_nodes: int | None = None
 
     @property
     def resolved_world_size(self) -> int:

@@ -124,6 +124,10 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
+    if config.rdzv_backend == "c10d" and (config.max_nodes or 0) > 1:  # elastic (B): torch's rendezvous
+        from .elastic_loop import launch_elastic
+
+        return launch_elastic(config, base_env, cvd, devices)
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     try:
@@ -167,6 +171,11 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
     return code
 
 
+def _membership_change(result: RunResult) -> bool:
+    """An elastic round ended for a joining node: nothing failed, so there are no stacks to dump."""
+    return result.root_cause is not None and result.root_cause.error_type == "MembershipChange"
+
+
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
                 attempt: int, job: JobStore | None = None) -> tuple[RunResult, list[Worker]]:
     console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node)
@@ -199,7 +208,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
                  f"(grace {config.grace_period:g}s; Ctrl-C again to kill now)")
             supervisor.close(sig=sig)
         else:
-            supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
+            supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
         result = supervisor.final_result(result)
         if job is not None:
             result = settle_root(job, result)

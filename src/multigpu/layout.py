@@ -37,8 +37,58 @@ def check_layout(base_rank: int, local: int, world_size: int) -> None:
                          f"{world_size}; lower --base-rank or raise --world-size")
 
 
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """torchrun's ``--rdzv-conf k=v,k2=v2``."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf {text!r}: write KEY=VALUE[,KEY=VALUE...]")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``N``, or ``MIN:MAX`` for an elastic job."""
+    low, sep, high = value.partition(":")
+    min_nodes = parse_int(low, "--nnodes", 1)
+    max_nodes = parse_int(high, "--nnodes", 1) if sep else min_nodes
+    if max_nodes < min_nodes:
+        raise UsageError(f"--nnodes {value}: MIN must not exceed MAX")
+    return min_nodes, max_nodes
+
+
+def _elastic_layout(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig | None:
+    """``--rdzv-backend c10d``: node ranks and the world come from the rendezvous, round by round.
+    None when at most one node may take part (then it is an ordinary one-machine job)."""
+    from .elastic import settings_from
+
+    min_nodes, max_nodes = parse_nnodes(values.get("nnodes") or "1")
+    settings_from(config.rdzv_conf)  # bad values are usage errors now, not after the join
+    if max_nodes == 1:
+        return None
+    if values.get("base_rank") or values.get("world_size"):
+        raise UsageError("--base-rank/--world-size do not apply with --rdzv-backend c10d: the rendezvous "
+                         "assigns ranks")
+    endpoint = config.rdzv_endpoint
+    if endpoint is None or endpoint.port == 0:
+        raise UsageError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT with a "
+                         "fixed port")
+    return dataclasses.replace(config, min_nodes=min_nodes, max_nodes=max_nodes)
+
+
 def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mapping[str, str]) -> RunConfig:
     """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
+    if config.rdzv_backend == "c10d":
+        elastic = _elastic_layout(config, values)
+        if elastic is not None:
+            return elastic
+        values = {**values, "nnodes": None, "node_rank": None}
+    elif values.get("nnodes") and ":" in str(values["nnodes"]):
+        low, high = parse_nnodes(str(values["nnodes"]))
+        if low != high:
+            raise UsageError(f"--nnodes {values['nnodes']} (elastic) needs --rdzv-backend c10d")
+        values = {**values, "nnodes": str(low)}
     base_rank = _opt_int(values, "base_rank", "--base-rank", 0)
     world_size = _opt_int(values, "world_size", "--world-size", 1)
     nnodes = _opt_int(values, "nnodes", "--nnodes", 1)
@@ -74,8 +124,6 @@ def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mappi
                              "address)")
         if endpoint.port == 0:
             raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
-        if config.max_restarts:
-            raise UsageError("--max-restarts is for one machine for now; a multi-node job is not restarted")
     elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
         raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
     return dataclasses.replace(config, base_rank=base_rank, world_size=world_size, nnodes=nnodes,

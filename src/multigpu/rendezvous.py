@@ -140,6 +140,10 @@ class JobStore:
         self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
         self._wait_for_all(timeout_s, poll_s)
 
+    def membership_change(self) -> str | None:
+        """Why the current round must end for a new membership; a static job's never changes."""
+        return None
+
     def members(self) -> dict[int, int]:
         """Every joined node, as base rank -> node index."""
         raw = self.store.get(self.key("members")).decode()
