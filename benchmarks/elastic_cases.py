@@ -110,7 +110,8 @@ def late_join(launcher: str, work: Path, bound: float) -> str:
         rcs = [p.poll() for p in procs]
         if not ended:
             return f"NOT finished {bound:.0f} s after the join (ranks done: {done}/4)"
-        return f"both ended {took:.1f} s after the second node started; rc={rcs}, ranks done at world 4: {done}"
+        return (f"both ended {took:.1f} s after the second node started; rc={rcs}, "
+                f"ranks done at world 4: {done}")
     finally:
         left = cleanup(procs, logs)
         if left:
@@ -134,7 +135,8 @@ def lost_peer(launcher: str, work: Path, bound: float) -> str:
         done = text(logs[0]).count("done pid=")
         if not ended:
             return f"survivor NOT finished {bound:.0f} s after the peer's SIGKILL"
-        return f"survivor ended {took:.1f} s after the peer's SIGKILL; rc={a.returncode}, its ranks done alone: {done}"
+        return (f"survivor ended {took:.1f} s after the peer's SIGKILL; rc={a.returncode}, "
+                f"its ranks done alone: {done}")
     finally:
         left = cleanup(procs, logs)
         if left:

@@ -156,7 +156,7 @@ class ElasticJobStore(JobStore):
         return None
 
 
-def _handler_class() -> type:
+def _handler_class() -> Any:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     class ElasticHandler(DynamicRendezvousHandler):  # type: ignore[misc]

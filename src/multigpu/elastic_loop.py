@@ -24,7 +24,8 @@ from .signals import set_child_subreaper
 from .supervisor import RunResult, RunStatus
 
 
-def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | None, devices: list[str]) -> int:
+def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | None,
+                   devices: list[str]) -> int:
     """Run an elastic job on this node to its end and return the launcher's exit code."""
     assert config.rdzv_endpoint is not None
     settings = settings_from(config.rdzv_conf)
@@ -36,7 +37,8 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
     record = RunRecord(output_dir / f"run_{node_id()}.json", config, run_id, devices)
     role = "serves" if hosted else "joins"
     _say(f"run {run_id}: elastic job of {config.min_nodes}:{config.max_nodes} node(s), {config.nproc} "
-         f"worker(s) here; this launcher {role} the rendezvous at {config.rdzv_endpoint}; output in {output_dir}")
+         f"worker(s) here; this launcher {role} the rendezvous at {config.rdzv_endpoint}; "
+         f"output in {output_dir}")
     code, over = 1, False
     try:
         code, over = run_rounds(config, rdzv, record, output_dir, base_env, cvd)

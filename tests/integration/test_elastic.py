@@ -196,22 +196,47 @@ def test_a_failure_with_no_restart_left_ends_every_node_with_the_same_root_cause
     assert_gone(pids_in(out0 + out1))
 
 
+EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "MIN must not exceed MAX"),
     (["--nnodes", "1:2"], "needs --rdzv-backend c10d"),
     (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
-    (["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:29400"], "use --rdzv-backend c10d"),
-    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf", "junk"],
-     "--rdzv-conf"),
-    (["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf",
-      "join_timeout=soon"], "join_timeout"),
+    (["--nnodes", "1:2", "--rdzv-backend", "etcd", *EP], "use --rdzv-backend c10d"),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "junk"], "--rdzv-conf"),
+    (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "join_timeout=soon"], "join_timeout"),
     (["--rdzv-id", "a", "--run-id", "b"], "contradicts"),
 ])
-def test_wrong_elastic_options_are_one_line_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+def test_wrong_elastic_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    from multigpu.cli import parse_run_args
+    from multigpu.errors import UsageError
+
+    script = write_script(tmp_path, "job.py", REPORT)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parse_run_args(["--cpu", "1", *args, str(script)], env={})
+
+
+def test_an_elastic_usage_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     from helpers import run_cli
 
     script = write_script(tmp_path, "job.py", REPORT)
-    result = run_cli(["run", "--cpu", "1", *args, str(script)], tmp_path, timeout=30)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr.splitlines()[0]
+    result = run_cli(["run", "--cpu", "1", "--nnodes", "2:1", "--rdzv-backend", "c10d", *EP, str(script)],
+                     tmp_path, timeout=30)
+    assert result.returncode == 2
+    assert "--nnodes 2:1: MIN must not exceed MAX" in result.stderr.splitlines()[0]
     assert "Traceback" not in result.stderr
+
+
+def test_the_elastic_fields_come_from_torchruns_options(tmp_path: Path) -> None:
+    from multigpu.cli import parse_run_args
+
+    script = write_script(tmp_path, "job.py", REPORT)
+    config, _ = parse_run_args(["--cpu", "2", "--nnodes", "1:3", "--rdzv-backend", "c10d", *EP,
+                                "--rdzv-id", "j7", "--rdzv-conf", "last_call_timeout=2,is_host=false",
+                                "--max-restarts", "2", str(script)], env={})
+    assert (config.rdzv_backend, config.min_nodes, config.max_nodes) == ("c10d", 1, 3)
+    assert config.rdzv_conf == {"last_call_timeout": "2", "is_host": "false"}
+    assert (config.run_id, config.max_restarts, config.nproc) == ("j7", 2, 2)
+    single, _ = parse_run_args(["--cpu", "2", "--nnodes", "1", "--rdzv-backend", "c10d", str(script)], env={})
+    assert single.max_nodes is None and not single.multi_node, "one node at most: an ordinary local job"
