@@ -70,6 +70,9 @@ def run_rounds(config: RunConfig, rdzv: ElasticRendezvous, record: RunRecord, ou
                             attempt=rnd.restart_count, master_addr=rnd.master_addr,
                             master_port=rnd.master_port, store_fd=None, base_env=base_env,
                             cuda_visible_devices=cvd, launcher_pid=os.getpid())
+        for spec in specs:  # rounds of one restart count share a log folder: no error of an earlier round
+            if spec.error_file is not None:
+                spec.error_file.unlink(missing_ok=True)
         record.begin_attempt(rnd.restart_count, rnd.master_addr, rnd.master_port)
         result, workers = run_attempt(round_config, specs, record, reaper, rnd.restart_count, rnd.job)
         record.end_attempt(result)
