@@ -18,7 +18,7 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -275,10 +275,10 @@ class Liveness:
     """
 
     def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, beat_s: float = BEAT_S,
-                 lost_after_s: float = 2 * LOST_AFTER_S) -> None:
+                 lost_after_s: float = 2 * LOST_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.backend, self.run_id = store, backend, run_id
         self.me = me
-        self.beat_s, self.lost_after_s = beat_s, lost_after_s
+        self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)
@@ -305,7 +305,7 @@ class Liveness:
         if current is None:
             return
         state = pickle.loads(current[0])
-        now = time.monotonic()
+        now = self._clock()
         silent = []
         for node in state.last_heartbeats:
             key = self.key(node)
