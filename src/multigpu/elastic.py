@@ -164,10 +164,10 @@ def _handler_class() -> Any:
 
         torch 2.13 keeps the bootstrap store info (MASTER_ADDR/PORT) of the first round it saw for
         good: a node that joins a later round as group rank > 0 waits for keys that round's rank 0
-        never writes (``read_timeout``, 60 s, then the job fails), and workers of every round share
-        one store and one ``/worker/attempt_<restart count>`` prefix. Forgetting it before each round
-        makes rank 0 publish a fresh one; its server binds the node's own address, never every
-        interface.
+        never writes (``read_timeout``, 60 s, then the job fails), and the workers of every round
+        would share one store, where torch's workers add no per-round prefix (gloo could read the
+        last round's addresses). Forgetting it before each round makes rank 0 publish a fresh store;
+        its server binds the node's own address, never every interface.
         """
 
         worker_store: Any = None
@@ -216,11 +216,20 @@ class ElasticRendezvous:
 
     def next_round(self) -> Round:
         """Join the next round (torch's rules) and agree on ranks, master and restart count."""
+        info = self._next_rendezvous()
+        try:
+            return self._layout(info)
+        except RuntimeError as exc:  # a store call timed out: a node of the round vanished meanwhile
+            within = f"read_timeout={self.settings.read_timeout:g}s"
+            raise RendezvousError(f"the nodes of the new round did not all report within {within} "
+                                  f"({type(exc).__name__})") from None
+
+    def _next_rendezvous(self) -> Any:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv_endpoint
         try:
-            info = self.handler.next_rendezvous()
+            return self.handler.next_rendezvous()
         except api.RendezvousTimeoutError:
             raise RendezvousError(f"fewer than {self.config.min_nodes} node(s) joined the rendezvous at "
                                   f"{where} within join_timeout={self.settings.join_timeout:g}s") from None
@@ -230,8 +239,11 @@ class ElasticRendezvous:
         except (api.RendezvousError, RuntimeError, ValueError) as exc:
             raise RendezvousError(f"the rendezvous at {where} failed ({type(exc).__name__}); the launcher "
                                   "that serves it may be gone") from None
-        group_rank, group_world = info.rank, info.world_size
-        rstore = info.store
+
+    def _layout(self, info: Any) -> Round:
+        """Consecutive ranks by node rank, as torchrun lays them out; every rank claimed (the round's
+        barrier) in the round's own keys."""
+        group_rank, group_world, rstore = info.rank, info.world_size, info.store
         if group_rank == 0:
             rstore.set("multigpu/restart_count", self.store.get(self.RESTARTS_KEY))
         rstore.set(f"multigpu/nproc/{group_rank}", str(self.config.nproc))
@@ -242,7 +254,7 @@ class ElasticRendezvous:
         job = ElasticJobStore(rstore, self, node=group_rank, base_rank=base_rank, nproc=self.config.nproc,
                               world_size=world_size)
         job.run_id = self.run_id
-        job.join(self.settings.read_timeout)  # every rank claimed: the round's barrier
+        job.join(self.settings.read_timeout)
         store_info = info.bootstrap_store_info
         return Round(group_rank, group_world, base_rank, world_size, store_info.master_addr,
                      store_info.master_port, int(rstore.get("multigpu/restart_count")), job)
