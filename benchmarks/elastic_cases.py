@@ -1,10 +1,10 @@
-"""Elastic cases side by side with torchrun: a late joiner, and a peer's launcher SIGKILLed.
+"""Elastic cases side by side with torchrun: a late joiner, a peer's launcher SIGKILLed, a machine lost.
 
 Two launchers on 127.0.0.1, ``--nnodes 1:2 --max-restarts 1``, c10d rendezvous, 2 CPU workers each.
 Every run is bounded; whatever a launcher started is ended by PID afterwards (torchrun's workers
 outlive a SIGKILLed agent, so their PIDs are read from what they printed).
 
-    python benchmarks/elastic_cases.py [multigpu|torchrun ...] [--bound S]
+    python benchmarks/elastic_cases.py [multigpu|torchrun ...] [--cases late,lost,machine] [--bound S]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ WORKER = """
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     print(f"pid={os.getpid()} rank={dist.get_rank()} world={world} group={os.environ['GROUP_RANK']} "
-          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} at={time.time():.2f}", flush=True)
     finish_at = int(sys.argv[1])  # the world size at which the job finishes
     t = torch.ones(1)
     deadline = time.monotonic() + 300
@@ -102,25 +102,30 @@ def late_join(launcher: str, work: Path, bound: float) -> str:
     try:
         if not wait_for(lambda: text(logs[0]).count("world=2") >= 2, 60):
             return "first node never ran alone within 60 s"
-        joined = time.monotonic()
+        joined, joined_at = time.monotonic(), time.time()
         procs.append(start(argv(launcher, port, script, 4, work / "ob"), logs[1]))
         ended = wait_for(lambda: all(p.poll() is not None for p in procs), bound)
         took = time.monotonic() - joined
         done = sum(text(log).count("done pid=") for log in logs)
         rcs = [p.poll() for p in procs]
+        both = [float(t) for t in re.findall(r"world=4 group=\d+ restart=\d+ at=([\d.]+)",
+                                             text(logs[0]) + text(logs[1]))]
         if not ended:
             return f"NOT finished {bound:.0f} s after the join (ranks done: {done}/4)"
-        return (f"both ended {took:.1f} s after the second node started; rc={rcs}, "
-                f"ranks done at world 4: {done}")
+        formed = f"4 ranks initialised after {max(both) - joined_at:.1f} s, " if len(both) >= 4 else ""
+        return (f"both ended {took:.1f} s after the second node started ({formed}rc={rcs}, "
+                f"ranks done at world 4: {done})")
     finally:
         left = cleanup(procs, logs)
         if left:
             print(f"    ({launcher} late join: ended {left} leftover process(es) by PID)")
 
 
-def lost_peer(launcher: str, work: Path, bound: float) -> str:
+def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False) -> str:
+    """SIGKILL the second node's launcher (with ``whole_node``, its ranks too, as when a machine dies)."""
     script, port = work / "w.py", free_port()
-    logs = [work / f"{launcher}_lost_a.log", work / f"{launcher}_lost_b.log"]
+    tag = "machine" if whole_node else "lost"
+    logs = [work / f"{launcher}_{tag}_a.log", work / f"{launcher}_{tag}_b.log"]
     a = start(argv(launcher, port, script, 2, work / "oa"), logs[0])
     time.sleep(0.5)  # the first one hosts the store
     b = start(argv(launcher, port, script, 2, work / "ob"), logs[1])
@@ -128,15 +133,21 @@ def lost_peer(launcher: str, work: Path, bound: float) -> str:
     try:
         if not wait_for(lambda: sum(text(log).count("world=4") for log in logs) >= 4, 90):
             return "the 2-node job never formed within 90 s"
+        killed_at = time.time()
         os.kill(b.pid, signal.SIGKILL)
+        for pid in map(int, re.findall(r"\bpid=(\d+)", text(logs[1])) if whole_node else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         ended = wait_for(lambda: a.poll() is not None, bound)
         took = time.monotonic() - killed
         done = text(logs[0]).count("done pid=")
         if not ended:
             return f"survivor NOT finished {bound:.0f} s after the peer's SIGKILL"
-        return (f"survivor ended {took:.1f} s after the peer's SIGKILL; rc={a.returncode}, "
-                f"its ranks done alone: {done}")
+        alone = [float(t) for t in re.findall(r"world=2 group=\d+ restart=\d+ at=([\d.]+)", text(logs[0]))]
+        joined = f"its ranks re-initialised alone after {max(alone) - killed_at:.1f} s, " if alone else ""
+        return (f"survivor ended {took:.1f} s after the peer's SIGKILL ({joined}rc={a.returncode}, "
+                f"its ranks done alone: {done})")
     finally:
         left = cleanup(procs, logs)
         if left:
@@ -146,14 +157,22 @@ def lost_peer(launcher: str, work: Path, bound: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("launchers", nargs="*", default=["multigpu", "torchrun"])
-    parser.add_argument("--bound", type=float, default=120.0)
-    parser.add_argument("--keep", action="store_true", help="keep the logs directory")
+    parser.add_argument("--cases", default="late,lost,machine", help="comma-separated: late, lost, machine")
+    parser.add_argument("--bound", type=float, default=120.0, help="seconds before a case counts as hung")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="elastic_cases_"))
     (work / "w.py").write_text(textwrap.dedent(WORKER))
+    cases = {
+        "late": ("late join", lambda launcher: late_join(launcher, work, args.bound)),
+        "lost": ("lost peer (its launcher SIGKILLed)",
+                 lambda launcher: lost_peer(launcher, work, args.bound)),
+        "machine": ("lost machine (launcher and ranks SIGKILLed)",
+                    lambda launcher: lost_peer(launcher, work, args.bound, whole_node=True)),
+    }
     for launcher in args.launchers:
-        print(f"{launcher}: late join: {late_join(launcher, work, args.bound)}", flush=True)
-        print(f"{launcher}: lost peer: {lost_peer(launcher, work, args.bound)}", flush=True)
+        for case in args.cases.split(","):
+            title, run = cases[case]
+            print(f"{launcher}: {title}: {run(launcher)}", flush=True)
     print(f"logs in {work}")
 
 
