@@ -193,12 +193,15 @@ class ElasticRendezvous:
 
     RESTARTS_KEY = "multigpu/restart_count"
 
-    def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings) -> None:
+    def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
+                 hosted: bool) -> None:
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
         assert config.min_nodes is not None and config.max_nodes is not None and config.rdzv_endpoint
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
+        self.hosted = hosted
+        """Whether this launcher serves the job's store: then it leaves last."""
         self.addr = local_address(config.rdzv_endpoint)
         self.backend = C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(

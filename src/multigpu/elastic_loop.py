@@ -31,7 +31,7 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
     settings = settings_from(config.rdzv_conf)
     store, hosted = open_store(config.rdzv_endpoint, settings)
     run_id = settle_run_id(store, config.run_id, new_run_id())
-    rdzv = ElasticRendezvous(config, store, run_id, settings)
+    rdzv = ElasticRendezvous(config, store, run_id, settings, hosted=hosted)
     output_dir = (config.output_dir or Path("multigpu_runs") / run_id).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     record = RunRecord(output_dir / f"run_{node_id()}.json", config, run_id, devices)
@@ -79,7 +79,8 @@ def run_rounds(config: RunConfig, rdzv: ElasticRendezvous, record: RunRecord, ou
         rdzv.handler.worker_store = None  # the round's workers are gone: so is their store
         code = _exit_code(result)
         if result.status is RunStatus.SUCCEEDED:
-            serve_until_all_done(rnd.job)  # torchrun's exit barrier; the store's host keeps serving
+            if rdzv.hosted:  # the store's host serves until every node is done (or the job died)
+                serve_until_all_done(rnd.job)
             return _finish(record, 0, over=True)
         if result.status is RunStatus.INTERRUPTED:
             return _finish(record, code, over=False)
