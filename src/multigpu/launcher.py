@@ -168,7 +168,7 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
                 serve_until_all_done(job)
             break
         _say(format_report(result, workers, attempt=attempt))
-        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _store_lost(result):
+        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _node_gone(result):
             break
         every = " on every node" if job is not None else ""
         _say(f"restarting{every}: attempt {attempt + 1} of {config.max_restarts} restart(s)")
@@ -199,9 +199,9 @@ def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int)
     return job, int(job.store.get(key)), store
 
 
-def _store_lost(result: RunResult) -> bool:
-    """No node can meet again without the job's store (its host, node 0, is gone)."""
-    return any(f.error_type == "StoreLost" for f in result.failures)
+def _node_gone(result: RunResult) -> bool:
+    """A static job cannot meet again without the store's host or one of its fixed nodes."""
+    return any(f.error_type in ("StoreLost", "NodeLost") for f in result.failures)
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
