@@ -5,7 +5,7 @@ Membership, node ranks and rounds are torch's: ``DynamicRendezvousHandler`` over
 a closed join window start a round, a waiting node triggers the next one) are the same here. What we
 add sits on that store: run-id protection, fate sharing per round (heartbeats and one abort record,
 ``fate.py``) and a job-wide restart count. Two defects of torch 2.13's handler are worked around on
-the store, not by a new protocol (see ``ElasticHandler`` and ``ElasticRendezvous.evict``).
+the store, not by a new protocol (see ``ElasticHandler`` and ``Liveness``).
 
 Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` without it.
 """

@@ -15,6 +15,7 @@ from typing import Any
 from .config import RunConfig, new_run_id
 from .console import PrefixedConsole
 from .devices import cuda_visible_devices_for, visible_gpus
+from .elastic import is_elastic
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from .errors import signal_name
@@ -125,7 +126,7 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
-    if config.rdzv_backend == "c10d" and (config.max_nodes or 0) > 1:  # elastic (B): torch's rendezvous
+    if is_elastic(config):  # torch's dynamic rendezvous; imports torch
         from .elastic_loop import launch_elastic
 
         return launch_elastic(config, base_env, cvd, devices)
