@@ -36,9 +36,19 @@ def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
     return WorkerFailure(log_tail=list(record.get("log_tail") or []), **fields)  # type: ignore[arg-type]
 
 
-def node_lost(node: int, why: str) -> WorkerFailure:
-    return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type="NodeLost", message=why,
+NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "NodeLost", "StoreLost", "MembershipChange"
+LEARNED_FROM_SILENCE = (NODE_LOST, STORE_LOST)
+"""Causes known from a peer's or the store's silence: nothing to publish, nothing to ask the store."""
+
+
+def node_lost(node: int, why: str, kind: str = NODE_LOST) -> WorkerFailure:
+    return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type=kind, message=why,
                          time=time.time())
+
+
+def store_lost(why: str) -> WorkerFailure:
+    """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone."""
+    return node_lost(0, why, STORE_LOST)
 
 
 class FateMonitor:
@@ -69,8 +79,8 @@ class FateMonitor:
         while not self._stop.wait(self._beat_s):
             silent = self._clock() - self._last_ok
             if silent > self._lost_after_s:
-                self._fire(node_lost(0, f"the rendezvous store stopped answering for {silent:.1f}s "
-                                        "(node 0's launcher or the network is down)"))
+                self._fire(store_lost(f"the rendezvous store stopped answering for {silent:.1f}s "
+                                      "(the launcher that serves it, or the network, is down)"))
                 return
 
     def stop(self) -> None:
@@ -96,6 +106,12 @@ class FateMonitor:
                     self._fire(failure_from_record(record) if "reason" not in record
                                else node_lost(int(record.get("node", -1)), str(record["reason"])))
                     return
+                change = self.job.membership_change()
+                if change is not None:  # published, so a peer whose ranks fail first restarts too
+                    failure = node_lost(-1, change, MEMBERSHIP_CHANGE)
+                    self.job.publish_abort(failure_record(failure))
+                    self._fire(failure)
+                    return
                 lost = self._lost_node()
                 if lost is not None:
                     why = f"node {lost}'s launcher stopped beating for {self._lost_after_s:g}s " \
@@ -104,8 +120,8 @@ class FateMonitor:
                     return
                 self._last_ok = self._clock()
             except Exception as exc:  # the store is gone: node 0's launcher died or the network did
-                self._fire(node_lost(0, f"lost contact with the rendezvous store ({type(exc).__name__}); "
-                                        "node 0's launcher or the network is down"))
+                self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
+                                      "the launcher that serves it, or the network, is down"))
                 return
 
     def _lost_node(self) -> int | None:
@@ -129,7 +145,7 @@ def share_failure(job: JobStore, result: RunResult) -> RunResult:
     """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
     root = result.root_cause
     assert root is not None
-    if root.error_type == "NodeLost":
+    if root.error_type in LEARNED_FROM_SILENCE:
         return result  # learned from the store (or its silence): nothing new to tell it
     return _with_root(result, _bounded(lambda: job.publish_abort(failure_record(root))))
 
@@ -140,7 +156,7 @@ def settle_root(job: JobStore, result: RunResult) -> RunResult:
     root = result.root_cause
     if result.status not in (RunStatus.FAILED, RunStatus.HUNG) or root is None:
         return result
-    if root.error_type == "NodeLost":
+    if root.error_type in LEARNED_FROM_SILENCE:
         return result  # a lost node or store: asking the store again would only wait
     return _with_root(result, _bounded(job.read_abort))
 

@@ -10,11 +10,13 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import torchrun_specs as extras
 from .config import RunConfig, new_run_id
 from .console import ConsoleWriter, PrefixedConsole, active_writer, say
 from .devices import cuda_visible_devices_for, visible_gpus
+from .elastic import is_elastic
 from .endpoint import Endpoint
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from .errors import signal_name
@@ -158,6 +160,10 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
+    if is_elastic(config):  # torch's dynamic rendezvous; imports torch
+        from .elastic_loop import launch_elastic
+
+        return launch_elastic(config, base_env, cvd, devices)
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     folder = None
@@ -191,24 +197,56 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
     reaper = set_child_subreaper()
     code = 1
     for attempt in range(config.max_restarts + 1):
+        job, master_port, worker_store = rdzv.job, rdzv.master_port, None
+        if job is not None and attempt > 0:
+            job, master_port, worker_store = meet_again(config, job, rdzv.master_addr, attempt)
         specs = build_specs(config, run_id=rdzv.run_id, output_dir=output_dir, attempt=attempt,
-                            master_addr=rdzv.master_addr, master_port=rdzv.master_port,
+                            master_addr=rdzv.master_addr, master_port=master_port,
                             store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
                             launcher_pid=os.getpid())
-        record.begin_attempt(attempt, rdzv.master_addr, rdzv.master_port)
-        result, workers = run_attempt(config, specs, record, reaper, attempt, rdzv.job)
+        record.begin_attempt(attempt, rdzv.master_addr, master_port)
+        result, workers = run_attempt(config, specs, record, reaper, attempt, job)
         record.end_attempt(result)
         code = _exit_code(result)
         if result.status is RunStatus.SUCCEEDED:
-            if rdzv.job is not None and config.base_rank == 0:
-                serve_until_all_done(rdzv.job)
+            if job is not None and config.base_rank == 0:
+                serve_until_all_done(job)
             break
         _say(format_report(result, workers, attempt=attempt))
-        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts:
+        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _node_gone(result):
             break
-        _say(f"restarting: attempt {attempt + 1} of {config.max_restarts} restart(s)")
+        every = " on every node" if job is not None else ""
+        _say(f"restarting{every}: attempt {attempt + 1} of {config.max_restarts} restart(s)")
+        del worker_store  # the failed attempt's workers are gone: so is their store
     record.finish("succeeded" if code == 0 else "failed", code)
     return code
+
+
+def _membership_change(result: RunResult) -> bool:
+    """An elastic round ended for a joining node: nothing failed, so there are no stacks to dump."""
+    return result.root_cause is not None and result.root_cause.error_type == "MembershipChange"
+
+
+def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int) -> tuple[JobStore, int, Any]:
+    """Every node of a multi-node job meets again for a restart, with fresh fate-sharing keys and a
+    fresh store for the workers (torch's workers add no per-attempt prefix: the last attempt's keys
+    would mislead gloo's rendezvous). Node 0 serves that store; (job, its port, the store)."""
+    job = job.for_attempt(attempt)
+    key, store = job.key("worker_store_port"), None
+    if config.base_rank == 0:
+        sock = bind_store_socket(Endpoint(master_addr, 0))
+        port = sock.getsockname()[1]
+        store = serve_store(sock.fileno(), Endpoint(master_addr, 0).bind_host, port,
+                            timeout_s=config.rdzv_timeout)
+        sock.detach()
+        job.store.set(key, str(port))
+    job.join(config.rdzv_timeout)  # every rank claimed again: the port is published
+    return job, int(job.store.get(key)), store
+
+
+def _node_gone(result: RunResult) -> bool:
+    """A static job cannot meet again without the store's host or one of its fixed nodes."""
+    return any(f.error_type in ("StoreLost", "NodeLost") for f in result.failures)
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
@@ -243,7 +281,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
                  f"(grace {config.grace_period:g}s; Ctrl-C again to kill now)")
             supervisor.close(sig=sig)
         else:
-            supervisor.close(dump_stacks=result.status is RunStatus.FAILED)
+            supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
         result = supervisor.final_result(result)
         for loss in supervisor.output_losses():
             _say(f"output lost: {loss}")

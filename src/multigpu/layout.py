@@ -56,8 +56,33 @@ def check_layout(base_rank: int, local: int, world_size: int) -> None:
                          f"{world_size}; lower --base-rank or raise --world-size")
 
 
+def _elastic_layout(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig | None:
+    """``--rdzv-backend c10d``: node ranks and the world come from the rendezvous, round by round.
+    None when at most one node may take part (then it is an ordinary one-machine job)."""
+    from .elastic import settings_from
+
+    min_nodes = config.min_nodes or 1
+    max_nodes = config.max_nodes or min_nodes
+    settings_from(config.rdzv_conf)  # bad values are usage errors now, not after the join
+    if max_nodes == 1:
+        return None
+    if values.get("base_rank") or values.get("world_size"):
+        raise UsageError("--base-rank/--world-size do not apply with --rdzv-backend c10d: the rendezvous "
+                         "assigns ranks")
+    endpoint = config.rdzv_endpoint
+    if endpoint is None or endpoint.port == 0:
+        raise UsageError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT with a "
+                         "fixed port")
+    return dataclasses.replace(config, min_nodes=min_nodes, max_nodes=max_nodes)
+
+
 def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mapping[str, str]) -> RunConfig:
     """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
+    if config.rdzv_backend == "c10d":
+        elastic = _elastic_layout(config, values)
+        if elastic is not None:
+            return elastic
+        values = {**values, "nnodes": None, "node_rank": None}
     base_rank = _opt_int(values, "base_rank", "--base-rank", 0)
     world_size = _opt_int(values, "world_size", "--world-size", 1)
     nnodes = _opt_int(values, "nnodes", "--nnodes", 1)
@@ -93,8 +118,6 @@ def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mappi
                              "address)")
         if endpoint.port == 0:
             raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
-        if config.max_restarts:
-            raise UsageError("--max-restarts is for one machine for now; a multi-node job is not restarted")
     elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
         raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
     return dataclasses.replace(config, base_rank=base_rank, world_size=world_size, nnodes=nnodes,

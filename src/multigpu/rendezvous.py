@@ -103,9 +103,17 @@ class JobStore:
         self.store = store
         self.node, self.base_rank, self.nproc, self.world_size = node, base_rank, nproc, world_size
         self.run_id = ""
+        self.scope: tuple[str, ...] = ()
 
     def key(self, *parts: object) -> str:
-        return "/".join(["multigpu", self.run_id, *map(str, parts)])
+        return "/".join(["multigpu", self.run_id, *self.scope, *map(str, parts)])
+
+    def for_attempt(self, attempt: int) -> JobStore:
+        """This node in a later attempt of the same job: fresh rank claims, beats and abort record."""
+        job = JobStore(self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
+                       world_size=self.world_size)
+        job.run_id, job.scope = self.run_id, (f"attempt_{attempt}",)
+        return job
 
     def settle_run_id(self, wanted: str | None) -> str:
         """The job's run id: node 0 publishes its own; the others adopt it, or are refused on a mismatch."""
@@ -139,6 +147,10 @@ class JobStore:
                 self._refuse(f"rank {rank} is claimed by both {owner} and {me}")
         self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
         self._wait_for_all(timeout_s, poll_s)
+
+    def membership_change(self) -> str | None:
+        """Why the current round must end for a new membership; a static job's never changes."""
+        return None
 
     def members(self) -> dict[int, int]:
         """Every joined node, as base rank -> node index."""

@@ -87,9 +87,6 @@ def rendezvous_settings(config: RunConfig, values: Mapping[str, str | None]) -> 
         backend, endpoint, min_nodes, max_nodes = "c10d", None, 1, 1
     if min_nodes != max_nodes and backend == "static":
         raise UsageError(f"--nnodes {values['nnodes']} is an elastic range: it needs --rdzv-backend c10d")
-    if backend == "c10d" and (max_nodes or 1) > 1:
-        raise UsageError("a c10d rendezvous over several nodes (elastic --nnodes) is not in this build "
-                         "yet; use --rdzv-backend static with --node-rank")
     timeout = values["rdzv_timeout"] or conf.get("join_timeout")
     return dataclasses.replace(
         config, rdzv_backend=backend, rdzv_conf=conf, min_nodes=min_nodes, max_nodes=max_nodes,

@@ -92,6 +92,39 @@ def test_a_rank_failing_on_one_node_ends_both_with_the_root_cause(tmp_path: Path
     assert_gone(pids_in(out0 + out1))
 
 
+RANK_3_FAILS_FIRST_TIME = """
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"pid={os.getpid()} rank={dist.get_rank()} restart={restart}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 3 and restart == "0":
+        time.sleep(0.3)
+        raise RuntimeError("rank 3 broke")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank={dist.get_rank()} restart={restart} sum={int(t.item())}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "fail_once.py", RANK_3_FAILS_FIRST_TIME)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                 "--max-restarts", "1")
+    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+                  "--max-restarts", "1")
+    rc1, out1, err1 = finish(second)
+    rc0, out0, err0 = finish(first)
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
+    for err in (err0, err1):
+        assert "root cause: rank 3 (node 1" in err and "restarting on every node: attempt 1" in err
+    finished = sorted(re.findall(r"rank=(\d) restart=1 sum=4", out0 + out1))
+    assert finished == ["0", "1", "2", "3"], "every rank of both nodes ran the restarted attempt"
+    assert_gone(pids_in(out0 + out1))
+
+
 def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"

@@ -85,7 +85,6 @@ def test_nnodes_maps_onto_base_rank_and_world_size(tmp_path) -> None:  # type: i
     (["--nnodes", "2", "--node-rank", "1", "--world-size", "5", "--rdzv-endpoint", "h:1"], "disagrees"),
     (["--base-rank", "-1"], "at least 0"),
     (["--world-size", "abc"], "must be an integer"),
-    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "one machine"),
 ])
 def test_layout_mistakes(tmp_path, args, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match=message):
