@@ -43,6 +43,11 @@ class RunConfig:
     status: str = "auto"
     """``auto`` (a live view on a terminal), ``on`` or ``off``."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    # -- function mode (D)
+    function: bool = False
+    """``target`` is a pickled payload for ``multigpu.worker function`` (``MultiGPUManager``)."""
+    first_local_rank: int = 0
+    """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
 
     @property
     def resolved_world_size(self) -> int:

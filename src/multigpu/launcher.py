@@ -15,51 +15,16 @@ from .config import RunConfig, new_run_id
 from .console import PrefixedConsole
 from .devices import cuda_visible_devices_for, visible_gpus
 from .endpoint import Endpoint
-from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from .errors import signal_name
 from .fate import FateMonitor, mark_done, serve_until_all_done, settle_root, share_failure
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
 from .signals import capture_signals, set_child_subreaper
+from .specs import build_specs
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
-
-
-def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
-    mode = "module" if config.module else "script"
-    return [python, "-m", "multigpu.worker", mode, config.target, *config.target_args]
-
-
-def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: int, master_addr: str,
-                master_port: int, store_fd: int | None, base_env: Mapping[str, str],
-                cuda_visible_devices: str | None, launcher_pid: int) -> list[WorkerSpec]:
-    """One spec per local rank, from the arguments alone."""
-    job = JobContext(
-        master_addr=master_addr, master_port=master_port, run_id=run_id, device=config.device,
-        restart_count=attempt, max_restarts=config.max_restarts, output_dir=str(output_dir),
-        cuda_visible_devices=cuda_visible_devices, cpu_count=usable_cpu_count(),
-        launcher_pid=launcher_pid,
-    )
-    logs = output_dir / "logs" / f"attempt_{attempt}"
-    argv = worker_argv(config)
-    specs = []
-    for local_rank in range(config.nproc):
-        rank = config.base_rank + local_rank
-        placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
-                                  local_world_size=config.nproc, group_rank=config.group_rank,
-                                  group_world_size=config.group_world_size)
-        hosts_store = rank == 0 and store_fd is not None
-        error_file = logs / f"error_rank_{rank}.json"
-        env = build_worker_env({**base_env, **config.extra_env}, placement, job,
-                               error_file=str(error_file), store_fd=store_fd if hosts_store else None)
-        device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
-        specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
-                                node=config.group_rank, log_path=logs / f"rank_{rank}.log",
-                                error_file=error_file,
-                                pass_fds=(store_fd,) if hosts_store and store_fd is not None else ()))
-    return specs
 
 
 def _say(msg: str) -> None:

@@ -149,7 +149,7 @@ def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
 
     # the children's logs
     for rank in (1, 2):
-        assert f"pid={reports[rank]['pid']}" in (out / "logs" / f"rank_{rank}.log").read_text()
+        assert f"pid={reports[rank]['pid']}" in (out / "logs" / "attempt_0" / f"rank_{rank}.log").read_text()
 
 
 def test_failing_child_raises_typed_error_in_parent(tmp_path: Path) -> None:
