@@ -12,6 +12,12 @@ Two mechanisms, because there are two ways to be stuck:
   runs handlers only in the main thread, so this part needs setup to have run there; in another
   thread, the abort still cuts collectives short and ``finalize()`` raises the error.
 
+A collective can also fail on its own a moment before the failure is known here (a dead peer's
+sockets close at once, gloo notices first). ``hook_collective_errors`` catches that case in torch's
+own error path for collectives (``c10d_logger._exception_logger``): the thread waits up to
+``COLLECTIVE_WAIT_S`` for the supervisor's verdict and raises ``WorkerFailedError`` from the backend
+error; a backend error that no child failure explains goes on unchanged, just later.
+
 The handler never raises inside multigpu's own code (``finalize()`` included): it declines, and the
 sender tries again moments later, so the error lands in user code or is raised by ``finalize()``.
 When the handler runs while a collective's error is being handled, the ``WorkerFailedError`` is
@@ -27,6 +33,7 @@ import socket
 import stat
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -36,6 +43,7 @@ from .errors import WorkerFailedError
 DELIVERY_SIGNAL = signal.SIGUSR2
 """The signal that interrupts rank 0's waits; its previous handler is restored by ``finalize()``."""
 RESEND_S = 0.25
+COLLECTIVE_WAIT_S = 2.0
 MAX_SENDS = 40  # ~10 s: a thread that stays in C that long is in a collective, which the abort ends
 _OWN_CODE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -130,6 +138,7 @@ class FailureDelivery:
         self._armed = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._known = threading.Event()
         self._sender: threading.Thread | None = None
 
     def arm(self) -> None:
@@ -155,6 +164,7 @@ class FailureDelivery:
             if self.error is not None:
                 return False
             self.error = error
+        self._known.set()
         if self._on_deliver is not None:
             self._on_deliver()
         if self._armed and not self._stop.is_set():
@@ -170,6 +180,16 @@ class FailureDelivery:
                 signal.pthread_kill(self._thread_id, DELIVERY_SIGNAL)
             if self._stop.wait(RESEND_S):
                 return
+
+    def explain(self, backend_error: BaseException) -> None:
+        """A collective failed in this process: raise the child's failure from it, if there is one."""
+        if self._stop.is_set() or not self._known.wait(COLLECTIVE_WAIT_S):
+            return
+        error = self.error
+        assert error is not None
+        if threading.get_ident() == self._thread_id:
+            self.delivered = True
+        raise error from backend_error
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         error = self.error
@@ -188,3 +208,34 @@ class FailureDelivery:
 
 def _in_own_code(frame: FrameType | None) -> bool:
     return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE)
+
+
+def hook_collective_errors(delivery: FailureDelivery) -> Callable[[], None]:
+    """Route collective errors through ``delivery.explain``; returns the undo. A no-op without the hook.
+
+    torch's ``_exception_logger`` wraps every c10d collective; in its ``except`` block it calls the
+    module global ``_get_msg_dict``. The replacement acts only when called from that block.
+    """
+    try:
+        from torch.distributed import c10d_logger as logger
+    except ImportError:
+        return lambda: None
+    original = getattr(logger, "_get_msg_dict", None)
+    wrapper = _inner_code(getattr(logger, "_exception_logger", None))
+    if original is None or wrapper is None:
+        return lambda: None
+
+    def get_msg_dict(*args: Any, **kwargs: Any) -> Any:
+        caught = sys.exc_info()[1]
+        if isinstance(caught, RuntimeError) and sys._getframe(1).f_code is wrapper:
+            delivery.explain(caught)
+        return original(*args, **kwargs)
+
+    logger._get_msg_dict = get_msg_dict
+    return lambda: setattr(logger, "_get_msg_dict", original)
+
+
+def _inner_code(decorator: Any) -> types.CodeType | None:
+    codes = [c for c in getattr(decorator, "__code__", types.SimpleNamespace(co_consts=())).co_consts
+             if isinstance(c, types.CodeType) and c.co_name == "wrapper"]
+    return codes[0] if len(codes) == 1 else None

@@ -23,7 +23,7 @@ from typing import Any
 
 from . import function_mode as fm
 from .console import PrefixedConsole
-from .delivery import FailureDelivery, abort_collectives
+from .delivery import FailureDelivery, abort_collectives, hook_collective_errors
 from .devices import dedupe, get_gpu_ids, parse_index_list
 from .endpoint import format_endpoint, parse_endpoint
 from .environment import CONTRACT_KEYS, inside_launched_worker
@@ -176,6 +176,7 @@ class MultiGPUManager:
         self._delivery = FailureDelivery(on_deliver=lambda: abort_collectives(fm.GROUP_SOCKETS))
         self._delivery.arm()
         undo.callback(self._delivery.disarm)
+        undo.callback(hook_collective_errors(self._delivery))
         self._install_handlers(undo)
         self._become_rank_environ(undo, rdzv.run_id, out, timeout)
         self._start_children(undo, specs)

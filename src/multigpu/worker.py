@@ -133,10 +133,14 @@ def spawn_file() -> str:
 
 
 def write_error_file(path: str, exc: BaseException) -> None:
-    """Record an uncaught exception for the launcher's report, in the one record format (errors.py)."""
+    """Record an uncaught exception for the launcher's report, in the one record format (errors.py).
+
+    In function mode the parent is told at once: the record is all it needs to raise the typed error.
+    """
     from .errors import WorkerFailure
 
     WorkerFailure.from_exception(exc).write(path)
+    announce_failure()
 
 
 def run_script(path: str, args: list[str]) -> None:
@@ -174,6 +178,7 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
 
 FAILING_BEAT = b"!"
 ANNOUNCE_ENV = "MULTIGPU_ANNOUNCE_FAILURE"
+_announced = False
 
 
 def announce_failure() -> None:
@@ -183,9 +188,11 @@ def announce_failure() -> None:
     it does not need this rank to linger (rank 0 also learns of the death from the exit itself, and
     aborts its process group, so what it raises does not depend on who wins that race).
     """
+    global _announced
     fd = os.environ.get("MULTIGPU_HEARTBEAT_FD")
-    if os.environ.get(ANNOUNCE_ENV) != "1" or not fd:
+    if _announced or os.environ.get(ANNOUNCE_ENV) != "1" or not fd:
         return
+    _announced = True
     with contextlib.suppress(OSError):
         os.write(int(fd), FAILING_BEAT)
 

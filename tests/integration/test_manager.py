@@ -223,3 +223,92 @@ def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
     assert_gone(pids)
     assert "CAUGHT WorkerFailedError rank=2" in proc.stdout, proc.stdout[-3000:]
     assert proc.returncode == 3
+
+
+# ---- delivery: whatever rank 0 is doing, a child's failure reaches it as WorkerFailedError --------------
+
+DELIVERY = COMMON + """
+    import signal, traceback
+
+    def train():
+        import torch
+        import torch.distributed as dist
+        note_pid()
+        rank = dist.get_rank()
+        if rank == 2:
+            for _ in range(3):
+                dist.all_reduce(torch.ones(4096))
+            if MODE == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("boom from rank 2")  # no sleep: it exits at once
+        if MODE == "sleep":
+            for _ in range(3):
+                dist.all_reduce(torch.ones(4096))
+            time.sleep(30)
+        elif MODE == "swallowed":
+            for _ in range(3):
+                dist.all_reduce(torch.ones(4096))
+            try:
+                time.sleep(30)
+            except Exception as exc:  # a user's broad handler swallows it ...
+                print(f"SWALLOWED {type(exc).__name__}", flush=True)
+        else:  # "collective", "killed": a long loop of all_reduce calls, left half-way by rank 2
+            for _ in range(100000):
+                dist.all_reduce(torch.ones(4096))
+
+    if __name__ == "__main__":
+        manager = MultiGPUManager(train, "0,1,2", device="cpu")
+        manager.setup_multi_gpu_train(OUT)
+        try:
+            train()
+            print("TRAIN RETURNED", flush=True)
+            manager.finalize()  # ... and finalize() raises it again
+        except WorkerFailedError as exc:
+            where = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__][-1]
+            caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
+                      "traceback": exc.traceback, "cause": type(exc.__cause__).__name__,
+                      "cause_text": str(exc.__cause__), "where": where.line}
+            print("CAUGHT " + json.dumps(caught), flush=True)
+            manager.finalize()  # the error was already raised: finalize() still raises it once ...
+            sys.exit(3)
+"""
+
+
+def _run_delivery(tmp_path: Path, mode: str) -> tuple[dict[str, Any], str]:
+    script = write_script(tmp_path, "rank0_train.py", DELIVERY)
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=90)
+    pids = pids_in((tmp_path / "pids.txt").read_text())
+    assert len(set(pids)) == 3
+    assert_gone(pids)
+    found = re.search(r"^CAUGHT (\{.*\})$", proc.stdout, re.M)
+    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(found.group(1)), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["collective", "sleep"])
+def test_child_failure_reaches_a_blocked_rank_0(tmp_path: Path, mode: str) -> None:
+    caught, text = _run_delivery(tmp_path, mode)
+    assert caught["rank"] == 2 and caught["exit_code"] == 1 and caught["signal"] is None
+    assert "ValueError: boom from rank 2" in caught["traceback"]
+    if mode == "collective":  # out of the user's all_reduce call, through torch's collective wrapper
+        assert "all_reduce" in caught["where"]
+        assert caught["cause"] == "RuntimeError", caught  # chained from the backend's error
+    else:  # out of the sleep itself, in the user's code
+        assert caught["where"] == "time.sleep(30)" and caught["cause"] == "NoneType"
+    assert "TRAIN RETURNED" not in text
+
+
+def test_child_killed_by_a_signal_reaches_rank_0_in_a_collective(tmp_path: Path) -> None:
+    caught, _ = _run_delivery(tmp_path, "killed")
+    assert caught["rank"] == 2 and caught["signal"] == "SIGKILL" and caught["exit_code"] is None
+    assert caught["cause"] == "RuntimeError" and "all_reduce" in caught["where"]
+
+
+def test_swallowed_error_is_raised_again_by_finalize(tmp_path: Path) -> None:
+    caught, text = _run_delivery(tmp_path, "swallowed")
+    assert "SWALLOWED WorkerFailedError" in text
+    assert "TRAIN RETURNED" in text
+    assert caught["rank"] == 2 and "boom from rank 2" in caught["traceback"]
+    assert text.index("TRAIN RETURNED") < text.index("CAUGHT ")  # raised by finalize(), after train()
