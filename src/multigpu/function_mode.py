@@ -146,8 +146,16 @@ def become_rank(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[in
     if dist.is_initialized():
         return False
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    with GROUP_SOCKETS.recording(store_port=endpoint.port):
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+    try:
+        with GROUP_SOCKETS.recording(store_port=endpoint.port):
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+    except BaseException:
+        if not dist.is_initialized():
+            # A failed init leaves torch's group counter advanced, so a later group in this process
+            # would be named differently from its fresh peers' and never meet them. Destroying the
+            # world resets it; with no world to destroy, reset it the same way.
+            dist.distributed_c10d._world.group_count = 0
+        raise
     return True
 
 

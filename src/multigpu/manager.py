@@ -118,15 +118,21 @@ class MultiGPUManager:
         if self._state != "running":
             return
         self._state = "finalized"
+        teardown: BaseException | None = None
         try:
             self._join_children(timeout)
         finally:
-            self._undo.close()
+            try:
+                self._undo.close()
+            except Exception as exc:  # raised below, unless a failure explains it
+                teardown = exc
         if self._delivery.error is not None:
             raise self._delivery.error
         if self._watcher_crash is not None:
             raise MultiGPUError(f"multigpu's supervisor thread crashed, so the children's outcome is "
                                 f"unknown: {self._watcher_crash!r}") from self._watcher_crash
+        if teardown is not None:
+            raise teardown
 
     @staticmethod
     def check_parent_processes_alive() -> None:

@@ -312,3 +312,119 @@ def test_swallowed_error_is_raised_again_by_finalize(tmp_path: Path) -> None:
     assert "TRAIN RETURNED" in text
     assert caught["rank"] == 2 and "boom from rank 2" in caught["traceback"]
     assert text.index("TRAIN RETURNED") < text.index("CAUGHT ")  # raised by finalize(), after train()
+
+
+# ---- setup is all-or-nothing; a crashed supervisor thread is never success ---------------------------
+
+SETUP = COMMON + """
+    import signal, socket, threading
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_RANK") in ("1", "2") and MODE == "child_dies":
+        note_pid()
+        raise ImportError("this child cannot import the training script")
+
+    def train():
+        import torch
+        note_pid()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        report(sum=t.item())
+
+    def state():
+        return {"excepthook": sys.excepthook is sys.__excepthook__,
+                "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                "sigusr2": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
+                "env": sorted(k for k in os.environ if k.startswith(("MULTIGPU_", "TORCHELASTIC_", "RANK"))),
+                "argv": list(sys.argv), "threads": sorted(t.name for t in threading.enumerate()),
+                "group": dist.is_initialized()}
+
+    if __name__ == "__main__":
+        before = state()
+        func, out, endpoint, held = train, OUT, "localhost:0", None
+        if MODE == "unpicklable":
+            func = lambda: None
+        elif MODE == "bad_folder":
+            out = os.path.join(os.environ["TEST_DIR"], "a_file")
+            open(out, "w").close()
+        elif MODE == "port_taken":
+            held = socket.socket()
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            endpoint = f"127.0.0.1:{held.getsockname()[1]}"
+        manager = MultiGPUManager(func, "0,1,2", endpoint, device="cpu")
+        hpo = {"learning_parameters": {"learning_rate": 0.5}}
+        try:
+            manager.setup_multi_gpu_train(out, hpo)
+        except Exception as exc:
+            print(f"SETUP FAILED {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+            print(f"CAUSE {type(exc.__cause__).__name__}", flush=True)
+        else:
+            if MODE == "crash":
+                import multigpu.console
+                def broken(*args, **kwargs):
+                    raise OSError(28, "No space left on device")
+                multigpu.console.PrefixedConsole.write_lines = broken
+            train()
+        try:
+            manager.finalize()
+            print("FINALIZE OK", flush=True)
+        except Exception as exc:
+            print(f"FINALIZE RAISED {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        if MODE != "crash":
+            print("RESTORED " + json.dumps(state() == before), flush=True)
+            if state() != before:
+                print("DIFF " + json.dumps([before, state()]), flush=True)
+        if MODE == "child_dies":  # nothing was left behind: the same process can run again
+            os.environ["TEST_MODE"] = "ok"
+            MODE = "ok"
+            again = MultiGPUManager(train, "0,1", device="cpu")
+            again.setup_multi_gpu_train(OUT + "2")
+            train()
+            again.finalize()
+            print("SECOND RUN OK", flush=True)
+"""
+
+
+def _run_setup(tmp_path: Path, mode: str) -> str:
+    script = write_script(tmp_path, "setup_train.py", SETUP)
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=90)
+    text = proc.stdout + proc.stderr
+    pids_file = tmp_path / "pids.txt"
+    if pids_file.exists():
+        assert_gone(pids_in(pids_file.read_text()))
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+@pytest.mark.parametrize(("mode", "error"), [
+    ("unpicklable", "MultiGPUError: train_func cannot be sent to the child processes"),
+    ("bad_folder", "MultiGPUError: output folder"),
+    ("port_taken", "RendezvousError: rendezvous address 127.0.0.1:"),
+])
+def test_setup_checks_fail_before_any_child_starts(tmp_path: Path, mode: str, error: str) -> None:
+    text = _run_setup(tmp_path, mode)
+    assert f"SETUP FAILED {error}" in text, text[-3000:]
+    assert not (tmp_path / "pids.txt").exists()  # no child ever ran
+    assert "FINALIZE OK" in text  # finalize() after a failed setup is a no-op
+    assert "RESTORED true" in text, text[-3000:]  # argv, handlers, excepthook, environment, threads
+
+
+def test_setup_that_fails_after_children_started_undoes_everything(tmp_path: Path) -> None:
+    text = _run_setup(tmp_path, "child_dies")
+    # rank 0 was waiting in init_process_group for children that died importing the script
+    assert "SETUP FAILED WorkerFailedError: rank " in text, text[-3000:]
+    assert re.search(r"^CAUSE (RuntimeError|Dist\w*Error)$", text, re.M), text[-3000:]  # the cut-short wait
+    assert len(set(pids_in((tmp_path / "pids.txt").read_text()))) >= 2
+    assert "FINALIZE OK" in text and "RESTORED true" in text, text[-3000:]
+    assert "SECOND RUN OK" in text, text[-3000:]
+
+
+def test_crashed_supervisor_thread_makes_finalize_raise(tmp_path: Path) -> None:
+    text = _run_setup(tmp_path, "crash")
+    assert "the supervisor thread crashed" in text, text[-3000:]
+    assert "FINALIZE RAISED MultiGPUError: multigpu's supervisor thread crashed" in text, text[-3000:]
+    assert "FINALIZE OK" not in text
