@@ -10,6 +10,9 @@ exception left its code, moments before the process exits). Cases for rank 0:
   recv        blocked in recv() from a peer that is alive (only the abort can end it)
   sleep       in time.sleep(30)
   compute     in a pure-Python busy loop
+  killed      blocked in an all_reduce, and the failing rank is SIGKILLed (no record, no announce:
+              only its exit tells; latency from the moment before the kill)
+  killed_sleep  in time.sleep(30), the failing rank SIGKILLed
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ RANK0 = textwrap.dedent("""
                     dist.all_reduce(torch.ones(1 << 16))
             else:
                 time.sleep(1.0)
+            if CASE.startswith("killed"):  # no record, no announce: only its exit tells
+                with open(os.path.join(os.environ["OUT"], "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), 9)
             raise ValueError("boom")
-        if CASE == "collective":
+        if CASE in ("collective", "killed"):
             dist.all_reduce(torch.ones(1 << 16))
         elif CASE == "loop":
             while True:
@@ -51,7 +58,7 @@ RANK0 = textwrap.dedent("""
                 dist.recv(torch.zeros(1), src=1)  # rank 1 never sends: it waits in the same way
             else:
                 dist.recv(torch.zeros(1), src=0)
-        elif CASE == "sleep":
+        elif CASE in ("sleep", "killed_sleep"):
             time.sleep(30)
         else:
             x = 0
@@ -66,7 +73,10 @@ RANK0 = textwrap.dedent("""
             train()
         except WorkerFailedError as exc:
             caught = time.time()
-            print("RESULT " + json.dumps({"latency": caught - exc.root_cause.time, "rank": exc.rank,
+            died = exc.root_cause.time
+            if CASE.startswith("killed"):
+                died = float(open(os.path.join(os.environ["OUT"], "killed_at")).read())
+            print("RESULT " + json.dumps({"latency": caught - died, "rank": exc.rank,
                                           "cause": type(exc.__cause__).__name__}), flush=True)
         try:
             manager.finalize()
@@ -91,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--world", type=int, default=3)
-    parser.add_argument("--cases", default="collective,loop,recv,sleep,compute")
+    parser.add_argument("--cases", default="collective,loop,recv,sleep,compute,killed,killed_sleep")
     args = parser.parse_args()
     for case in args.cases.split(","):
         results = [run_once(case, args.world, sys.executable) for _ in range(args.runs)]

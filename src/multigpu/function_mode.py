@@ -27,7 +27,6 @@ from .endpoint import Endpoint, parse_endpoint
 from .environment import JobContext, RankPlacement, rank_env
 from .errors import MultiGPUError
 from .rendezvous import DEFAULT_TIMEOUT_S
-from .worker import ANNOUNCE_ENV
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
 RDZV_TIMEOUT_S = 600.0  # how long nodes wait for each other, as `multigpu run --rdzv-timeout`
@@ -123,7 +122,7 @@ def function_config(*, payload: Path, output_dir: Path, device: str, gpu_ids: li
         target=str(payload), function=True, first_local_rank=1, device=device, nproc=len(gpu_ids),
         gpus=tuple(gpu_ids) if device == "cuda" else (), output_dir=output_dir, rdzv_endpoint=endpoint,
         rdzv_timeout=RDZV_TIMEOUT_S, base_rank=base_rank, world_size=world_size, grace_period=grace_period,
-        status="off", extra_env={ANNOUNCE_ENV: "1", TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(timeout))})
+        status="off", extra_env={TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(timeout))})
 
 
 def become_rank(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int) -> bool:

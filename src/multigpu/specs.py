@@ -13,6 +13,7 @@ from pathlib import Path
 from .config import RunConfig
 from .environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from .supervisor import WorkerSpec
+from .worker import ANNOUNCE_ENV
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
@@ -42,6 +43,8 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
         error_file = logs / f"error_rank_{rank}.json"
         env = build_worker_env({**base_env, **config.extra_env}, placement, job,
                                error_file=str(error_file), store_fd=store_fd if hosts_store else None)
+        if config.function:
+            env[ANNOUNCE_ENV] = "1"  # a failing rank tells the caller (rank 0) before it exits
         device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
                                 node=config.group_rank, log_path=logs / f"rank_{rank}.log",
