@@ -94,7 +94,8 @@ def run_once(case: str, world: int, python: str) -> dict[str, object]:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
-    raise RuntimeError(f"{case}: no result (exit {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{case}: no result (exit {proc.returncode})\n{proc.stdout[-2000:]}\n"
+                       f"{proc.stderr[-3000:]}")
 
 
 def main() -> None:
