@@ -24,9 +24,10 @@ from .argv import flatten_parameters, remove_option, set_arguments_to_argv
 from .config import RunConfig
 from .delivery import GroupSockets
 from .endpoint import Endpoint, parse_endpoint
-from .environment import JobContext, RankPlacement, rank_env
-from .errors import MultiGPUError
+from .environment import CONTRACT_KEYS, JobContext, RankPlacement, rank_env
+from .errors import MultiGPUError, WorkerFailure
 from .rendezvous import DEFAULT_TIMEOUT_S
+from .supervisor import Worker
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
 RDZV_TIMEOUT_S = 600.0  # how long nodes wait for each other, as `multigpu run --rdzv-timeout`
@@ -48,6 +49,52 @@ def dist_timeout_s(start_time: datetime | None, explicit: float | None = None,
         return DEFAULT_TIMEOUT_S
     elapsed = ((now or datetime.now(start_time.tzinfo)) - start_time).total_seconds()
     return max(DEFAULT_TIMEOUT_S, 1.5 * elapsed)
+
+
+def check_layout(endpoint: Endpoint, text: str, base_rank: Any, world_size: Any, local: int) -> int:
+    """The constructor's checks of the job's shape; the world size (0: the local count)."""
+    if endpoint.port == 0 and not endpoint.is_loopback:
+        raise ValueError(f"rdzv_endpoint {text!r}: port 0 is only allowed on a loopback host; "
+                         "give the port the other nodes will connect to")
+    if not isinstance(base_rank, int) or base_rank < 0:
+        raise ValueError(f"base_rank must be an integer >= 0, got {base_rank!r}")
+    if not isinstance(world_size, int) or world_size < 0:
+        raise ValueError(f"world_size must be an integer >= 0 (0: the local count), got {world_size!r}")
+    world = world_size or local
+    if base_rank + local > world:
+        raise ValueError(f"base_rank {base_rank} + {local} local worker(s) exceeds world_size {world}; "
+                         "raise world_size or lower base_rank")
+    if world > local and endpoint.port == 0:
+        raise ValueError("a multi-node job needs a fixed rdzv_endpoint port")
+    return world
+
+
+def become_rank_environ(run_id: str, out: Path, device: str, timeout: float) -> dict[str, str | None]:
+    """The job's keys in this process's environment; returns what to restore."""
+    saved = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
+    os.environ.setdefault(TIMEOUT_ENV, str(timeout))
+    os.environ.update(MULTIGPU_RUN_ID=run_id, TORCHELASTIC_RUN_ID=run_id, MULTIGPU_OUTPUT_DIR=str(out),
+                      MULTIGPU_DEVICE=device)
+    return saved
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    """Undo what made this process a rank, so a later manager in it (HPO, say) starts afresh."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def announced_failure(worker: Worker) -> WorkerFailure:
+    """A child that announced its failure is exiting with code 1; its record says why."""
+    record = WorkerFailure.read(worker.spec.error_file) or WorkerFailure(rank=-1, local_rank=-1, pid=None)
+    return WorkerFailure(
+        rank=worker.rank, local_rank=worker.spec.local_rank, pid=worker.pid, exit_code=1,
+        node=worker.spec.node, error_type=record.error_type, message=record.message,
+        traceback=record.traceback, time=record.time,
+        log_path=str(worker.spec.log_path) if worker.spec.log_path else None)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .console import PrefixedConsole
 from .delivery import FailureDelivery, abort_collectives, hook_collective_errors
 from .devices import dedupe, get_gpu_ids, parse_index_list
 from .endpoint import format_endpoint, parse_endpoint
-from .environment import CONTRACT_KEYS, inside_launched_worker
+from .environment import inside_launched_worker
 from .errors import MultiGPUError, WorkerFailedError, WorkerFailure
 from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
 from .launcher import rendezvous
@@ -58,19 +58,8 @@ class MultiGPUManager:
         self._device = "cpu" if device == "cpu" else "cuda"
         self._gpu_ids = requested if device == "cpu" else get_gpu_ids(gpu_ids)
         self._endpoint = parse_endpoint(rdzv_endpoint)
-        if self._endpoint.port == 0 and not self._endpoint.is_loopback:
-            raise ValueError(f"rdzv_endpoint {rdzv_endpoint!r}: port 0 is only allowed on a loopback host; "
-                             "give the port the other nodes will connect to")
-        if not isinstance(base_rank, int) or base_rank < 0:
-            raise ValueError(f"base_rank must be an integer >= 0, got {base_rank!r}")
-        if not isinstance(world_size, int) or world_size < 0:
-            raise ValueError(f"world_size must be an integer >= 0 (0: the local count), got {world_size!r}")
-        self._world_size = world_size or len(requested)
-        if base_rank + len(requested) > self._world_size:
-            raise ValueError(f"base_rank {base_rank} + {len(requested)} local worker(s) exceeds world_size "
-                             f"{self._world_size}; raise world_size or lower base_rank")
-        if self._world_size > len(requested) and self._endpoint.port == 0:
-            raise ValueError("a multi-node job needs a fixed rdzv_endpoint port")
+        self._world_size = fm.check_layout(self._endpoint, rdzv_endpoint, base_rank, world_size,
+                                           len(requested))
         self._train_func, self._base_rank = train_func, base_rank
         self._start_time, self._timeout, self._grace_period = start_time, timeout, grace_period
         self._state = "new"  # -> running -> finalized, or -> failed (setup raised; finalize is a no-op)
@@ -184,7 +173,7 @@ class MultiGPUManager:
         undo.callback(self._delivery.disarm)
         undo.callback(hook_collective_errors(self._delivery))
         self._install_handlers(undo)
-        self._become_rank_environ(undo, rdzv.run_id, out, timeout)
+        undo.callback(fm.restore_environ, fm.become_rank_environ(rdzv.run_id, out, self._device, timeout))
         self._start_children(undo, specs)
         group = self.initialize_multigpu_train(endpoint, self._base_rank, 0, self._gpu_ids, self._world_size)
         if group:
@@ -199,13 +188,6 @@ class MultiGPUManager:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous_handlers[sig] = signal.signal(sig, self._on_signal)
                 undo.callback(signal.signal, sig, self._previous_handlers[sig] or signal.SIG_DFL)
-
-    def _become_rank_environ(self, undo: contextlib.ExitStack, run_id: str, out: Any, timeout: float) -> None:
-        saved = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
-        undo.callback(_restore_environ, saved)
-        os.environ.setdefault(TIMEOUT_ENV, str(timeout))
-        os.environ.update(MULTIGPU_RUN_ID=run_id, TORCHELASTIC_RUN_ID=run_id, MULTIGPU_OUTPUT_DIR=str(out),
-                          MULTIGPU_DEVICE=self._device)
 
     def _start_children(self, undo: contextlib.ExitStack, specs: list[Any]) -> None:
         self._supervisor = Supervisor(specs, sink=PrefixedConsole(), grace_period=self._grace_period,
@@ -247,13 +229,7 @@ class MultiGPUManager:
 
     def _child_failing(self, worker: Worker) -> None:
         """A child announced its uncaught exception (it is exiting now): raise it here at once."""
-        record = WorkerFailure.read(worker.spec.error_file)
-        self._delivery.deliver(WorkerFailedError(WorkerFailure(
-            rank=worker.rank, local_rank=worker.spec.local_rank, pid=worker.pid, exit_code=1,
-            node=worker.spec.node, error_type=record.error_type if record else None,
-            message=record.message if record else None, traceback=record.traceback if record else None,
-            time=record.time if record else None,
-            log_path=str(worker.spec.log_path) if worker.spec.log_path else None)))
+        self._delivery.deliver(WorkerFailedError(fm.announced_failure(worker)))
 
     def _on_remote_failure(self, failure: WorkerFailure) -> None:
         """Another node failed (or vanished): stop the children and tell this process."""
@@ -318,12 +294,3 @@ def _destroy_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def _restore_environ(saved: dict[str, str | None]) -> None:
-    """Undo what made this process a rank, so a later manager in it (HPO, say) starts afresh."""
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
