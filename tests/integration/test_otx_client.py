@@ -121,7 +121,7 @@ def _otx_train(tmp_path: Path, extra_env: dict[str, str] | None = None
 
 def _ranks(text: str) -> dict[int, dict[str, object]]:
     found = [json.loads(m) for m in re.findall(r"RANK (\{.*\})$", text, re.M)]
-    return {int(r["rank"]): r for r in found}  # type: ignore[arg-type]
+    return {int(r["rank"]): r for r in found}
 
 
 def test_otx_train_on_three_cpu_workers(tmp_path: Path) -> None:

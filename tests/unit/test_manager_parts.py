@@ -169,7 +169,7 @@ def test_the_handler_declines_inside_multigpu_and_after_disarm() -> None:
     target = FailureDelivery()
     target.error = _error()
     own_frame = type("F", (), {"f_code": delivery._in_own_code.__code__})()
-    target._handle(delivery.DELIVERY_SIGNAL, own_frame)  # type: ignore[arg-type]  # returns: no raise
+    target._handle(delivery.DELIVERY_SIGNAL, own_frame)  # returns: no raise
     target._stop.set()
     target._handle(delivery.DELIVERY_SIGNAL, None)
     assert not target.delivered
