@@ -257,8 +257,8 @@ class MultiGPUManager:
             result = share_failure(self._rdzv.job, result)
         root = result.root_cause
         assert root is not None
-        if self._delivery.deliver(WorkerFailedError(root, result.failures[1:])):  # as early as we know
-            print(f"multigpu: {root.describe()}; stopping the other ranks", file=sys.stderr, flush=True)
+        self._delivery.deliver(WorkerFailedError(root, result.failures[1:]))  # unless announced already
+        print(f"multigpu: {root.describe()}; stopping the other ranks", file=sys.stderr, flush=True)
         supervisor.close(dump_stacks=True)
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
