@@ -46,6 +46,8 @@ RESEND_S = 0.25
 COLLECTIVE_WAIT_S = 2.0
 MAX_SENDS = 40  # ~10 s: a thread that stays in C that long is in a collective, which the abort ends
 _OWN_CODE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MACHINERY = frozenset(_OWN_CODE + name for name in ("manager.py", "function_mode.py", "delivery.py"))
+_APPLICATIONS = frozenset({"demo.py", "cli.py", "__main__.py"})  # user-level code shipped with multigpu
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -207,7 +209,20 @@ class FailureDelivery:
 
 
 def _in_own_code(frame: FrameType | None) -> bool:
-    return frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN_CODE)
+    """Inside function mode's machinery (anywhere on the stack: ``finalize()`` calling into the standard
+    library counts), or at the top inside any part of multigpu other than its demo application."""
+    if frame is not None and _library_file(frame.f_code.co_filename):
+        return True
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename) in _MACHINERY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_OWN_CODE) and os.path.basename(path) not in _APPLICATIONS
 
 
 def hook_collective_errors(delivery: FailureDelivery) -> Callable[[], None]:

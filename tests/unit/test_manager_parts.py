@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -165,13 +166,27 @@ def test_a_sleeping_main_thread_is_woken_with_the_error() -> None:
     assert target.deliver(_error()) is False  # one error per run: the first is kept
 
 
+def _frames(*files: str) -> Any:
+    frame = None
+    for name in reversed(files):  # outermost last
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=name), f_back=frame)
+    return frame
+
+
 def test_the_handler_declines_inside_multigpu_and_after_disarm() -> None:
+    import multigpu.manager
+
     target = FailureDelivery()
     target.error = _error()
-    own_frame = type("F", (), {"f_code": delivery._in_own_code.__code__})()
-    target._handle(delivery.DELIVERY_SIGNAL, own_frame)  # returns: no raise
-    target._stop.set()
-    target._handle(delivery.DELIVERY_SIGNAL, None)
+    # finalize() waiting in the standard library: multigpu's machinery is lower on the stack
+    target._handle(delivery.DELIVERY_SIGNAL, _frames(threading.__file__, multigpu.manager.__file__, __file__))
+    target._handle(delivery.DELIVERY_SIGNAL, _frames(delivery.__file__, __file__))  # in multigpu's code
+    assert not target.delivered
+    with pytest.raises(WorkerFailedError):  # the user's own frames: it lands
+        target._handle(delivery.DELIVERY_SIGNAL, _frames(json.__file__, __file__))
+    target.delivered = False
+    target._stop.set()  # disarming: never again
+    target._handle(delivery.DELIVERY_SIGNAL, _frames(__file__))
     assert not target.delivered
 
 
