@@ -32,7 +32,7 @@ from .fate import FateMonitor, mark_done, serve_until_all_done, share_failure
 from .launcher import rendezvous
 from .rendezvous import bind_store_socket, serve_store
 from .specs import build_specs
-from .supervisor import RunStatus, Supervisor, Worker
+from .supervisor import RunResult, RunStatus, Supervisor, Worker
 from .worker import guard_parent
 
 dist_timeout_s = fm.dist_timeout_s
@@ -228,8 +228,15 @@ class MultiGPUManager:
         self._supervisor.close()
 
     def _child_failing(self, worker: Worker) -> None:
-        """A child announced its uncaught exception (it is exiting now): raise it here at once."""
-        self._delivery.deliver(WorkerFailedError(fm.announced_failure(worker)))
+        """A child announced its uncaught exception (it is exiting now): raise it here at once.
+
+        Across nodes it may only be a symptom (a peer elsewhere died first): the job's record decides.
+        """
+        result = RunResult(RunStatus.FAILED, [fm.announced_failure(worker)])
+        if self._rdzv is not None and self._rdzv.job is not None:
+            result = share_failure(self._rdzv.job, result)
+        assert result.root_cause is not None
+        self._delivery.deliver(WorkerFailedError(result.root_cause, result.failures[1:]))
 
     def _on_remote_failure(self, failure: WorkerFailure) -> None:
         """Another node failed (or vanished): stop the children and tell this process."""

@@ -235,20 +235,27 @@ DELIVERY = COMMON + """
         import torch.distributed as dist
         note_pid()
         rank = dist.get_rank()
+        asleep = os.path.join(os.environ["TEST_DIR"], "rank0_asleep")
         if rank == 2:
             for _ in range(3):
                 dist.all_reduce(torch.ones(4096))
+            while MODE in ("sleep", "swallowed") and not os.path.exists(asleep):
+                time.sleep(0.01)  # the test's ordering: fail once rank 0 is in its sleep
             if MODE == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("boom from rank 2")  # no sleep: it exits at once
         if MODE == "sleep":
             for _ in range(3):
                 dist.all_reduce(torch.ones(4096))
+            if rank == 0:
+                open(asleep, "w").close()
             time.sleep(30)
         elif MODE == "swallowed":
-            for _ in range(3):
-                dist.all_reduce(torch.ones(4096))
             try:
+                for _ in range(3):
+                    dist.all_reduce(torch.ones(4096))
+                if rank == 0:
+                    open(asleep, "w").close()
                 time.sleep(30)
             except Exception as exc:  # a user's broad handler swallows it ...
                 print(f"SWALLOWED {type(exc).__name__}", flush=True)
