@@ -14,6 +14,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -25,7 +26,7 @@ from .config import RunConfig
 from .delivery import GroupSockets
 from .endpoint import Endpoint, parse_endpoint
 from .environment import CONTRACT_KEYS, JobContext, RankPlacement, rank_env
-from .errors import MultiGPUError, WorkerFailure
+from .errors import MultiGPUError, WorkerFailure, signal_name
 from .rendezvous import DEFAULT_TIMEOUT_S
 from .supervisor import Worker
 
@@ -95,6 +96,52 @@ def announced_failure(worker: Worker) -> WorkerFailure:
         node=worker.spec.node, error_type=record.error_type, message=record.message,
         traceback=record.traceback, time=record.time,
         log_path=str(worker.spec.log_path) if worker.spec.log_path else None)
+
+
+SYMPTOM_WAIT_S = 0.5
+_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def dead_peer(workers: list[Worker], announcer: Worker, announced: WorkerFailure) -> WorkerFailure | None:
+    """A rank that died badly before ``announcer`` reported its error: the likelier root cause.
+
+    A peer killed by a signal writes no record and announces nothing, and the others' collectives fail
+    at once ("connection closed"), so their announcements can come before its exit is handled, even
+    before it is a zombie (its sockets close first). An announced error that reads like that symptom
+    waits up to ``SYMPTOM_WAIT_S`` for such a peer; any other error is delivered at once.
+    """
+    symptom = any(text in (announced.message or "") for text in _SYMPTOMS)
+    deadline = time.monotonic() + (SYMPTOM_WAIT_S if symptom else 0.0)
+    while True:
+        peer = _exited_badly(workers, announcer)
+        if peer is not None or time.monotonic() >= deadline:
+            return peer
+        time.sleep(0.01)
+
+
+def _exited_badly(workers: list[Worker], announcer: Worker) -> WorkerFailure | None:
+    """The exit status is read without reaping (``WNOWAIT``): the supervisor still reaps it."""
+    for worker in workers:
+        if worker is announcer or worker.pid is None:
+            continue
+        if worker.failure is not None:
+            return worker.failure
+        try:
+            info = os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            continue
+        if info is None or (info.si_code == os.CLD_EXITED and info.si_status == 0):
+            continue
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        record = WorkerFailure.read(worker.spec.error_file)
+        return WorkerFailure(
+            rank=worker.rank, local_rank=worker.spec.local_rank, pid=worker.pid, node=worker.spec.node,
+            exit_code=None if killed else info.si_status,
+            signal=signal_name(info.si_status) if killed else None,
+            error_type=record.error_type if record else None, message=record.message if record else None,
+            traceback=record.traceback if record else None, time=record.time if record else None,
+            log_path=str(worker.spec.log_path) if worker.spec.log_path else None)
+    return None
 
 
 @dataclass

@@ -232,7 +232,10 @@ class MultiGPUManager:
 
         Across nodes it may only be a symptom (a peer elsewhere died first): the job's record decides.
         """
-        result = RunResult(RunStatus.FAILED, [fm.announced_failure(worker)])
+        failures = [fm.announced_failure(worker)]
+        workers = self._supervisor.workers if self._supervisor is not None else []
+        peer = fm.dead_peer(workers, worker, failures[0])
+        result = RunResult(RunStatus.FAILED, failures if peer is None else [peer, *failures])
         if self._rdzv is not None and self._rdzv.job is not None:
             result = share_failure(self._rdzv.job, result)
         assert result.root_cause is not None

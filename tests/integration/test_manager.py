@@ -309,7 +309,7 @@ def test_child_failure_reaches_a_blocked_rank_0(tmp_path: Path, mode: str) -> No
 
 def test_child_killed_by_a_signal_reaches_rank_0_in_a_collective(tmp_path: Path) -> None:
     caught, _ = _run_delivery(tmp_path, "killed")
-    assert caught["rank"] == 2 and caught["signal"] == "SIGKILL" and caught["exit_code"] is None
+    assert caught["rank"] == 2 and caught["signal"] == "SIGKILL" and caught["exit_code"] is None, caught
     assert caught["cause"] == "RuntimeError" and "all_reduce" in caught["where"]
 
 
