@@ -58,6 +58,18 @@ check nccl_1rank 120 bash -c "'$PY' -m multigpu run --gpus 0 --status off --outp
 check demo_1gpu 150 bash -c "'$PY' -m multigpu demo --gpus 0 --steps 100 >'$WORK/demo.out' 2>&1; rc=\$?; \
     cat '$WORK/demo.out'; [ \$rc = 0 ] && grep -q '1 rank(s) on cuda' '$WORK/demo.out' \
     && grep -q '^done: loss' '$WORK/demo.out'"
+# Function mode on NCCL: rank 1 raises while rank 0 waits in NCCL collectives, in torch.cuda.synchronize()
+# behind one, and in time.sleep(30); rank 0 must get WorkerFailedError within 5 s (each log has the latency).
+# NCCL refuses two ranks on one GPU, so this needs two.
+ngpus=$("$PY" -c 'from multigpu.devices import visible_gpus; print(len(visible_gpus()))' 2>/dev/null || echo 0)
+if [[ $ngpus -ge 2 ]]; then
+    for case in collective synchronize sleep; do
+        check "manager_nccl_$case" 90 "$PY" "$ROOT/tests/gpu/manager_nccl_failure.py" "$case" "$WORK/mgr_$case"
+        grep -h '^CAUGHT' "$LOGS/manager_nccl_$case.log" | sed "s/^/    $case: /"
+    done
+else
+    echo "SKIP manager_nccl_* (function mode on NCCL needs 2 GPUs; $ngpus visible)"
+fi
 check pytest_gpu 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/gpu"
 cp -r "$WORK/run" "$LOGS/nccl_run" 2>/dev/null || true
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import re
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 PARAMS = "params"
 _NUMBER = re.compile(r"^-?\d+(\.\d*)?([eE][-+]?\d+)?$")
@@ -80,3 +83,49 @@ def remove_option(argv: list[str], key: str, *, takes_value: bool = True) -> lis
             continue
         out.append(token)
     return out
+
+
+_LEAF = (str, int, float, bool, enum.Enum, type(None))
+
+
+def flatten_parameters(params: Any) -> dict[str, Any]:
+    """Hyper-parameters as ``{"group.sub.name": value}``, from a mapping or an OTX-style object.
+
+    OTX passes its ``ConfigurableParameters``: nested attribute groups that list their own
+    ``groups`` and ``parameters`` by name, next to metadata (``header``, ``description``, ...) that
+    must not reach the command line. Those lists are followed when present; any other object gives its
+    public instance attributes. Mapping keys may already be dotted names.
+    """
+    out: dict[str, Any] = {}
+    _flatten(params, "", out, depth=0)
+    return out
+
+
+def _flatten(node: Any, prefix: str, out: dict[str, Any], depth: int) -> None:
+    if depth > 16:
+        raise ValueError(f"hyper-parameters nested too deeply at {prefix!r}")
+    for name, value in _children(node):
+        key = f"{prefix}{name}"
+        if isinstance(value, _LEAF):
+            out[key] = value.value if isinstance(value, enum.Enum) else value
+        elif isinstance(value, Mapping) or _is_group(value):
+            _flatten(value, key + ".", out, depth + 1)
+        else:
+            raise ValueError(f"hyper-parameter {key!r} is a {type(value).__name__}, not a number, "
+                             "string, boolean or group")
+
+
+def _is_group(value: Any) -> bool:
+    return hasattr(value, "__dict__") and not callable(value)
+
+
+def _children(node: Any) -> list[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        return [(str(k), v) for k, v in node.items()]
+    groups, parameters = getattr(node, "groups", None), getattr(node, "parameters", None)
+    if isinstance(groups, list) and isinstance(parameters, list):  # OTX's ParameterGroup
+        return [(name, getattr(node, name)) for name in [*parameters, *groups]]
+    if not _is_group(node):
+        raise ValueError(f"hyper-parameters must be a mapping or an object with attributes, "
+                         f"got {type(node).__name__}")
+    return [(k, v) for k, v in vars(node).items() if not k.startswith("_") and not callable(v)]

@@ -62,6 +62,11 @@ class RunConfig:
     virtual_local_rank: bool = False
     numa_binding: str | None = None
     logs_specs: str | None = None
+    # -- function mode (D)
+    function: bool = False
+    """``target`` is a pickled payload for ``multigpu.worker function`` (``MultiGPUManager``)."""
+    first_local_rank: int = 0
+    """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
 
     @property
     def resolved_world_size(self) -> int:

@@ -17,11 +17,12 @@ from .config import RunConfig, new_run_id
 from .elastic import ElasticRendezvous, Round, node_id, open_store, settings_from, settle_run_id
 from .errors import RendezvousError
 from .fate import MEMBERSHIP_CHANGE, STORE_LOST, serve_until_all_done
-from .launcher import _exit_code, _say, build_specs, run_attempt
+from .launcher import _exit_code, _say, run_attempt
 from .record import RunRecord
 from .report import format_report
 from .rundir import check_run_id
 from .signals import set_child_subreaper
+from .specs import build_specs
 from .supervisor import RunResult, RunStatus
 
 

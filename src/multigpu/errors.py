@@ -1,9 +1,20 @@
-"""Typed errors: a usage mistake, a rendezvous problem, or workers that failed."""
+"""Typed errors: a usage mistake, a rendezvous problem, or workers that failed.
+
+``WorkerFailure`` is also the one error record: a rank's bootstrap writes it (``write``), the
+supervisor reads it back (``read``, which also understands torch elastic's ``@record`` files), and the
+nodes of a job share it through the store (``to_dict``/``from_dict``). One type, one format.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import signal
-from dataclasses import asdict, dataclass, field
+import time as _time
+import traceback as _traceback
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -58,12 +69,84 @@ class WorkerFailure:
         what = f": {self.error_type}: {self.message}" if self.error_type else ""
         return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, log_tail_lines: int | None = None) -> dict[str, Any]:
+        data = asdict(self)
+        if log_tail_lines is not None:
+            data["log_tail"] = data["log_tail"][-log_tail_lines:] if log_tail_lines else []
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerFailure:
+        """Tolerant of missing keys and of the bootstrap's older ``type`` key: records cross versions."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("error_type") is None and isinstance(data.get("type"), str):
+            values["error_type"] = data["type"]
+        for key in ("rank", "local_rank"):
+            values[key] = _int_or(values.get(key), -1)
+        values["node"] = _int_or(values.get("node"), 0)
+        values["pid"] = _int_or(values.get("pid"), None)
+        values["log_tail"] = [str(line) for line in values.get("log_tail") or []]
+        return cls(**values)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, env: dict[str, str] | None = None) -> WorkerFailure:
+        """What a rank records about its own uncaught exception (exit code and signal come later)."""
+        env = dict(os.environ) if env is None else env
+        return cls(
+            rank=_int_or(env.get("RANK"), -1), local_rank=_int_or(env.get("LOCAL_RANK"), -1),
+            pid=os.getpid(), node=_int_or(env.get("GROUP_RANK"), 0), error_type=type(exc).__name__,
+            message=str(exc), time=_time.time(),
+            traceback="".join(_traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+    def write(self, path: str | Path) -> None:
+        """Atomic (a half-written record never shows); a rank that cannot write it still fails normally."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    @classmethod
+    def read(cls, path: str | Path | None) -> WorkerFailure | None:
+        """A rank's record, or torch elastic's ``@record`` file; None when there is none or it is garbled."""
+        if path is None:
+            return None
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("message"), dict):  # torch.distributed.elastic @record
+            info = data["message"]
+            extra = info.get("extraInfo") or {}
+            return cls(rank=-1, local_rank=-1, pid=None, message=info.get("message"),
+                       traceback=extra.get("py_callstack"),
+                       time=float(extra.get("timestamp", 0) or 0) or None)
+        return cls.from_dict(data)
+
+
+def _int_or(value: Any, default: int | None) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 class WorkerFailedError(MultiGPUError):
-    """One or more ranks failed; ``root_cause`` is the first failure in time."""
+    """One or more ranks failed; ``root_cause`` is the first failure in time.
+
+    In function mode it is also raised asynchronously in the thread that called
+    ``setup_multi_gpu_train``, like KeyboardInterrupt, but unlike KeyboardInterrupt it is an
+    ``Exception``: it is the same type ``finalize()`` raises, and ``except MultiGPUError`` /
+    ``except WorkerFailedError`` must catch both. A broad ``except Exception:`` therefore catches it
+    too; swallowing it loses nothing, because the process group has already been aborted (the next
+    collective fails at once) and ``finalize()`` raises the same error again.
+    """
 
     def __init__(self, root_cause: WorkerFailure, others: list[WorkerFailure] | None = None) -> None:
         self.root_cause = root_cause

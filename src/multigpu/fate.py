@@ -22,18 +22,11 @@ LOST_AFTER_S = 1.5
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:
-    data = failure.to_dict()
-    data["log_tail"] = data.get("log_tail", [])[-10:]
-    return data
+    return failure.to_dict(log_tail_lines=10)
 
 
 def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
-    fields = {k: record.get(k) for k in ("rank", "local_rank", "pid", "exit_code", "signal", "node",
-                                         "error_type", "message", "traceback", "time", "log_path")}
-    fields["rank"] = fields["rank"] if fields["rank"] is not None else -1
-    fields["local_rank"] = fields["local_rank"] if fields["local_rank"] is not None else -1
-    fields["node"] = fields["node"] or 0
-    return WorkerFailure(log_tail=list(record.get("log_tail") or []), **fields)  # type: ignore[arg-type]
+    return WorkerFailure.from_dict(record)
 
 
 NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "NodeLost", "StoreLost", "MembershipChange"

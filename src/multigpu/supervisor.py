@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import os
 import selectors
 import signal
@@ -139,19 +138,12 @@ class SupervisorListener(Protocol):
 
 
 def read_error_file(path: Path | None) -> dict[str, Any] | None:
-    """The bootstrap's JSON record, or torch's ``@record`` format, whichever the rank left."""
-    if path is None or not path.exists():
+    """The rank's record (``WorkerFailure.read``: ours or torch's ``@record``), as the keys read here."""
+    record = WorkerFailure.read(path)
+    if record is None:
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(data.get("message"), dict):  # torch.distributed.elastic @record
-        info = data["message"]
-        extra = info.get("extraInfo", {})
-        return {"type": None, "message": info.get("message"), "traceback": extra.get("py_callstack"),
-                "time": float(extra.get("timestamp", 0)) or None}
-    return data if isinstance(data, dict) else None
+    return {"type": record.error_type, "message": record.message, "traceback": record.traceback,
+            "time": record.time, "pid": record.pid}
 
 
 class Supervisor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
 import pickle
 import runpy
@@ -22,7 +21,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import warnings
 from types import TracebackType
 from typing import Any
@@ -182,22 +180,14 @@ def spawn_file() -> str:
 
 
 def write_error_file(path: str, exc: BaseException) -> None:
-    """Record an uncaught exception for the launcher's report; atomic, so a half-written file never shows."""
-    record = {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-        "pid": os.getpid(),
-        "rank": os.environ.get("RANK"),
-    }
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    """Record an uncaught exception for the launcher's report, in the one record format (errors.py).
+
+    In function mode the parent is told at once: the record is all it needs to raise the typed error.
+    """
+    from .errors import WorkerFailure
+
+    WorkerFailure.from_exception(exc).write(path)
+    announce_failure()
 
 
 def run_script(path: str, args: list[str]) -> None:
@@ -355,22 +345,23 @@ def finish_like_exit() -> None:
 
     send(DONE_BEAT, wait_s=DONE_WAIT_S)
 ANNOUNCE_ENV = "MULTIGPU_ANNOUNCE_FAILURE"
-ANNOUNCE_WAIT_S = 0.2
+_announced = False
 
 
 def announce_failure() -> None:
-    """Function mode: tell the parent this rank failed while its sockets are still open.
+    """Function mode: tell the parent this rank failed, as early as possible, then go on exiting.
 
-    The parent is rank 0 and is probably blocked in a collective with this rank; given a moment, it
-    queues the typed error first, so that error, not gloo's "connection closed", is what it raises
-    once this rank's exit wakes the collective.
+    The error file is already written, so the parent can raise the typed error from the beat alone;
+    it does not need this rank to linger (rank 0 also learns of the death from the exit itself, and
+    aborts its process group, so what it raises does not depend on who wins that race).
     """
+    global _announced
     from .progress import send
 
-    if os.environ.get(ANNOUNCE_ENV) != "1":
+    if _announced or os.environ.get(ANNOUNCE_ENV) != "1":
         return
-    if send(FAILING_BEAT):
-        time.sleep(ANNOUNCE_WAIT_S)
+    _announced = True
+    send(FAILING_BEAT)
 
 
 def exit_failed(code: int) -> None:

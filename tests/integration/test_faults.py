@@ -134,7 +134,7 @@ time.sleep(60)
     assert "in load_batch" in err
     error_file = out / "logs" / "attempt_0" / "error_rank_1.json"
     error = json.loads(error_file.read_text())
-    assert (error["type"], error["message"], error["rank"]) == ("ValueError", "boom from rank 1", "1")
+    assert (error["error_type"], error["message"], error["rank"]) == ("ValueError", "boom from rank 1", 1)
     assert "load_batch" in error["traceback"]
     print(f"launcher exited {exited - error['time']:.3f}s after rank 1 raised (incl. interpreter exit)")
     attempt = record(out)["attempts"][0]

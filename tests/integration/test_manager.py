@@ -149,7 +149,7 @@ def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
 
     # the children's logs
     for rank in (1, 2):
-        assert f"pid={reports[rank]['pid']}" in (out / "logs" / f"rank_{rank}.log").read_text()
+        assert f"pid={reports[rank]['pid']}" in (out / "logs" / "attempt_0" / f"rank_{rank}.log").read_text()
 
 
 def test_failing_child_raises_typed_error_in_parent(tmp_path: Path) -> None:
@@ -223,3 +223,215 @@ def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
     assert_gone(pids)
     assert "CAUGHT WorkerFailedError rank=2" in proc.stdout, proc.stdout[-3000:]
     assert proc.returncode == 3
+
+
+# ---- delivery: whatever rank 0 is doing, a child's failure reaches it as WorkerFailedError --------------
+
+DELIVERY = COMMON + """
+    import signal, traceback
+
+    def train():
+        import torch
+        import torch.distributed as dist
+        note_pid()
+        rank = dist.get_rank()
+        asleep = os.path.join(os.environ["TEST_DIR"], "rank0_asleep")
+        if rank == 2:
+            for _ in range(3):
+                dist.all_reduce(torch.ones(4096))
+            while MODE in ("sleep", "swallowed") and not os.path.exists(asleep):
+                time.sleep(0.01)  # the test's ordering: fail once rank 0 is in its sleep
+            if MODE == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("boom from rank 2")  # no sleep: it exits at once
+        if MODE == "sleep":
+            for _ in range(3):
+                dist.all_reduce(torch.ones(4096))
+            if rank == 0:
+                open(asleep, "w").close()
+            time.sleep(30)
+        elif MODE == "swallowed":
+            try:
+                for _ in range(3):
+                    dist.all_reduce(torch.ones(4096))
+                if rank == 0:
+                    open(asleep, "w").close()
+                time.sleep(30)
+            except Exception as exc:  # a user's broad handler swallows it ...
+                print(f"SWALLOWED {type(exc).__name__}", flush=True)
+        else:  # "collective", "killed": a long loop of all_reduce calls, left half-way by rank 2
+            for _ in range(100000):
+                dist.all_reduce(torch.ones(4096))
+
+    if __name__ == "__main__":
+        manager = MultiGPUManager(train, "0,1,2", device="cpu")
+        manager.setup_multi_gpu_train(OUT)
+        try:
+            train()
+            print("TRAIN RETURNED", flush=True)
+            manager.finalize()  # ... and finalize() raises it again
+        except WorkerFailedError as exc:
+            where = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == __file__][-1]
+            caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
+                      "traceback": exc.traceback, "cause": type(exc.__cause__).__name__,
+                      "cause_text": str(exc.__cause__), "where": where.line}
+            print("CAUGHT " + json.dumps(caught), flush=True)
+            manager.finalize()  # the error was already raised: finalize() still raises it once ...
+            sys.exit(3)
+"""
+
+
+def _run_delivery(tmp_path: Path, mode: str) -> tuple[dict[str, Any], str]:
+    script = write_script(tmp_path, "rank0_train.py", DELIVERY)
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=90)
+    pids = pids_in((tmp_path / "pids.txt").read_text())
+    assert len(set(pids)) == 3
+    assert_gone(pids)
+    found = re.search(r"^CAUGHT (\{.*\})$", proc.stdout, re.M)
+    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(found.group(1)), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["collective", "sleep"])
+def test_child_failure_reaches_a_blocked_rank_0(tmp_path: Path, mode: str) -> None:
+    caught, text = _run_delivery(tmp_path, mode)
+    assert caught["rank"] == 2 and caught["exit_code"] == 1 and caught["signal"] is None
+    assert "ValueError: boom from rank 2" in caught["traceback"]
+    if mode == "collective":  # out of the user's all_reduce call, through torch's collective wrapper
+        assert "all_reduce" in caught["where"]
+        assert caught["cause"] == "RuntimeError", caught  # chained from the backend's error
+    else:  # out of the sleep itself, in the user's code
+        assert caught["where"] == "time.sleep(30)" and caught["cause"] == "NoneType"
+    assert "TRAIN RETURNED" not in text
+
+
+def test_child_killed_by_a_signal_reaches_rank_0_in_a_collective(tmp_path: Path) -> None:
+    caught, _ = _run_delivery(tmp_path, "killed")
+    assert caught["rank"] == 2 and caught["signal"] == "SIGKILL" and caught["exit_code"] is None, caught
+    assert caught["cause"] == "RuntimeError" and "all_reduce" in caught["where"]
+
+
+def test_swallowed_error_is_raised_again_by_finalize(tmp_path: Path) -> None:
+    caught, text = _run_delivery(tmp_path, "swallowed")
+    assert "SWALLOWED WorkerFailedError" in text
+    assert "TRAIN RETURNED" in text
+    assert caught["rank"] == 2 and "boom from rank 2" in caught["traceback"]
+    assert text.index("TRAIN RETURNED") < text.index("CAUGHT ")  # raised by finalize(), after train()
+
+
+# ---- setup is all-or-nothing; a crashed supervisor thread is never success ---------------------------
+
+SETUP = COMMON + """
+    import signal, socket, threading
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_RANK") in ("1", "2") and MODE == "child_dies":
+        note_pid()
+        raise ImportError("this child cannot import the training script")
+
+    def train():
+        import torch
+        note_pid()
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        report(sum=t.item())
+
+    def state():
+        return {"excepthook": sys.excepthook is sys.__excepthook__,
+                "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                "sigusr2": signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,
+                "env": sorted(k for k in os.environ if k.startswith(("MULTIGPU_", "TORCHELASTIC_", "RANK"))),
+                "argv": list(sys.argv), "threads": sorted(t.name for t in threading.enumerate()),
+                "group": dist.is_initialized()}
+
+    if __name__ == "__main__":
+        before = state()
+        func, out, endpoint, held = train, OUT, "localhost:0", None
+        if MODE == "unpicklable":
+            func = lambda: None
+        elif MODE == "bad_folder":
+            out = os.path.join(os.environ["TEST_DIR"], "a_file")
+            open(out, "w").close()
+        elif MODE == "port_taken":
+            held = socket.socket()
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            endpoint = f"127.0.0.1:{held.getsockname()[1]}"
+        manager = MultiGPUManager(func, "0,1,2", endpoint, device="cpu")
+        hpo = {"learning_parameters": {"learning_rate": 0.5}}
+        try:
+            manager.setup_multi_gpu_train(out, hpo)
+        except Exception as exc:
+            print(f"SETUP FAILED {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+            print(f"CAUSE {type(exc.__cause__).__name__}", flush=True)
+        else:
+            if MODE == "crash":
+                import multigpu.console
+                def broken(*args, **kwargs):
+                    raise OSError(28, "No space left on device")
+                multigpu.console.PrefixedConsole.write_lines = broken
+            train()
+        try:
+            manager.finalize()
+            print("FINALIZE OK", flush=True)
+        except Exception as exc:
+            print(f"FINALIZE RAISED {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        if MODE != "crash":
+            print("RESTORED " + json.dumps(state() == before), flush=True)
+            if state() != before:
+                print("DIFF " + json.dumps([before, state()]), flush=True)
+        if MODE == "child_dies":  # nothing was left behind: the same process can run again
+            os.environ["TEST_MODE"] = "ok"
+            MODE = "ok"
+            again = MultiGPUManager(train, "0,1", device="cpu")
+            again.setup_multi_gpu_train(OUT + "2")
+            train()
+            again.finalize()
+            print("SECOND RUN OK", flush=True)
+"""
+
+
+def _run_setup(tmp_path: Path, mode: str) -> str:
+    script = write_script(tmp_path, "setup_train.py", SETUP)
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=90)
+    text = proc.stdout + proc.stderr
+    pids_file = tmp_path / "pids.txt"
+    if pids_file.exists():
+        assert_gone(pids_in(pids_file.read_text()))
+    assert proc.returncode == 0, text[-3000:]
+    return text
+
+
+@pytest.mark.parametrize(("mode", "error"), [
+    ("unpicklable", "MultiGPUError: train_func cannot be sent to the child processes"),
+    ("bad_folder", "MultiGPUError: output folder"),
+    ("port_taken", "RendezvousError: rendezvous address 127.0.0.1:"),
+])
+def test_setup_checks_fail_before_any_child_starts(tmp_path: Path, mode: str, error: str) -> None:
+    text = _run_setup(tmp_path, mode)
+    assert f"SETUP FAILED {error}" in text, text[-3000:]
+    assert not (tmp_path / "pids.txt").exists()  # no child ever ran
+    assert "FINALIZE OK" in text  # finalize() after a failed setup is a no-op
+    assert "RESTORED true" in text, text[-3000:]  # argv, handlers, excepthook, environment, threads
+
+
+def test_setup_that_fails_after_children_started_undoes_everything(tmp_path: Path) -> None:
+    text = _run_setup(tmp_path, "child_dies")
+    # rank 0 was waiting in init_process_group for children that died importing the script
+    assert "SETUP FAILED WorkerFailedError: rank " in text, text[-3000:]
+    assert re.search(r"^CAUSE (RuntimeError|Dist\w*Error)$", text, re.M), text[-3000:]  # the cut-short wait
+    assert len(set(pids_in((tmp_path / "pids.txt").read_text()))) >= 2
+    assert "FINALIZE OK" in text and "RESTORED true" in text, text[-3000:]
+    assert "SECOND RUN OK" in text, text[-3000:]
+
+
+def test_crashed_supervisor_thread_makes_finalize_raise(tmp_path: Path) -> None:
+    text = _run_setup(tmp_path, "crash")
+    assert "the supervisor thread crashed" in text, text[-3000:]
+    assert "FINALIZE RAISED MultiGPUError: multigpu's supervisor thread crashed" in text, text[-3000:]
+    assert "FINALIZE OK" not in text

@@ -99,11 +99,24 @@ def test_is_available_false_inside_a_launched_worker(monkeypatch: pytest.MonkeyP
     assert not manager.is_available()
 
 
-def test_auto_device_without_gpu_is_cpu_and_cuda_without_gpu_is_unavailable() -> None:
-    assert MultiGPUManager(train, "0,1").is_available()  # auto: CPU worker slots
+def test_without_a_gpu_only_cpu_workers_are_available() -> None:
+    """The seed's meaning: "multi-GPU training is available". With no GPU, OTX trains in one process."""
+    with pytest.warns(UserWarning, match="no GPU"):
+        auto = MultiGPUManager(train, "0,1")
+    assert not auto.is_available()
     with pytest.warns(UserWarning, match="no GPU"):
         cuda = MultiGPUManager(train, "0,1", device="cuda")
     assert not cuda.is_available()
+    assert MultiGPUManager(train, "0,1", device="cpu").is_available()
+
+
+def test_auto_device_with_gpus_uses_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = [devices.GPUInfo(index=i, ordinal=str(i), name="GPU") for i in range(2)]
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.warns(UserWarning, match="not visible"):
+        manager = MultiGPUManager(train, "0,1,5")  # 5 is not visible: dropped with a warning
+    assert manager.is_available() and manager._gpu_ids == [0, 1] and manager._device == "cuda"
 
 
 # ---- dist_timeout_s -----------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 
 from multigpu import devices
 from multigpu.cli import parse_run_args
-from multigpu.launcher import build_specs, worker_argv
 from multigpu.numa import AFFINITY_ENV
+from multigpu.specs import build_specs, worker_argv
 from multigpu.supervisor import WorkerSpec
 
 
