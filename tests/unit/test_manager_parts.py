@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import signal
 import threading
 import time
@@ -98,7 +99,7 @@ def test_record_from_exception_and_the_supervisor_view(tmp_path: Path) -> None:
     record.write(tmp_path / "e.json")
     view = read_error_file(tmp_path / "e.json")
     assert view == {"type": "KeyError", "message": "'missing'", "traceback": record.traceback,
-                    "time": record.time}
+                    "time": record.time, "pid": os.getpid()}
 
 
 def test_record_reads_older_keys_torch_record_files_and_garbage(tmp_path: Path) -> None:
