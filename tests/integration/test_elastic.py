@@ -202,13 +202,13 @@ EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "MIN must not exceed MAX"),
+    (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "need 0 < MIN <= MAX"),
     (["--nnodes", "1:2"], "needs --rdzv-backend c10d"),
     (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "1:2", "--rdzv-backend", "etcd", *EP], "use --rdzv-backend c10d"),
     (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "junk"], "--rdzv-conf"),
     (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "join_timeout=soon"], "join_timeout"),
-    (["--rdzv-id", "a", "--run-id", "b"], "contradicts"),
+    (["--rdzv-id", "a", "--run-id", "b"], "disagree"),
 ])
 def test_wrong_elastic_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     from multigpu.cli import parse_run_args
@@ -226,7 +226,7 @@ def test_an_elastic_usage_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = run_cli(["run", "--cpu", "1", "--nnodes", "2:1", "--rdzv-backend", "c10d", *EP, str(script)],
                      tmp_path, timeout=30)
     assert result.returncode == 2
-    assert "--nnodes 2:1: MIN must not exceed MAX" in result.stderr.splitlines()[0]
+    assert "--nnodes 2:1: need 0 < MIN <= MAX" in result.stderr.splitlines()[0]
     assert "Traceback" not in result.stderr
 
 
@@ -241,4 +241,4 @@ def test_the_elastic_fields_come_from_torchruns_options(tmp_path: Path) -> None:
     assert config.rdzv_conf == {"last_call_timeout": "2", "is_host": "false"}
     assert (config.run_id, config.max_restarts, config.nproc) == ("j7", 2, 2)
     single, _ = parse_run_args(["--cpu", "2", "--nnodes", "1", "--rdzv-backend", "c10d", str(script)], env={})
-    assert single.max_nodes is None and not single.multi_node, "one node at most: an ordinary local job"
+    assert single.max_nodes == 1 and not single.multi_node, "one node at most: an ordinary local job"
