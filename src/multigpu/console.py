@@ -39,7 +39,7 @@ def say(message: str) -> None:
     """The launcher's own one-line messages, through the active console writer when there is one."""
     text = f"multigpu: {message}\n"
     if _active is not None:
-        _active.put(2, text.encode(errors="replace"), text.count("\n"))
+        _active.put(2, text.encode(errors="replace"), text.count("\n"), keep=True)
         return
     with contextlib.suppress(OSError, ValueError, AttributeError):
         sys.stderr.write(text)
@@ -131,12 +131,14 @@ class ConsoleWriter:
 
     # ---- the producer side (the supervisor's loop): never blocks -------------------------------------
 
-    def put(self, fd: int, data: bytes, lines: int = 1) -> None:
+    def put(self, fd: int, data: bytes, lines: int = 1, *, keep: bool = False) -> None:
+        """Queue ``data``; past the capacity it is dropped and counted, unless ``keep`` (the launcher's
+        own few notices, such as what output was lost, must not be crowded out by the ranks' lines)."""
         with self._cond:
             channel = self._channels.get(fd)
             if channel is None or channel.dead is not None or self._stop:
                 return
-            if channel.queued and channel.queued + len(data) > self.capacity:
+            if not keep and channel.queued and channel.queued + len(data) > self.capacity:
                 channel.dropped += lines
                 return
             channel.queue.append((data, lines))
@@ -163,6 +165,8 @@ class ConsoleWriter:
             _active = None
         deadline = time.monotonic() + FLUSH_LIMIT_S
         with self._cond:
+            # A console that was idle is not stalled: it gets STALL_S from now to take what is left.
+            self._last_progress = max(self._last_progress, time.monotonic())
             while self._pending() and time.monotonic() < deadline:
                 if time.monotonic() - self._last_progress > STALL_S:
                     break

@@ -305,3 +305,22 @@ def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
                              env=clean_env(), capture_output=True, timeout=30)
         assert res.returncode == 0, res.stderr
         assert min(int(x) for x in (tmp_path / "fds.txt").read_text().split()) > 2, closed
+
+
+def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found under a full disk: the launcher's last lines came after a quiet spell longer than the stall
+    limit, and close() took the idle console for a stalled one and dropped them."""
+    from multigpu import console
+
+    now = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
+    r, w = os.pipe()
+    try:
+        writer = ConsoleWriter(fds=(w,))
+        with writer:
+            now[0] += 10 * console.STALL_S  # nothing written for a long while; the reader is fine
+            writer.put(w, b"output lost: rank_0.log\n", keep=True)
+        assert os.read(r, 4096) == b"output lost: rank_0.log\n"
+    finally:
+        os.close(r)
+        os.close(w)
