@@ -183,6 +183,15 @@ class FailureDelivery:
             if self._stop.wait(RESEND_S):
                 return
 
+    def raise_pending(self) -> None:
+        """Raise the recorded failure here if no signal has delivered it yet (the caller's thread)."""
+        with self._lock:
+            error = None if self.delivered or self._stop.is_set() else self.error
+            if error is not None:
+                self.delivered = True
+        if error is not None:
+            raise error
+
     def explain(self, backend_error: BaseException) -> None:
         """A collective failed in this process: raise the child's failure from it, if there is one."""
         if self._stop.is_set() or not self._known.wait(COLLECTIVE_WAIT_S):

@@ -100,6 +100,9 @@ class MultiGPUManager:
                 raise error from exc
             raise
         self._state = "running"
+        # A child that failed while setup still ran could not be raised inside it; say so now, at the
+        # first point where control is back in the caller's code, rather than only from finalize().
+        self._delivery.raise_pending()
         return str(prepared.output_dir)
 
     def finalize(self, timeout: float | None = None) -> None:

@@ -210,3 +210,19 @@ def test_the_collective_hook_is_undone() -> None:
     assert c10d_logger._get_msg_dict("all_reduce") == original("all_reduce")  # not in an error path
     undo()
     assert c10d_logger._get_msg_dict is original
+
+
+def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code() -> None:
+    """A child that fails while setup is still running cannot be raised inside multigpu's code; the end
+    of setup raises it, and only once (finalize() reports it again on its own)."""
+    from multigpu.delivery import FailureDelivery
+    from multigpu.errors import WorkerFailedError, WorkerFailure
+
+    delivery = FailureDelivery()
+    delivery.raise_pending()  # nothing recorded: nothing raised
+    error = WorkerFailedError(WorkerFailure(rank=2, local_rank=2, pid=None, exit_code=1))
+    assert delivery.deliver(error)
+    with pytest.raises(WorkerFailedError) as caught:
+        delivery.raise_pending()
+    assert caught.value is error
+    delivery.raise_pending()  # delivered: not again
