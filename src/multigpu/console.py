@@ -340,8 +340,12 @@ class PrefixedConsole:
             return
         out = sys.stderr if fd == 2 else sys.stdout
         try:
-            out.flush()
-            out.buffer.write(data)
-            out.flush()
+            # Straight to the descriptor, never through ``out``'s buffer: function mode's caller is a
+            # rank too, and flushing its half-printed line (print() writes text, then "\n") would
+            # splice a child's line into the middle of it.
+            view = memoryview(data)
+            target = out.fileno()
+            while view:
+                view = view[os.write(target, view):]
         except (OSError, ValueError, AttributeError):  # the console went away: the log files go on
             self._closed.add(fd)

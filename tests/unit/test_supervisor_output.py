@@ -324,3 +324,26 @@ def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: py
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_function_mode_console_never_splices_a_child_line_into_the_callers_half_printed_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in CI: rank 0 (the caller) printed "REPORT {...}" while a child's line arrived; print()
+    writes the text and the newline separately, and the console's flush put the child's line between."""
+    import io
+
+    r, w = os.pipe()
+    try:
+        stdout = io.TextIOWrapper(io.FileIO(w, "w", closefd=False), write_through=False)
+        monkeypatch.setattr("sys.stdout", stdout)
+        console = PrefixedConsole()
+        child = Worker(WorkerSpec(rank=1, local_rank=1, argv=[], env={}))
+        stdout.write("REPORT {rank 0}")  # print()'s first write; its "\n" has not come yet
+        console.write_lines(child, "stdout", [b"REPORT {rank 1}"])
+        stdout.write("\n")
+        stdout.flush()
+        lines = os.read(r, 4096).decode().splitlines()
+        assert sorted(lines) == ["REPORT {rank 0}", "[rank 1] REPORT {rank 1}"]
+    finally:
+        os.close(r)
+        os.close(w)
