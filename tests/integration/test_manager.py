@@ -34,7 +34,7 @@ COMMON = """
         data = {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
                 "local_rank": int(os.environ["LOCAL_RANK"]), "device": os.environ.get("MULTIGPU_DEVICE"),
                 "child": is_multigpu_child_process(), "argv": sys.argv, **extra}
-        print("REPORT " + json.dumps(data), flush=True)
+        print("REPORT " + json.dumps(data) + "\\n", end="", flush=True)
 """
 
 TRAIN = COMMON + """
@@ -68,7 +68,7 @@ TRAIN = COMMON + """
         except WorkerFailedError as exc:
             caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
                       "traceback": exc.traceback, "text": str(exc)}
-            print("CAUGHT " + json.dumps(caught), flush=True)
+            print("CAUGHT " + json.dumps(caught) + "\\n", end="", flush=True)
             try:
                 manager.finalize()  # the first call still reports the failure ...
             except WorkerFailedError as again:
@@ -275,7 +275,7 @@ DELIVERY = COMMON + """
             caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
                       "traceback": exc.traceback, "cause": type(exc.__cause__).__name__,
                       "cause_text": str(exc.__cause__), "where": where.line}
-            print("CAUGHT " + json.dumps(caught), flush=True)
+            print("CAUGHT " + json.dumps(caught) + "\\n", end="", flush=True)
             manager.finalize()  # the error was already raised: finalize() still raises it once ...
             sys.exit(3)
 """

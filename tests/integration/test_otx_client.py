@@ -89,7 +89,7 @@ OTX_TRAIN = """
             optimizer.step()
         print("RANK " + json.dumps({"rank": rank, "lr": lp.learning_rate, "batch_size": lp.batch_size,
                                     "output": args.output, "child": is_multigpu_child_process(),
-                                    "weight": model.weight.sum().item()}), flush=True)
+                                    "weight": model.weight.sum().item()}) + "\\n", end="", flush=True)
         if not is_multigpu_child_process():
             torch.save(model.state_dict(), os.path.join(args.output, "weights.pth"))
 
