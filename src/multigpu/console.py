@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from .supervisor import Worker
@@ -33,6 +33,8 @@ FLUSH_LIMIT_S = 5.0
 CLEAR_LINE = b"\x1b[K"
 
 _active: ConsoleWriter | None = None
+_caller_lock = threading.Lock()
+"""Function mode: held while the caller's own line or a child's line goes to the shared descriptors."""
 
 
 def say(message: str) -> None:
@@ -340,12 +342,63 @@ class PrefixedConsole:
             return
         out = sys.stderr if fd == 2 else sys.stdout
         try:
-            # Straight to the descriptor, never through ``out``'s buffer: function mode's caller is a
-            # rank too, and flushing its half-printed line (print() writes text, then "\n") would
-            # splice a child's line into the middle of it.
+            # Straight to the descriptor, never through ``out``'s buffer, and between the caller's
+            # whole lines (``CallerLines``): function mode's caller is a rank too.
             view = memoryview(data)
             target = out.fileno()
-            while view:
-                view = view[os.write(target, view):]
+            with _caller_lock:
+                while view:
+                    view = view[os.write(target, view):]
         except (OSError, ValueError, AttributeError):  # the console went away: the log files go on
             self._closed.add(fd)
+
+
+class CallerLines:
+    """Function mode's caller (rank 0) writes whole lines, so a child's line never lands inside one.
+
+    ``print()`` writes its text and its newline separately (two writes when stdout is unbuffered, as
+    with ``PYTHONUNBUFFERED``), and a block-buffered stream flushes at 8 KiB, mid-line; the children's
+    lines come from another thread. This stand-in for ``sys.stdout``/``sys.stderr`` holds a partial
+    line until its newline (or an explicit ``flush()``, as a progress bar's ``\r`` update does) and
+    writes it under the lock the children's lines take. Everything else is the real stream's.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        with _caller_lock:
+            self._partial += text
+            cut = self._partial.rfind("\n") + 1
+            if cut:
+                whole, self._partial = self._partial[:cut], self._partial[cut:]
+                self._stream.write(whole)
+                self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with _caller_lock:
+            partial, self._partial = self._partial, ""
+            if partial:
+                self._stream.write(partial)
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def caller_lines() -> Iterator[None]:
+    """Guard the caller's stdout and stderr while children share its console; put them back after."""
+    guards = {name: CallerLines(getattr(sys, name)) for name in ("stdout", "stderr")}
+    for name, guard in guards.items():
+        setattr(sys, name, guard)
+    try:
+        yield
+    finally:
+        for name, guard in guards.items():
+            with contextlib.suppress(OSError, ValueError):  # a closed console: nothing to save
+                guard.flush()
+            if getattr(sys, name) is guard:  # the caller may have replaced it since: theirs stays
+                setattr(sys, name, guard._stream)

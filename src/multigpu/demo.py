@@ -123,8 +123,8 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     if rank == 0:
-        print(f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
-              f"batch {args.batch_size} per rank", flush=True)
+        show(f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
+             f"batch {args.batch_size} per rank")
     progress = _progress(args.steps, rank == 0)
     task = progress.add_task("train", total=args.steps, info="") if progress else None
     if progress:
@@ -150,7 +150,7 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
                 if progress and task is not None:
                     progress.update(task, completed=step, info=info)
                 elif step == 1 or step % 50 == 0 or step == args.steps:
-                    print(f"step {step:4d}/{args.steps}  {info}", flush=True)
+                    show(f"step {step:4d}/{args.steps}  {info}")
             if step >= args.steps:
                 break
         epoch += 1
@@ -163,13 +163,23 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
         [rank, os.getpid(), device_index, step, samples, elapsed, first_loss, loss_value], dev, world)
     if rank == 0:
         total = sum(s["samples"] for s in summaries)
-        print(f"done: loss {first_loss:.4f} -> {loss_value:.4f}, accuracy {accuracy:.1%}, "
-              f"{total / elapsed:,.0f} samples/s over {world} rank(s) in {elapsed:.1f}s", flush=True)
-        print("rank  pid      device  steps  samples  seconds  first loss  final loss")
-        for s in summaries:
-            print(f"{s['rank']:>4}  {s['pid']:<7}  {s['device']:<6}  {s['steps']:>5}  {s['samples']:>7}  "
-                  f"{s['seconds']:>7}  {s['first_loss']:>10.4f}  {s['final_loss']:>10.4f}", flush=True)
+        show(f"done: loss {first_loss:.4f} -> {loss_value:.4f}, accuracy {accuracy:.1%}, "
+             f"{total / elapsed:,.0f} samples/s over {world} rank(s) in {elapsed:.1f}s",
+             "rank  pid      device  steps  samples  seconds  first loss  final loss",
+             *(f"{s['rank']:>4}  {s['pid']:<7}  {s['device']:<6}  {s['steps']:>5}  {s['samples']:>7}  "
+               f"{s['seconds']:>7}  {s['first_loss']:>10.4f}  {s['final_loss']:>10.4f}" for s in summaries))
     return {"accuracy": accuracy, "summaries": summaries}
+
+
+def show(*lines: str) -> None:
+    """Rank 0's lines. A reader that left (``multigpu demo | head``) ends the output, not the training:
+    the run goes on and ends well, as ``multigpu run``'s does, instead of rank 0 dying of the pipe."""
+    try:
+        print(*lines, sep="\n", flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno() if sys.__stdout__ else 1)
+        os.close(devnull)
 
 
 SUMMARY_FIELDS = ("rank", "pid", "device", "steps", "samples", "seconds", "first_loss", "final_loss")

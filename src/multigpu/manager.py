@@ -22,7 +22,7 @@ from types import FrameType
 from typing import Any
 
 from . import function_mode as fm
-from .console import PrefixedConsole
+from .console import PrefixedConsole, caller_lines
 from .delivery import FailureDelivery, abort_collectives, hook_collective_errors
 from .devices import dedupe, get_gpu_ids, parse_index_list
 from .endpoint import format_endpoint, parse_endpoint
@@ -176,6 +176,7 @@ class MultiGPUManager:
         undo.callback(self._delivery.disarm)
         undo.callback(hook_collective_errors(self._delivery))
         self._install_handlers(undo)
+        undo.enter_context(caller_lines())
         undo.callback(fm.restore_environ, fm.become_rank_environ(rdzv.run_id, out, self._device, timeout))
         self._start_children(undo, specs)
         group = self.initialize_multigpu_train(endpoint, self._base_rank, 0, self._gpu_ids, self._world_size)

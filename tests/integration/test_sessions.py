@@ -202,6 +202,36 @@ for i in range(3000):
     assert_gone(rank_pids(out))
 
 
+def test_demo_into_head_ends_quietly_and_trains_on(tmp_path: Path) -> None:
+    """Found by hand: ``multigpu demo | head -8`` exited 1 with a BrokenPipeError traceback, because the
+    demo's rank 0 is the calling process and printed to the closed pipe itself."""
+    import psutil
+
+    out = tmp_path / "out"
+    line = f"{quoted([*MULTIGPU, 'demo', '--cpu', '2', '--steps', '40', '-o', str(out)])} | head -1; " \
+           "exit ${PIPESTATUS[0]}"
+    proc = subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen: set[int] = set()
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while proc.poll() is None and time.monotonic() < deadline:  # the demo's processes, by PID
+        seen |= {p.pid for p in proc_descendants(psutil.Process(proc.pid))}
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, stderr.decode()
+    assert stdout.decode().startswith("demo: 2 rank(s) on cpu") and stdout.count(b"\n") == 1
+    assert b"Traceback" not in stderr and b"Error" not in stderr
+    assert_gone(seen)
+
+
+def proc_descendants(proc: Any) -> list[Any]:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return list(proc.children(recursive=True))
+    return []
+
+
 # ---- terminals: progress bars, long lines, hang-ups ----------------------------------------------------
 
 BAR = """
