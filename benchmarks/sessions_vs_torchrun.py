@@ -293,7 +293,32 @@ CASES: dict[str, Callable[[str, Path], str]] = {
 }
 
 
+def end_leftovers(settle_s: float = 2.0) -> int:
+    """End, by PID, whatever a case left running (torchrun's orphaned workers, mostly) and count it.
+
+    The benchmark is a child subreaper, so every orphan of a case is re-parented here and can be found
+    among our own descendants, however it detached."""
+    import psutil
+
+    deadline = time.monotonic() + settle_s
+    left = psutil.Process().children(recursive=True)
+    while left and time.monotonic() < deadline:  # a launcher's own teardown may still be finishing
+        time.sleep(0.1)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(left, timeout=5)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:  # adopted orphans are ours to reap
+            pass
+    return len(left)
+
+
 def main() -> None:
+    from multigpu.signals import set_child_subreaper
+
+    set_child_subreaper()
     wanted = sys.argv[1:]
     print("| case | multigpu now | torchrun |\n| --- | --- | --- |")
     for name, case in CASES.items():
@@ -306,6 +331,9 @@ def main() -> None:
                     cells.append(case(launcher, Path(tmp)))
                 except Exception as exc:
                     cells.append(f"harness error: {exc!r}")
+                left = end_leftovers()
+                if left:
+                    cells[-1] += f"; {left} process(es) left running (ended by the benchmark)"
         print(f"| {name} | {cells[0]} | {cells[1]} |", flush=True)
 
 
