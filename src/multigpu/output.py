@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
@@ -55,6 +56,21 @@ def display_text(line: bytes) -> bytes:
         if segment:
             return segment
     return b""
+
+
+@dataclass(frozen=True)
+class LineCopy:
+    """torchrun's ``--duplicate-std{out,err}-filters``: a rank's lines of ``stream`` that contain any of
+    ``needles`` also go, after ``header``, to ``path``, one file shared by every rank of the attempt."""
+
+    stream: str
+    path: Path
+    needles: tuple[bytes, ...]
+    header: bytes
+
+    def matching(self, lines: Iterable[bytes]) -> bytes:
+        return b"".join(self.header + line + b"\n" for line in lines
+                        if any(needle in line for needle in self.needles))
 
 
 class LogFile:
@@ -131,6 +147,7 @@ class WorkerOutput:
         self._clock = clock
         self._logs: dict[int, LogFile] = {}
         self._stream_files: dict[tuple[int, str], LogFile] = {}
+        self._shared: dict[Path, LogFile] = {}
         self.streams: dict[int, Stream] = {}
 
     def open(self, worker: Worker) -> None:
@@ -140,6 +157,9 @@ class WorkerOutput:
             self._logs[worker.rank] = LogFile(spec.log_path, self._notify)
         for name, path in spec.stream_files.items():
             self._stream_files[(worker.rank, name)] = LogFile(Path(path), self._notify)
+        for copy in spec.line_copies:
+            if copy.path not in self._shared:
+                self._shared[copy.path] = LogFile(copy.path, self._notify)
 
     def attach(self, worker: Worker, pipes: Iterable[tuple[str, IO[bytes] | None]]) -> list[Stream]:
         """Take the worker's pipes; the caller registers the returned streams with its selector."""
@@ -236,6 +256,9 @@ class WorkerOutput:
         if log is not None:
             log.write(chunk if logged is None else logged)
         lines = chunk.split(b"\n")[:-1]
+        for copy in worker.spec.line_copies:
+            if copy.stream == stream.name and (matched := copy.matching(lines)):
+                self._shared[copy.path].write(matched)
         keep = worker.tail.maxlen or len(lines)
         worker.tail.extend(_tail_line(line) for line in lines[-keep:])
         if worker.capture is not None:
@@ -246,13 +269,13 @@ class WorkerOutput:
             self._sink.write_lines(worker, stream.name, [display_text(line) for line in lines])
 
     def losses(self) -> list[str]:
-        files = [*self._logs.values(), *self._stream_files.values()]
+        files = [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]
         return [loss for f in files if (loss := f.loss()) is not None]
 
     def close(self) -> None:
         for stream in list(self.streams.values()):
             self.end(stream)
-        for f in [*self._logs.values(), *self._stream_files.values()]:
+        for f in [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]:
             f.close()
 
 

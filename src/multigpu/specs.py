@@ -43,6 +43,7 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
         envs[local_rank] = build_worker_env({**base_env, **config.extra_env}, placement, job,
                                             error_file=str(logs / f"error_rank_{rank}.json"),
                                             store_fd=store_fd if rank == 0 else None)
+    attempt_dir = None
     if config.logs_specs is not None:
         rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)
     else:
@@ -65,5 +66,7 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
                                 node=config.group_rank, log_path=logs / f"rank_{rank}.log",
                                 error_file=error_file,
                                 pass_fds=(store_fd,) if hosts_store and store_fd is not None else (),
-                                stream_files=files.stream_files, console_streams=files.console_streams))
+                                stream_files=files.stream_files, console_streams=files.console_streams,
+                                line_copies=extras.line_copies(config, local_rank, rank, files, attempt_dir,
+                                                               env)))
     return specs

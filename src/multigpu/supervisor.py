@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from . import reaping
 from .console import say
 from .errors import WorkerFailure, signal_name
-from .output import OutputSink, Stream, WorkerOutput
+from .output import LineCopy, OutputSink, Stream, WorkerOutput
 from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
 
 LOG_TAIL_LINES = 20
@@ -80,6 +80,8 @@ class WorkerSpec:
     """"stdout"/"stderr" -> a file that gets exactly that stream's bytes (torchrun's --log-dir files)."""
     console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
     """The streams shown on the console (torchrun's --redirects without --tee hides one)."""
+    line_copies: tuple[LineCopy, ...] = ()
+    """Matching lines copied to a file the attempt's ranks share (torchrun's --duplicate-*-filters)."""
 
 
 @dataclass

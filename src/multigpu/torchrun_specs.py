@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -19,6 +20,7 @@ from . import numa
 from . import torchrun_options as options
 from .config import RunConfig
 from .devices import visible_gpus
+from .output import LineCopy
 
 BOTH = frozenset({"stdout", "stderr"})
 
@@ -54,6 +56,29 @@ def default_rank_logs(config: RunConfig, local_rank: int, attempt_dir: Path | No
     teed = options.streams_for(options.parse_std(config.tee, "--tee"), local_rank)
     files = {name: rank_dir / f"{name}.log" for name in sorted(redirected | teed)}
     return RankLogs(files, BOTH - (redirected - teed), rank_dir / "error.json")
+
+
+def line_copies(config: RunConfig, local_rank: int, rank: int, files: RankLogs, attempt_dir: Path | None,
+                env: Mapping[str, str]) -> tuple[LineCopy, ...]:
+    """``--duplicate-std{out,err}-filters``: torchrun copies matching lines of the *teed* streams (those
+    both in a file and on the console, of the ranks ``--local-ranks-filter`` keeps) to
+    ``attempt_<k>/filtered_std{out,err}.log``, each after the rank's log-line header."""
+    if attempt_dir is None:
+        return ()
+    keep = config.local_ranks_filter
+    shown = keep is None or local_rank in keep
+    template = env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    header = (string.Template(template).safe_substitute(role_name=config.role, rank=str(rank),
+                                                        local_rank=str(local_rank))
+              if template else f"[{config.role}{local_rank}]:")
+    copies = []
+    for name, needles in (("stdout", config.duplicate_stdout_filters),
+                          ("stderr", config.duplicate_stderr_filters)):
+        if needles:  # the file exists even when no rank's stream is teed, as under torchrun
+            teed = shown and name in files.stream_files and name in files.console_streams
+            copies.append(LineCopy(name, attempt_dir / f"filtered_{name}.log",
+                                   tuple(n.encode() for n in needles) if teed else (), header.encode()))
+    return tuple(copies)
 
 
 @functools.lru_cache(maxsize=4)

@@ -232,17 +232,25 @@ def _tree(root: Path) -> dict[str, str]:
 
 
 def test_log_dir_redirects_and_tee_write_the_files_torchrun_writes(work: Path) -> None:
-    """``--log-dir D -r 3 -t 0:1``: the same per-local-rank files with the same bytes; the console shows
-    what torchrun's shows (rank 0's stdout only)."""
+    """``--log-dir D -r 3 -t 0:1``, with duplicate filters: the same per-local-rank files with the same
+    bytes, and the same ``filtered_*.log`` (teed lines only: rank 0's stdout); the console shows what
+    torchrun's shows (rank 0's stdout only)."""
     write_script(work, "echo.py", ECHO)
     results = {}
     for name, cmd in LAUNCHERS.items():
-        argv = ["--nproc-per-node", "2", "--log-dir", str(work / name), "-r", "3", "-t", "0:1", "echo.py"]
+        argv = ["--nproc-per-node", "2", "--log-dir", str(work / name), "-r", "3", "-t", "0:1",
+                "--duplicate-stdout-filters", "nothing,,at all,out from", "--duplicate_stderr_filters", "err",
+                "echo.py"]
         results[name] = subprocess.run([*cmd, *argv], cwd=work, env=clean_env({"MULTIGPU_STATUS": "off"}),
                                        capture_output=True, text=True, timeout=120)
     theirs, ours = _tree(work / "torchrun"), _tree(work / "multigpu")
     assert sorted(theirs) == sorted(ours) == ["attempt_0/0/stderr.log", "attempt_0/0/stdout.log",
-                                              "attempt_0/1/stderr.log", "attempt_0/1/stdout.log"]
+                                              "attempt_0/1/stderr.log", "attempt_0/1/stdout.log",
+                                              "attempt_0/filtered_stderr.log",
+                                              "attempt_0/filtered_stdout.log"]
+    assert ours["attempt_0/filtered_stdout.log"] == theirs["attempt_0/filtered_stdout.log"] \
+        == "[default0]:out from rank 0\n"
+    assert ours["attempt_0/filtered_stderr.log"] == theirs["attempt_0/filtered_stderr.log"] == ""
     for path, text in theirs.items():
         assert [line for line in ours[path].splitlines() if "rank" in line] == \
             [line for line in text.splitlines() if "rank" in line], path

@@ -85,3 +85,31 @@ def test_worker_argv_per_mode(tmp_path: Path) -> None:
     script.write_text("")
     config, _ = parse_run_args(["--run-path", str(script), "x"], {})
     assert worker_argv(config)[3:] == ["script", str(script), "x"]
+
+
+def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    argv = ["--nproc-per-node", "3", "--log-dir", str(logs), "-t", "1", "--local-ranks-filter", "0,2",
+            "--duplicate-stdout-filters", "loss,,acc", "--duplicate-stderr-filters", "warn",
+            "--role", "trainer"]
+    workers = specs(argv, tmp_path)
+    attempt = logs / "job1_4321" / "attempt_1"
+    by_rank = {w.local_rank: {c.stream: c for c in w.line_copies} for w in workers}
+    assert {c.path for copies in by_rank.values() for c in copies.values()} == {
+        attempt / "filtered_stdout.log", attempt / "filtered_stderr.log"}
+    assert by_rank[0]["stdout"].needles == (b"loss,acc",) and by_rank[0]["stdout"].header == b"[trainer0]:"
+    assert by_rank[1]["stdout"].needles == ()  # --local-ranks-filter hides rank 1: nothing copied
+    assert by_rank[2]["stderr"].needles == ()  # stderr is not teed (-t 1): nothing copied
+    assert by_rank[2]["stdout"].matching([b"loss,acc 0.5", b"loss 0.5"]) == b"[trainer2]:loss,acc 0.5\n"
+    from multigpu.torchrun_specs import RankLogs, line_copies
+
+    config = parse_run_args([*argv, str(tmp_path / "train.py")], {})[0]
+    teed = RankLogs({"stdout": tmp_path / "o"}, frozenset({"stdout"}))
+    env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name} ${rank}/${local_rank}]:"}
+    (copy,) = line_copies(config, 2, 7, teed, tmp_path, env)[:1]
+    assert copy.header == b"[trainer 7/2]:"
+
+
+def test_without_a_log_folder_duplicate_filters_copy_nothing(tmp_path: Path) -> None:
+    assert all(w.line_copies == () for w in specs(["--nproc-per-node", "2", "--duplicate-stdout-filters",
+                                                   "x"], tmp_path))
