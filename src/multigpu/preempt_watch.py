@@ -53,6 +53,7 @@ class PreemptWatch:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._announced = self._published = False
 
