@@ -225,7 +225,8 @@ def _preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch
     ok = result.status is RunStatus.SUCCEEDED
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
     if not config.requeue or config.base_rank != 0:
-        reason = "node 0 requeues the job" if config.requeue else "not requeued (--no-requeue)"
+        reason = ("node 0 requeues the job" if config.requeue else "not requeued (--no-requeue)"
+                  if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
         _say(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
         record.finish("preempted", EXIT_PREEMPTED)
         return EXIT_PREEMPTED
