@@ -59,7 +59,8 @@ def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None]
     slurm = under_slurm(env)
     given = values.get("preempt_signal")
     signals = _signal_names(given) if given else (SLURM_DEFAULT if slurm else ())
-    on, off = values.get("requeue") == "1", values.get("no_requeue") == "1"
+    on = values.get("requeue") == "1"
+    off = values.get("no_requeue") == "1" or values.get("requeue") == "0"  # MULTIGPU_REQUEUE=0
     if on and off:
         raise UsageError("--requeue and --no-requeue contradict each other; give one")
     if on and not slurm:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, pids_in, run_cli, start_cli, write_script
+from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
 from multigpu.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -130,3 +130,30 @@ def test_crash_loop(tmp_path: Path, change: str, restarts: int, attempts: int, c
                         f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue "
                         "until the cause is fixed)"]
     assert_gone(pids_in(done.stdout))
+
+
+def test_a_node_that_missed_the_warning_learns_it_from_the_store(tmp_path: Path) -> None:
+    """Two launchers of one job on 127.0.0.1; only node 1's gets SIGUSR1. Node 0 learns it from the
+    job's store, both ranks stop at the same step, and node 0 requeues the job once both are done."""
+    script = write_script(tmp_path, "train.py", TRAIN)
+    env = _slurm(tmp_path)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [start_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
+                        endpoint, "--grace-period", "2", str(script)], tmp_path, env) for i in (0, 1)]
+    first = nodes[0].stdout
+    assert first is not None
+    lines = []
+    for line in first:
+        lines.append(line)
+        if "] ready" in line:
+            break
+    nodes[1].send_signal(signal.SIGUSR1)
+    (out0, err0), (out1, err1) = (node.communicate(timeout=90) for node in nodes)
+    out = "".join(lines) + out0 + out1
+    assert [node.returncode for node in nodes] == [EXIT_PREEMPTED, EXIT_PREEMPTED], err0 + err1
+    assert "preemption warning (from another node, through the store)" in err0
+    assert "node 0 requeues the job" in err1 and "requeued job 4242" in err0
+    stops = re.findall(r"stop step=(\d+) preempted=True", out)
+    assert len(stops) == 2 and stops[0] == stops[1], out
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert_gone(pids_in(out))

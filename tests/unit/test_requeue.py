@@ -80,6 +80,8 @@ def test_environment_variables_set_the_options(script: str) -> None:
     config, _ = parse_run_args(["--cpu", "1", script], {**SLURM_ENV, "MULTIGPU_NO_REQUEUE": "1",
                                                          "MULTIGPU_PREEMPT_SIGNAL": "USR2"})
     assert config.preempt_signals == ("SIGUSR2",) and not config.requeue
+    assert not parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "0"})[0].requeue
+    assert parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "1"})[0].requeue
 
 
 def _stand_in_scontrol(tmp_path: Path, code: int = 0) -> dict[str, str]:
