@@ -176,7 +176,7 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
                 return _preempted(config, job, record, watch, result, base_env)
             if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _node_gone(result):
                 break
-            loop = policy.check(result.root_cause)
+            loop = policy.check(result.root_cause if result.status is RunStatus.FAILED else None)
             if loop is not None:
                 _say(loop)
                 record.data["crash_loop"] = loop
@@ -228,10 +228,10 @@ def _preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch
         reason = ("node 0 requeues the job" if config.requeue else "not requeued (--no-requeue)"
                   if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
         _say(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
-        record.finish("preempted", EXIT_PREEMPTED)
+        _finish_preempted(record)
         return EXIT_PREEMPTED
     _say(f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}")
-    record.finish("preempted", EXIT_PREEMPTED)  # first: SLURM ends this allocation once it takes the request
+    _finish_preempted(record)  # first: SLURM ends this allocation once it takes the request
     job_id, why = requeue.requeue_job(env)
     info["requeued"] = why is None
     if why is not None:
@@ -242,6 +242,13 @@ def _preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch
          f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}")
     record.write()
     return EXIT_PREEMPTED
+
+
+def _finish_preempted(record: RunRecord) -> None:
+    record.finish("preempted", EXIT_PREEMPTED)
+    if record.data["status"] != "preempted":  # an attempt ended by SLURM's SIGTERM is still a preemption
+        record.data["status"] = "preempted"
+        record.write()
 
 
 def _membership_change(result: RunResult) -> bool:

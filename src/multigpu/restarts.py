@@ -21,6 +21,8 @@ from .errors import WorkerFailure
 from .exitcodes import EXIT_CRASH_LOOP
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)
+NOT_RAISED = frozenset({"Hang", "NodeLost", "StoreLost", "MembershipChange"})
+"""Failures the launcher names itself: no exception was raised, even when a stack dump is attached."""
 
 
 def _library_roots() -> tuple[str, ...]:
@@ -54,7 +56,7 @@ class Signature:
 
 def signature(failure: WorkerFailure | None) -> Signature | None:
     """The failure's signature, or None when it names no place (then it never counts as a loop)."""
-    if failure is None or not failure.error_type or not failure.traceback:
+    if failure is None or not failure.error_type or not failure.traceback or failure.error_type in NOT_RAISED:
         return None
     frames = _FRAME.findall(failure.traceback)
     if not frames:

@@ -157,3 +157,35 @@ def test_a_node_that_missed_the_warning_learns_it_from_the_store(tmp_path: Path)
     assert len(stops) == 2 and stops[0] == stops[1], out
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert_gone(pids_in(out))
+
+
+UNAWARE = """
+import os, time
+print(f"pid={os.getpid()}", flush=True)
+print("ready", flush=True)
+while True:  # knows nothing of preemption: SIGUSR1 must not kill it, the grace must end it
+    time.sleep(0.05)
+"""
+
+
+def test_ranks_that_ignore_the_warning_are_stopped_after_the_grace(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "unaware.py", UNAWARE)
+    launcher = start_cli(["run", "--cpu", "2", "--preempt-grace", "1", "--grace-period", "1", str(script)],
+                         tmp_path, _slurm(tmp_path))
+    assert launcher.stdout is not None
+    lines = []
+    for line in launcher.stdout:
+        lines.append(line)
+        if sum("ready" in seen for seen in lines) == 2:
+            break
+    launcher.send_signal(signal.SIGUSR1)
+    rest, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == EXIT_PREEMPTED, err
+    assert "still running 1s after the warning (--preempt-grace): stopping them" in err
+    assert "requeued job 4242" in err and (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    record = json.loads((tmp_path / "multigpu_runs" / "slurm-4242" / "run.json").read_text())
+    assert record["status"] == "preempted"
+    ranks = record["attempts"][0]["ranks"].values()
+    assert {r["state"] for r in ranks} == {"stopped"}  # by the launcher, not killed by SIGUSR1
+    assert {r["signal"] for r in ranks} == {"SIGTERM"}
+    assert_gone(pids_in("".join(lines) + rest))
