@@ -89,8 +89,6 @@ def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mappi
     node_rank = _opt_int(values, "node_rank", "--node-rank", 0)
     endpoint, run_id = config.rdzv_endpoint, config.run_id
     found = slurm.detect(env) if base_rank is None and nnodes is None else None
-    if env.get("SLURM_JOB_ID") and found is None:  # a job's next allocation finds this run's folder
-        run_id = run_id or f"slurm-{env['SLURM_JOB_ID']}"
     if found is not None:
         run_id = run_id or f"slurm-{found.job_id}"
     if found is not None and found.nnodes > 1:

@@ -71,8 +71,10 @@ def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None]
     grace = values.get("preempt_grace")
     if grace and not signals:
         raise UsageError("--preempt-grace needs a warning signal (--preempt-signal)")
-    return dataclasses.replace(config, preempt_signals=signals, requeue=on or (slurm and bool(signals)
-                                                                               and not off),
+    requeue = on or (slurm and bool(signals) and not off)
+    # The next allocation must find this one's folder: the run id is the job's (srun steps have it already).
+    run_id = config.run_id or (f"slurm-{env['SLURM_JOB_ID']}" if requeue else None)
+    return dataclasses.replace(config, preempt_signals=signals, requeue=requeue, run_id=run_id,
                                preempt_grace=_positive_seconds(grace) if grace else None)
 
 
