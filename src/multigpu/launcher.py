@@ -163,8 +163,8 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
     policy, code = CrashLoopPolicy(), 1
     try:
         for attempt in range(config.max_restarts + 1):
-            result, workers, job = _attempt(config, rdzv, record, output_dir, base_env, cvd, reaper,
-                                            attempt, watch)
+            result, workers, job, worker_store = _attempt(config, rdzv, record, output_dir, base_env, cvd,
+                                                          reaper, attempt, watch)
             code = _exit_code(result)
             if result.status is RunStatus.SUCCEEDED and not (watch is not None and watch.warned):
                 if job is not None and config.base_rank == 0:
@@ -184,6 +184,7 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
                 break
             every = " on every node" if rdzv.job is not None else ""
             _say(f"restarting{every}: attempt {attempt + 1} of {config.max_restarts} restart(s)")
+            del worker_store  # the failed attempt's workers are gone: so is their store
     finally:
         if watch is not None:
             watch.close()
@@ -193,8 +194,9 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
 
 def _attempt(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir: Path,
              base_env: Mapping[str, str], cvd: str | None, reaper: bool, attempt: int,
-             watch: PreemptWatch | None) -> tuple[RunResult, list[Worker], JobStore | None]:
-    """One attempt, from meeting again (several nodes) to its recorded result, and its job scope."""
+             watch: PreemptWatch | None) -> tuple[RunResult, list[Worker], JobStore | None, Any]:
+    """One attempt, from meeting again (several nodes) to its recorded result; with its job scope and
+    the store its workers use on node 0 of a restart, which must live while any node's workers may."""
     job, master_port, worker_store = rdzv.job, rdzv.master_port, None
     if job is not None and attempt > 0:
         job, master_port, worker_store = meet_again(config, job, rdzv.master_addr, attempt)
@@ -205,8 +207,7 @@ def _attempt(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir:
     record.begin_attempt(attempt, rdzv.master_addr, master_port)
     result, workers = run_attempt(config, specs, record, reaper, attempt, job, watch)
     record.end_attempt(result)
-    del worker_store  # the attempt's workers are gone: so is their store
-    return result, workers, job
+    return result, workers, job, worker_store
 
 
 def _interrupted_by_user(result: RunResult) -> bool:
