@@ -29,15 +29,21 @@ def main() -> None:
     parser.add_argument("--warn-at", type=int, default=None, help="simulate SLURM's warning at this step")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    model = DistributedDataParallel(torch.nn.Linear(8, 1).to(device),
+                                    device_ids=[local_rank] if use_cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
     previous = os.environ.get("MULTIGPU_PREVIOUS_OUTPUT")
     if previous and (Path(previous) / "checkpoint.pt").exists():
-        state = torch.load(Path(previous) / "checkpoint.pt")
+        state = torch.load(Path(previous) / "checkpoint.pt", map_location=device)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -49,7 +55,7 @@ def main() -> None:
             break
         if step == args.warn_at and rank == 0:
             os.kill(int(os.environ["MULTIGPU_LAUNCHER_PID"]), signal.SIGUSR1)
-        x = torch.randn(16, 8)
+        x = torch.randn(16, 8, device=device)
         loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
         optimizer.zero_grad()
         loss.backward()  # DDP all-reduces the gradients: a collective in every step
