@@ -72,8 +72,9 @@ def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None]
     if grace and not signals:
         raise UsageError("--preempt-grace needs a warning signal (--preempt-signal)")
     requeue = on or (slurm and bool(signals) and not off)
-    # The next allocation must find this one's folder: the run id is the job's (srun steps have it already).
-    run_id = config.run_id or (f"slurm-{env['SLURM_JOB_ID']}" if requeue else None)
+    # A requeued job (by us, or by SLURM itself after a preemption or a node failure) keeps its job id:
+    # the next allocation finds this one's folder by the run id (srun steps have it already).
+    run_id = config.run_id or (f"slurm-{env['SLURM_JOB_ID']}" if slurm else None)
     return dataclasses.replace(config, preempt_signals=signals, requeue=requeue, run_id=run_id,
                                preempt_grace=_positive_seconds(grace) if grace else None)
 

@@ -48,7 +48,7 @@ def test_defaults_under_slurm_and_elsewhere(script: str) -> None:
     assert config.run_id == "slurm-4242"  # the next allocation finds this run's folder by it
     batch_script_itself = {k: v for k, v in SLURM_ENV.items() if "STEP" not in k}  # no srun step
     assert parse_run_args([script], batch_script_itself)[0].run_id == "slurm-4242"
-    assert parse_run_args(["--no-requeue", script], batch_script_itself)[0].run_id is None
+    assert parse_run_args(["--no-requeue", script], batch_script_itself)[0].run_id == "slurm-4242"
     config, _ = parse_run_args(["--cpu", "1", script], {})
     assert config.preempt_signals == () and not config.requeue
 
