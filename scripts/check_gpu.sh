@@ -71,6 +71,11 @@ else
     echo "SKIP manager_nccl_* (function mode on NCCL needs 2 GPUs; $ngpus visible)"
 fi
 check pytest_gpu 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/gpu"
+# Preemption on NCCL: SIGUSR1 reaches a rank inside NCCL work; it is recorded, the loop stops via
+# multigpu.should_stop, saves, and the launcher exits 75 (no SLURM here: nothing to requeue).
+check preempt_nccl 150 bash -c "'$PY' -m multigpu run --gpus 0 --status off --preempt-signal USR1 \
+    --output '$WORK/preempt' '$ROOT/examples/preemptible.py' --warn-at 5; [ \$? = 75 ] \
+    && grep -q 'stopped for preemption at step' '$WORK/preempt/logs/attempt_0/rank_0.log'"
 cp -r "$WORK/run" "$LOGS/nccl_run" 2>/dev/null || true
 
 if [[ $failed == 0 ]]; then echo "PASS all GPU checks"; else echo "FAIL some GPU checks (logs in $LOGS)"; fi

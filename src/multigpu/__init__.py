@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .environment import is_multigpu_child_process
     from .errors import MultiGPUError, RendezvousError, UsageError, WorkerFailedError, WorkerFailure
     from .manager import MultiGPUManager
+    from .preemption import preempted, should_stop
     from .progress import heartbeat
 
 _EXPORTS = {
@@ -25,6 +26,8 @@ _EXPORTS = {
     "set_arguments_to_argv": "argv",
     "MultiGPUManager": "manager",
     "heartbeat": "progress",
+    "preempted": "preemption",
+    "should_stop": "preemption",
     "MultiGPUError": "errors",
     "UsageError": "errors",
     "RendezvousError": "errors",
@@ -43,7 +46,9 @@ __all__ = [
     "get_gpu_ids",
     "heartbeat",
     "is_multigpu_child_process",
+    "preempted",
     "set_arguments_to_argv",
+    "should_stop",
 ]
 
 

@@ -23,10 +23,10 @@ from .console import ensure_std_fds
 from .devices import dedupe, parse_index_list, visible_gpus
 from .environment import inside_launched_worker, usable_cpu_count
 from .errors import MultiGPUError, UsageError
+from .exitcodes import EXIT_USAGE
 from .layout import apply_layout, parse_int, rendezvous_values
+from .requeue import apply_preemption_options
 from .torchrun_args import apply_rank_filters, apply_torchrun_options
-
-EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -235,6 +235,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = apply_torchrun_options(config, values)
     config = apply_layout(config, rendezvous_values(config, values), env)
     config = apply_rank_filters(config, values)
+    config = apply_preemption_options(config, values, env)
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
 

@@ -67,6 +67,13 @@ class RunConfig:
     """``target`` is a pickled payload for ``multigpu.worker function`` (``MultiGPUManager``)."""
     first_local_rank: int = 0
     """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
+    # -- preemption, requeue and crash loops (H1)
+    preempt_signals: tuple[str, ...] = ()
+    """Signal names that warn of a preemption (``SIGUSR1``...); under SLURM USR1 and USR2 by default."""
+    requeue: bool = False
+    """``scontrol requeue`` the job once the ranks have stopped after a warning (SLURM)."""
+    preempt_grace: float | None = None
+    """Stop the ranks this many seconds after the warning if they are still running."""
 
     @property
     def resolved_world_size(self) -> int:

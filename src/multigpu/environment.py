@@ -20,6 +20,11 @@ CONTRACT_KEYS = (
     "MULTIGPU_NODE_RANK", "MULTIGPU_ATTEMPT", "MULTIGPU_ANNOUNCE_FAILURE",
 )
 
+PREEMPTION_KEYS = ("MULTIGPU_WARNING_SIGNALS", "MULTIGPU_RESUMED", "MULTIGPU_PREVIOUS_OUTPUT")
+"""Set for every rank of a run by ``requeue.rank_env`` (always replaced, never inherited): the signals
+the bootstrap records as a preemption warning, how many allocations of this job came before (SLURM's
+requeues), and the output folder of the latest of them."""
+
 
 @dataclass(frozen=True)
 class RankPlacement:

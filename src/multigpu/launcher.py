@@ -12,16 +12,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import requeue
 from .config import RunConfig, new_run_id
 from .console import ConsoleWriter, PrefixedConsole, active_writer, say
 from .devices import cuda_visible_devices_for, visible_gpus
 from .elastic import is_elastic
 from .endpoint import Endpoint
 from .errors import signal_name
+from .exitcodes import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_PREEMPTED
 from .fate import FateMonitor, mark_done, serve_until_all_done, settle_root, share_failure
+from .preempt_watch import PreemptWatch
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
+from .requeue import allocation_dir
+from .restarts import CrashLoopPolicy
 from .rundir import check_run_id, claim_output, raise_open_file_limit
 from .signals import capture_signals, end_with_signal, set_child_subreaper
 from .specs import build_specs
@@ -120,7 +125,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     try:
         rdzv = rendezvous(config, sock)
         check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
-        output_dir = (config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve()
+        output_dir = allocation_dir((config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve(),
+                                    base_env)
         folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
         name = f"run_node{config.group_rank}.json" if config.multi_node else "run.json"
         record = RunRecord.create(output_dir / name, config, rdzv.run_id, devices)
@@ -129,11 +135,10 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
         _say(f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
              f"output in {output_dir}")
         try:
-            code = run_attempts(config, rdzv, record, output_dir, base_env, cvd)
+            code = run_attempts(config, rdzv, record, output_dir, base_env, cvd)  # it finishes the record
         except BaseException:
             record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
             raise
-        record.finish("succeeded" if code == 0 else "failed", code)
         return code, record
     finally:
         if folder is not None:
@@ -144,32 +149,107 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
 
 def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir: Path,
                  base_env: Mapping[str, str], cvd: str | None) -> int:
+    """Attempts until one succeeds, restarts run out, a crash loop shows, or a preemption warning came;
+    the record is finished here, and a preempted SLURM job is requeued as the very last act."""
     reaper = set_child_subreaper()
-    code = 1
-    for attempt in range(config.max_restarts + 1):
-        job, master_port, worker_store = rdzv.job, rdzv.master_port, None
-        if job is not None and attempt > 0:
-            job, master_port, worker_store = meet_again(config, job, rdzv.master_addr, attempt)
-        specs = build_specs(config, run_id=rdzv.run_id, output_dir=output_dir, attempt=attempt,
-                            master_addr=rdzv.master_addr, master_port=master_port,
-                            store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
-                            launcher_pid=os.getpid())
-        record.begin_attempt(attempt, rdzv.master_addr, master_port)
-        result, workers = run_attempt(config, specs, record, reaper, attempt, job)
-        record.end_attempt(result)
-        code = _exit_code(result)
-        if result.status is RunStatus.SUCCEEDED:
-            if job is not None and config.base_rank == 0:
-                serve_until_all_done(job)
-            break
-        _say(format_report(result, workers, attempt=attempt))
-        if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _node_gone(result):
-            break
-        every = " on every node" if job is not None else ""
-        _say(f"restarting{every}: attempt {attempt + 1} of {config.max_restarts} restart(s)")
-        del worker_store  # the failed attempt's workers are gone: so is their store
+    base_env = requeue.rank_env(config, output_dir, base_env)
+    resumed, previous = int(base_env[requeue.RESUMED_ENV]), base_env.get(requeue.PREVIOUS_OUTPUT_ENV)
+    record.data.update(resumed=resumed, previous_output=previous)
+    if resumed:
+        _say(f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
+             f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)")
+    watch = PreemptWatch(requeue.warning_names(config), grace=config.preempt_grace, job=rdzv.job) \
+        if config.preempt_signals else None
+    policy, code = CrashLoopPolicy(), 1
+    try:
+        for attempt in range(config.max_restarts + 1):
+            result, workers, job, worker_store = _attempt(config, rdzv, record, output_dir, base_env, cvd,
+                                                          reaper, attempt, watch)
+            code = _exit_code(result)
+            if result.status is RunStatus.SUCCEEDED and not (watch is not None and watch.warned):
+                if job is not None and config.base_rank == 0:
+                    serve_until_all_done(job)
+                break
+            if result.status is not RunStatus.SUCCEEDED:
+                _say(format_report(result, workers, attempt=attempt))
+            if watch is not None and watch.warned and not _interrupted_by_user(result):
+                return _preempted(config, job, record, watch, result, base_env)
+            if result.status is RunStatus.INTERRUPTED or attempt == config.max_restarts or _node_gone(result):
+                break
+            loop = policy.check(result.root_cause if result.status is RunStatus.FAILED else None)
+            if loop is not None:
+                _say(loop)
+                record.data["crash_loop"] = loop
+                code = EXIT_CRASH_LOOP
+                break
+            every = " on every node" if rdzv.job is not None else ""
+            _say(f"restarting{every}: attempt {attempt + 1} of {config.max_restarts} restart(s)")
+            del worker_store  # the failed attempt's workers are gone: so is their store
+    finally:
+        if watch is not None:
+            watch.close()
     record.finish("succeeded" if code == 0 else "failed", code)
     return code
+
+
+def _attempt(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir: Path,
+             base_env: Mapping[str, str], cvd: str | None, reaper: bool, attempt: int,
+             watch: PreemptWatch | None) -> tuple[RunResult, list[Worker], JobStore | None, Any]:
+    """One attempt, from meeting again (several nodes) to its recorded result; with its job scope and
+    the store its workers use on node 0 of a restart, which must live while any node's workers may."""
+    job, master_port, worker_store = rdzv.job, rdzv.master_port, None
+    if job is not None and attempt > 0:
+        job, master_port, worker_store = meet_again(config, job, rdzv.master_addr, attempt)
+    specs = build_specs(config, run_id=rdzv.run_id, output_dir=output_dir, attempt=attempt,
+                        master_addr=rdzv.master_addr, master_port=master_port,
+                        store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
+                        launcher_pid=os.getpid())
+    record.begin_attempt(attempt, rdzv.master_addr, master_port)
+    result, workers = run_attempt(config, specs, record, reaper, attempt, job, watch)
+    record.end_attempt(result)
+    return result, workers, job, worker_store
+
+
+def _interrupted_by_user(result: RunResult) -> bool:
+    """Ctrl-C ends the run, warned or not; SIGTERM after a warning is SLURM ending the allocation."""
+    return result.status is RunStatus.INTERRUPTED and result.signal == signal.SIGINT
+
+
+def _preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch: PreemptWatch,
+               result: RunResult, env: Mapping[str, str]) -> int:
+    """After a warning: wait for the other nodes (node 0), finish the record, then requeue the job."""
+    if result.status is RunStatus.SUCCEEDED and job is not None and config.base_rank == 0:
+        serve_until_all_done(job)
+    info: dict[str, Any] = {"signal": signal_name(watch.signum or 0), "time": watch.time,
+                            "source": watch.source, "ranks": result.status.value, "requeue": config.requeue}
+    record.data["preemption"] = info
+    ok = result.status is RunStatus.SUCCEEDED
+    stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
+    if not config.requeue or config.base_rank != 0:
+        reason = ("node 0 requeues the job" if config.requeue else "not requeued (--no-requeue)"
+                  if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
+        _say(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
+        _finish_preempted(record)
+        return EXIT_PREEMPTED
+    _say(f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}")
+    _finish_preempted(record)  # first: SLURM ends this allocation once it takes the request
+    job_id, why = requeue.requeue_job(env)
+    info["requeued"] = why is None
+    if why is not None:
+        _say(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
+        record.finish("failed", EXIT_FAILED)
+        return EXIT_FAILED
+    _say(f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
+         f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}")
+    record.write()
+    return EXIT_PREEMPTED
+
+
+def _finish_preempted(record: RunRecord) -> None:
+    record.finish("preempted", EXIT_PREEMPTED)
+    if record.data["status"] != "preempted":  # an attempt ended by SLURM's SIGTERM is still a preemption
+        record.data["status"] = "preempted"
+        record.write()
 
 
 def _membership_change(result: RunResult) -> bool:
@@ -200,7 +280,8 @@ def _node_gone(result: RunResult) -> bool:
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
-                attempt: int, job: JobStore | None = None) -> tuple[RunResult, list[Worker]]:
+                attempt: int, job: JobStore | None = None,
+                preempt: PreemptWatch | None = None) -> tuple[RunResult, list[Worker]]:
     console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node, writer=active_writer())
     live = None
     if _use_live_view(config):
@@ -215,7 +296,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         if live is not None:
             live.workers = supervisor.workers
             stack.enter_context(live)
-        stack.enter_context(capture_signals(supervisor.request_signal))
+        stack.enter_context(capture_signals(preempt.attach(stack, supervisor) if preempt is not None
+                                            else supervisor.request_signal))
         supervisor.start()
         if job is not None:
             monitor = FateMonitor(job, supervisor.abort)

@@ -67,6 +67,15 @@ OURS = (
     Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress"),
     Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
            choices=("auto", "on", "off")),
+    # -- preemption and requeue (H1)
+    Option(("--preempt-signal",), "SIGS", "signal(s) that warn of a preemption or the time limit, e.g. "
+           "USR1 (#SBATCH --signal=USR1@90), or none; ranks see multigpu.preempted() (default under "
+           "SLURM: USR1,USR2)"),
+    Option(("--preempt-grace",), "S", "stop the ranks S seconds after the warning if they still run "
+           "(default: wait for them, or for SLURM's SIGTERM)"),
+    Option(("--requeue",), None, "after a warning, once the ranks exit, 'scontrol requeue' the job and "
+           "exit 75 (default under SLURM with a warning signal)"),
+    Option(("--no-requeue",), None, "never requeue; a warned run still exits 75"),
 )
 
 TORCHRUN = (

@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> None:
 
     apply_affinity()  # --numa-binding: before user code, so its threads inherit it
     register_stack_dumps()
+    from .preemption import install as record_preemption_warnings
+
+    record_preemption_warnings()  # SLURM's warning signal: recorded for the loop, no longer fatal
     take_heartbeat()
     quiet_numpy_warning()
     error_file = os.environ.get("MULTIGPU_ERROR_FILE")
