@@ -77,8 +77,9 @@ def load_dump(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def read_dumps(prefix: str | Path) -> dict[int, dict[str, Any]]:
-    """Every ``<prefix><rank>`` file that holds a readable dump, by rank."""
+def read_dumps(prefix: str | Path, newer_than: float = 0.0) -> dict[int, dict[str, Any]]:
+    """Every ``<prefix><rank>`` file written since ``newer_than`` (wall clock) that holds a readable
+    dump, by rank: a file an earlier run left at a path the user chose is not this hang's."""
     prefix = Path(prefix)
     dumps: dict[int, dict[str, Any]] = {}
     try:
@@ -89,8 +90,11 @@ def read_dumps(prefix: str | Path) -> dict[int, dict[str, Any]]:
         rank = name[len(prefix.name):]
         if not name.startswith(prefix.name) or not rank.isdigit():
             continue
+        path = prefix.parent / name
         try:
-            dumps[int(rank)] = load_dump((prefix.parent / name).read_bytes())
+            if path.stat().st_mtime < newer_than:
+                continue
+            dumps[int(rank)] = load_dump(path.read_bytes())
         except (OSError, ValueError, pickle.UnpicklingError, EOFError):
             continue
     return dumps
@@ -114,21 +118,22 @@ def _groups(dumps: dict[int, dict[str, Any]], expected: set[int]) -> dict[str, _
         for e in dump.get("entries") or []:
             if e.get("is_p2p"):
                 continue
-            name, desc = (list(e.get("process_group") or ("?", "")) + ["", ""])[:2]
+            name, desc = [*(e.get("process_group") or ("?", "")), "", ""][:2]
             g = groups.setdefault(str(name), _Group(str(name), str(desc)))
             seq = int(e.get("collective_seq_id") or 0)
             g.last[rank] = max(g.last.get(rank, 0), seq)
             g.ops.setdefault(seq, str(e.get("profiling_name") or "?"))
             pg_names[str(e.get("pg_id"))] = str(name)
         for pg_id, status in (dump.get("pg_status") or {}).items():
-            g = groups.get(pg_names.get(str(pg_id), ""))
-            if g is not None and isinstance(status, dict):
-                g.last[rank] = max(g.last.get(rank, 0), int(status.get("last_enqueued_collective", 0)))
-                g.completed[rank] = int(status.get("last_completed_collective", -1))
+            group = groups.get(pg_names.get(str(pg_id), ""))
+            if group is not None and isinstance(status, dict):
+                enqueued = int(status.get("last_enqueued_collective", 0))
+                group.last[rank] = max(group.last.get(rank, 0), enqueued)
+                group.completed[rank] = int(status.get("last_completed_collective", -1))
         for name, config in (dump.get("pg_config") or {}).items():
-            g = groups.get(str(name))
-            if g is not None and isinstance(config, dict):
-                g.members |= _ranks(config.get("ranks"))
+            group = groups.get(str(name))
+            if group is not None and isinstance(config, dict):
+                group.members |= _ranks(config.get("ranks"))
     for g in groups.values():
         if not g.members:
             g.members = set(expected) if g.desc == "default_pg" else set(g.last)

@@ -30,9 +30,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .progress import Beat
+
+if TYPE_CHECKING:
+    from .errors import WorkerFailure
+    from .supervisor import Worker
 
 LEARNED_FILE = "hang_timeouts.json"
 WINDOW = 100
@@ -123,8 +127,8 @@ class RankProgress:
 
     def stats(self, wall_offset: float) -> dict[str, Any]:
         """Per-rank step times for run.json; times are wall-clock (``wall_offset`` + clock)."""
-        data: dict[str, Any] = {"step": self.step,
-                                "last_step_time": None if self.step_at is None else self.step_at + wall_offset,
+        step_at = None if self.step_at is None else self.step_at + wall_offset
+        data: dict[str, Any] = {"step": self.step, "last_step_time": step_at,
                                 "last_progress_time": self.last_progress + wall_offset,
                                 "median_step_s": _round(self.median_interval()),
                                 "slowest_step_s": _round(max(self.intervals, default=None))}
@@ -242,7 +246,8 @@ class ProgressBook:
         if p.section is not None:
             known = self.learned.sections.get(p.section)
             if known is None:
-                return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: section {p.section!r} never seen to end")
+                why = f"section {p.section!r} never seen to end"
+                return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: {why}")
             return Timeout(policy.clamp(known), self._explain(f"section {p.section!r}", known))
         slowest = self.learned.slowest_step
         trusted = self._inherited or len(p.intervals) >= policy.warmup
@@ -294,6 +299,11 @@ class ProgressBook:
         line = (f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} "
                 f"(timeout {limit.seconds:.3g}s, {limit.why})" + (f"; {rest}" if rest else ""))
         return Hang(tied + others, line, quiet)
+
+    def shortest_timeout(self) -> float | None:
+        """The shortest timeout any rank has now: how often the loop must look."""
+        limits = [t.seconds for r in self.ranks if (t := self.timeout(r)) is not None]
+        return min(limits, default=None)
 
     def order(self, ranks: Iterable[int]) -> list[int]:
         """Who stopped first: ranks without steps (while others step) first, then lowest step, then
@@ -358,3 +368,28 @@ def find_stragglers(ranks: dict[int, RankProgress], policy: HangPolicy) -> dict[
                 found[r] = (f"rank {r} is a straggler: its {what} takes {mine:.3g}s (median of the last "
                             f"{n}) against {others:.3g}s on the other ranks ({ratio:.1f}x)")
     return found
+
+
+def hang_failures(hang: Hang, running: list[Worker], flight: list[str],
+                  wall_now: float) -> list[WorkerFailure]:
+    """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
+    cause); its message is the report's first line: the flight recorder's finding when there is one
+    (which rank is missing from which collective), then who stopped progressing first."""
+    from .errors import WorkerFailure
+
+    order = {r: i for i, r in enumerate(hang.culprits)}
+    first = "; ".join([*flight[:1], hang.line])
+    failures = []
+    base = wall_now - max(hang.quiet.values(), default=0.0)  # the earliest last progress, roughly
+    for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
+        quiet = hang.quiet.get(w.rank, 0.0)
+        message = first if w.rank == hang.culprits[0] else f"no progress for {quiet:.1f}s"
+        failures.append(WorkerFailure(
+            rank=w.rank, local_rank=w.spec.local_rank, node=w.spec.node, pid=w.pid, error_type="Hang",
+            message=message, traceback="\n".join(w.dump) or None,
+            time=base + order.get(w.rank, len(order)) * 1e-3,  # sorted later: keeps the culprits' order
+            log_tail=list(w.tail), log_path=str(w.spec.log_path) if w.spec.log_path else None,
+        ))
+    if len(flight) > 1:
+        failures[0].message = "; ".join([*flight, hang.line])
+    return failures

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from .console import ConsoleWriter, PrefixedConsole, WriterFile
+from .hang import RankProgress
 from .output import display_text
 from .supervisor import Worker, WorkerState
 
@@ -36,7 +37,7 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
 
     now = time.monotonic()
     table = Table(title=title, title_justify="left", expand=False)
-    columns = ["rank", "pid", "device", "state", "run time", "quiet for", "memory"]
+    columns = ["rank", "pid", "device", "state", "run time", "quiet for", "step", "step time", "memory"]
     if bars:
         columns.append("progress")
     for col in columns:
@@ -44,14 +45,25 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
                          no_wrap=col == "progress", overflow="ellipsis")
     for w in workers:
         took = (w.end_time or time.time()) - (w.start_time or time.time())
-        quiet = f"{now - w.last_activity:.0f}s" if w.alive else "-"
+        p = w.progress
+        quiet = f"{now - p.last_progress:.0f}s" if w.alive and p is not None else "-"
         cells: list[Any] = [str(w.rank), str(w.pid or "-"), w.spec.device,
                  Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
-                 _rss_mib(w.pid) if (live and w.alive) else "-"]
+                 *step_cells(p), _rss_mib(w.pid) if (live and w.alive) else "-"]
         if bars:
             cells.append(Text(bars.get(w.rank, ""), no_wrap=True))
         table.add_row(*cells)
     return table
+
+
+def step_cells(p: RankProgress | None) -> list[str]:
+    """The last step reported, and its step interval: median (slowest) over the recent steps."""
+    if p is None or p.step is None:
+        return ["-", "-"]
+    median = p.median_interval()
+    if median is None:
+        return [str(p.step), "-"]
+    return [str(p.step), f"{median:.3g}s ({max(p.intervals):.3g}s)"]
 
 
 class LiveStatus:
