@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .environment import is_multigpu_child_process
     from .errors import MultiGPUError, RendezvousError, UsageError, WorkerFailedError, WorkerFailure
     from .manager import MultiGPUManager
-    from .progress import heartbeat
+    from .progress import heartbeat, section
 
 _EXPORTS = {
     "get_gpu_ids": "devices",
@@ -25,6 +25,7 @@ _EXPORTS = {
     "set_arguments_to_argv": "argv",
     "MultiGPUManager": "manager",
     "heartbeat": "progress",
+    "section": "progress",
     "MultiGPUError": "errors",
     "UsageError": "errors",
     "RendezvousError": "errors",
@@ -43,6 +44,7 @@ __all__ = [
     "get_gpu_ids",
     "heartbeat",
     "is_multigpu_child_process",
+    "section",
     "set_arguments_to_argv",
 ]
 

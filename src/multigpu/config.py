@@ -67,6 +67,11 @@ class RunConfig:
     """``target`` is a pickled payload for ``multigpu.worker function`` (``MultiGPUManager``)."""
     first_local_rank: int = 0
     """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
+    # -- hangs found from progress (H2)
+    hang_factor: float = 5.0
+    """A rank that reports steps hangs after ``hang_factor`` x its slowest step interval..."""
+    hang_floor: float = 60.0
+    """...but never sooner than this, and never later than ``hang_timeout`` (the ceiling)."""
 
     @property
     def resolved_world_size(self) -> int:

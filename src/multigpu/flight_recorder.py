@@ -152,11 +152,18 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def missing_ranks(dumps: dict[int, dict[str, Any]], expected: set[int] | None = None) -> list[str]:
-    """One line per finding, the most telling first: "rank 1 is missing from collective #6
-    (gloo:all_reduce) of process group 0 (default_pg); rank 0 entered it"."""
+@dataclass(frozen=True)
+class Finding:
+    ranks: list[int]
+    """The ranks it blames (missing from a collective, or without a dump); none when all are stuck."""
+    line: str
+
+
+def missing_ranks(dumps: dict[int, dict[str, Any]], expected: set[int] | None = None) -> list[Finding]:
+    """The findings, the most telling first: "rank 1 is missing from collective #6 (gloo:all_reduce)
+    of process group 0 (default_pg); rank 0 entered it"."""
     expected = set(dumps) if expected is None else set(expected)
-    findings: list[tuple[int, str]] = []
+    findings: list[tuple[int, Finding]] = []
     for g in _groups(dumps, expected).values():
         if not g.last:
             continue
@@ -169,14 +176,15 @@ def missing_ranks(dumps: dict[int, dict[str, Any]], expected: set[int] | None = 
         for seq, ranks in sorted(behind.items()):
             entered = sorted(r for r, last in g.last.items() if last >= seq)
             verb = "is" if len(ranks) == 1 else "are"
-            findings.append((seq, f"{_ranks_text(ranks)} {verb} missing from collective #{seq} "
-                                  f"({g.ops.get(seq, '?')}) {where}; {_ranks_text(entered)} entered it"))
+            findings.append((seq, Finding(ranks, f"{_ranks_text(ranks)} {verb} missing from collective "
+                                                 f"#{seq} ({g.ops.get(seq, '?')}) {where}; "
+                                                 f"{_ranks_text(entered)} entered it")))
         stuck = [r for r in g.members & set(dumps) if g.completed.get(r, top) < top == g.last.get(r)]
         if not behind and stuck and len(stuck) == len(g.members & set(dumps)):
-            findings.append((top, f"every rank entered collective #{top} ({g.ops.get(top, '?')}) {where}, "
-                                  f"and none completed it"))
+            findings.append((top, Finding([], f"every rank entered collective #{top} "
+                                              f"({g.ops.get(top, '?')}) {where}, and none completed it")))
     silent = sorted(expected - set(dumps))
-    lines = [line for _, line in sorted(findings)]
+    result = [f for _, f in sorted(findings, key=lambda item: item[0])]
     if silent and dumps:
-        lines.append(f"{_ranks_text(silent)} wrote no flight-recorder dump")
-    return lines
+        result.append(Finding(silent, f"{_ranks_text(silent)} wrote no flight-recorder dump"))
+    return result

@@ -35,13 +35,17 @@ from typing import TYPE_CHECKING, Any
 from .progress import Beat
 
 if TYPE_CHECKING:
+    from .config import RunConfig
     from .errors import WorkerFailure
-    from .supervisor import Worker
+    from .flight_recorder import Finding
+    from .supervisor import Worker, WorkerSpec
 
 LEARNED_FILE = "hang_timeouts.json"
 WINDOW = 100
 """Step intervals and section times kept per rank (medians, stragglers)."""
 SAVE_EVERY_S = 2.0
+TIE_S = 0.01
+"""Ranks whose last progress at the same step is this close are named together: no one is first."""
 STRAGGLER_EVERY_S = 1.0
 STRAGGLER_MIN_GAP_S = 0.005
 """A straggler must also be this much slower in absolute terms: microsecond jitter is not a story."""
@@ -276,19 +280,20 @@ class ProgressBook:
             if self.ranks[r].reports_steps and limit is not None and quiet[r] >= limit.seconds:
                 late.append((r, limit))
         if late:
-            return self._hang(running, quiet, late[0][1], now)
+            return self._hang(running, quiet, late[0][1], {r for r, _ in late})
         silent = now - max(self.last_finish, *(self.ranks[r].last_progress for r in running))
         if silent >= ceiling:
-            return self._hang(running, quiet, Timeout(ceiling, f"--hang-timeout {ceiling:g}s: "
-                                                                f"no rank showed progress"), now)
+            why = f"no rank has shown progress for {silent:.1f}s (--hang-timeout)"
+            return self._hang(running, quiet, Timeout(ceiling, why), set(running))
         return None
 
-    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, now: float) -> Hang:
-        culprits = self.order(running)
+    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, late: set[int]) -> Hang:
+        culprits = self.order(running, late)
         first = culprits[0]
         p = self.ranks[first]
-        tied = [r for r in culprits if self.ranks[r].step == p.step
-                and self.ranks[r].last_progress - p.last_progress <= 0.05 * max(quiet[first], 1e-9)]
+        window = min(TIE_S, 0.05 * quiet[first])
+        tied = [r for r in culprits if r in late and self.ranks[r].step == p.step
+                and self.ranks[r].last_progress - p.last_progress <= window]
         where = f"at step {p.step}" if p.step is not None else "before any step"
         if p.section is not None:
             where += f" in section {p.section!r}"
@@ -305,12 +310,13 @@ class ProgressBook:
         limits = [t.seconds for r in self.ranks if (t := self.timeout(r)) is not None]
         return min(limits, default=None)
 
-    def order(self, ranks: Iterable[int]) -> list[int]:
-        """Who stopped first: ranks without steps (while others step) first, then lowest step, then
-        earliest last progress."""
-        def key(r: int) -> tuple[float, float]:
+    def order(self, ranks: Iterable[int], late: set[int] | None = None) -> list[int]:
+        """Who stopped first: the ranks past their timeout (``late``), then the lowest step (no step
+        at all lowest), then the earliest last progress."""
+        def key(r: int) -> tuple[bool, float, float]:
             p = self.ranks[r]
-            return (-math.inf if p.step is None else p.step, p.last_progress)
+            return (late is not None and r not in late, -math.inf if p.step is None else p.step,
+                    p.last_progress)
         return sorted(ranks, key=key)
 
     # ---- stragglers, persistence, stats -------------------------------------------------------------
@@ -370,26 +376,38 @@ def find_stragglers(ranks: dict[int, RankProgress], policy: HangPolicy) -> dict[
     return found
 
 
-def hang_failures(hang: Hang, running: list[Worker], flight: list[str],
+def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
                   wall_now: float) -> list[WorkerFailure]:
     """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
-    cause); its message is the report's first line: the flight recorder's finding when there is one
-    (which rank is missing from which collective), then who stopped progressing first."""
+    cause); its message is the report's first line: the flight recorder's findings when there are
+    any (which rank is missing from which collective; those ranks go first), then who stopped
+    progressing first."""
     from .errors import WorkerFailure
 
-    order = {r: i for i, r in enumerate(hang.culprits)}
-    first = "; ".join([*flight[:1], hang.line])
+    blamed = [r for f in flight for r in f.ranks]
+    culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + hang.culprits)]
+    order = {r: i for i, r in enumerate(culprits)}
+    first = "; ".join([*(f.line for f in flight), hang.line])
     failures = []
     base = wall_now - max(hang.quiet.values(), default=0.0)  # the earliest last progress, roughly
     for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
         quiet = hang.quiet.get(w.rank, 0.0)
-        message = first if w.rank == hang.culprits[0] else f"no progress for {quiet:.1f}s"
+        message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
         failures.append(WorkerFailure(
             rank=w.rank, local_rank=w.spec.local_rank, node=w.spec.node, pid=w.pid, error_type="Hang",
             message=message, traceback="\n".join(w.dump) or None,
             time=base + order.get(w.rank, len(order)) * 1e-3,  # sorted later: keeps the culprits' order
             log_tail=list(w.tail), log_path=str(w.spec.log_path) if w.spec.log_path else None,
         ))
-    if len(flight) > 1:
-        failures[0].message = "; ".join([*flight, hang.line])
     return failures
+
+
+def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpec],
+                  notify: Callable[[str], None] | None = None) -> ProgressBook:
+    """The book for one attempt of a run: its policy from the command line, its learned numbers in
+    the output folder (shared by every attempt and every requeue that writes there)."""
+    from .console import say
+
+    policy = HangPolicy(ceiling=config.hang_timeout, factor=config.hang_factor, floor=config.hang_floor)
+    return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
+                        notify=notify or say)

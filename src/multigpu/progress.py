@@ -150,9 +150,9 @@ class BeatDecoder:
             if byte not in _RECORD:
                 i += 1
                 continue
-            end = buf.find(b";", i)
+            end = buf.find(b";", i, i + MAX_RECORD)
             if end < 0:
-                if len(buf) - i > MAX_RECORD:
+                if len(buf) - i >= MAX_RECORD:  # no record is this long: skip the byte, read on
                     i += 1
                     continue
                 break

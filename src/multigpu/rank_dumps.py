@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from .flight_recorder import FR_ENV, FR_SIGNAL, missing_ranks, read_dumps
+from .flight_recorder import FR_ENV, FR_SIGNAL, Finding, missing_ranks, read_dumps
 from .states import Worker
 from .worker import DUMP_SIGNAL
 
@@ -59,7 +59,7 @@ class DumpRequest:
             w.dump, w.capture = w.capture or [], None
 
 
-def flight_record(workers: Sequence[Worker], all_ranks: set[int], newer_than: float = 0.0) -> list[str]:
+def flight_record(workers: Sequence[Worker], all_ranks: set[int], newer_than: float = 0.0) -> list[Finding]:
     """What the flight-recorder dumps written since ``newer_than`` say: which rank is missing from
     which collective, most telling first; empty without dumps."""
     prefixes = {w.spec.env[FR_ENV] for w in workers if FR_ENV in w.spec.env}
