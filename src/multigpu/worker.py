@@ -172,6 +172,7 @@ def _flight_recorder_loop(prefix: str) -> None:
     from .flight_recorder import FR_SIGNAL, write_dump
     from .progress import DUMPED, send
 
+    signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})  # stack dumps: taken by the other threads
     while True:
         signal.sigwait({FR_SIGNAL})
         with contextlib.suppress(Exception):  # a dump that fails must not take the rank down
