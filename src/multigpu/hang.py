@@ -283,7 +283,7 @@ class ProgressBook:
             return self._hang(running, quiet, late[0][1], {r for r, _ in late})
         silent = now - max(self.last_finish, *(self.ranks[r].last_progress for r in running))
         if silent >= ceiling:
-            why = f"no rank has shown progress for {silent:.1f}s (--hang-timeout)"
+            why = f"no rank has shown progress for {silent:.1f}s, --hang-timeout {ceiling:g}s"
             return self._hang(running, quiet, Timeout(ceiling, why), set(running))
         return None
 
@@ -300,15 +300,20 @@ class ProgressBook:
         names = ", ".join(str(r) for r in tied)
         who = f"rank {names}" if len(tied) == 1 else f"ranks {names}"
         others = [r for r in culprits if r not in tied]
-        rest = "; ".join(f"rank {r} at step {self.ranks[r].step}, {quiet[r]:.1f}s ago" for r in others[:4])
+        rest = "; ".join(f"rank {r} {self._at(r)}, {quiet[r]:.1f}s ago" for r in others[:4])
+        why = limit.why if limit.why.startswith("no rank") else f"timeout {limit.seconds:.3g}s, {limit.why}"
         line = (f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} "
-                f"(timeout {limit.seconds:.3g}s, {limit.why})" + (f"; {rest}" if rest else ""))
+                f"({why})" + (f"; {rest}" if rest else ""))
         return Hang(tied + others, line, quiet)
 
     def shortest_timeout(self) -> float | None:
         """The shortest timeout any rank has now: how often the loop must look."""
         limits = [t.seconds for r in self.ranks if (t := self.timeout(r)) is not None]
         return min(limits, default=None)
+
+    def _at(self, rank: int) -> str:
+        step = self.ranks[rank].step
+        return "before any step" if step is None else f"at step {step}"
 
     def order(self, ranks: Iterable[int], late: set[int] | None = None) -> list[int]:
         """Who stopped first: the ranks past their timeout (``late``), then the lowest step (no step
