@@ -179,9 +179,11 @@ def missing_ranks(dumps: dict[int, dict[str, Any]], expected: set[int] | None = 
             findings.append((seq, Finding(ranks, f"{_ranks_text(ranks)} {verb} missing from collective "
                                                  f"#{seq} ({g.ops.get(seq, '?')}) {where}; "
                                                  f"{_ranks_text(entered)} entered it")))
-        stuck = [r for r in g.members & set(dumps) if g.completed.get(r, top) < top == g.last.get(r)]
-        if not behind and stuck and len(stuck) == len(g.members & set(dumps)):
-            findings.append((top, Finding([], f"every rank entered collective #{top} "
+        here = g.members & set(dumps)
+        stuck = [r for r in here if g.completed.get(r, top) < top == g.last.get(r)]
+        if not behind and stuck and len(stuck) == len(here):
+            who = "every rank" if g.members <= here else "every rank that wrote a dump"  # other nodes
+            findings.append((top, Finding([], f"{who} entered collective #{top} "
                                               f"({g.ops.get(top, '?')}) {where}, and none completed it")))
     silent = sorted(expected - set(dumps))
     result = [f for _, f in sorted(findings, key=lambda item: item[0])]

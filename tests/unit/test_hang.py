@@ -202,3 +202,15 @@ def test_snapshot_has_step_times() -> None:
     assert snap["0"]["median_step_s"] == 0.5 and snap["0"]["slowest_step_s"] == 1.5
     assert snap["0"]["hang_timeout_s"] == 7.5
     assert snap["0"]["last_step_time"] == pytest.approx(5000.0 + 0.5 * 4 + 1.5)
+
+
+def test_live_view_cells() -> None:
+    from multigpu.status import step_cells
+
+    b, clock = book(POLICY)
+    assert step_cells(b.ranks[0]) == ["-", "-"]
+    run_steps(b, clock, range(1, 2), 0.5)
+    assert step_cells(b.ranks[0]) == ["1", "-"]
+    run_steps(b, clock, range(2, 5), 0.25)
+    run_steps(b, clock, range(5, 6), 2.0)
+    assert step_cells(b.ranks[0]) == ["5", "0.25s (2s)"]

@@ -63,10 +63,18 @@ def test_nccl_format_two_ranks_behind(tmp_path: Path) -> None:
 
 
 def test_every_rank_inside_one_collective(tmp_path: Path) -> None:
-    prefix = write(tmp_path, {0: nccl_dump(5, stuck=True), 1: nccl_dump(5, stuck=True)})
-    assert [f.line for f in missing_ranks(read_dumps(prefix), {0, 1})] == [
+    prefix = write(tmp_path, {r: nccl_dump(5, stuck=True) for r in range(4)})
+    assert [f.line for f in missing_ranks(read_dumps(prefix), {0, 1, 2, 3})] == [
         "every rank entered collective #5 (nccl:all_reduce) of process group 0 (default_pg), and none "
         "completed it"]
+
+
+def test_ranks_of_other_nodes_are_not_blamed(tmp_path: Path) -> None:
+    """This launcher reads only its own node's dumps (ranks 0, 1 of the 4 in the group)."""
+    prefix = write(tmp_path, {0: nccl_dump(5, stuck=True), 1: nccl_dump(5, stuck=True)})
+    assert [f.line for f in missing_ranks(read_dumps(prefix), {0, 1})] == [
+        "every rank that wrote a dump entered collective #5 (nccl:all_reduce) of process group 0 "
+        "(default_pg), and none completed it"]
 
 
 def test_a_rank_without_a_dump_is_named(tmp_path: Path) -> None:
