@@ -205,12 +205,12 @@ def test_snapshot_has_step_times() -> None:
 
 
 def test_live_view_cells() -> None:
-    from multigpu.status import step_cells
+    from multigpu.status import step_cell
 
     b, clock = book(POLICY)
-    assert step_cells(b.ranks[0]) == ["-", "-"]
+    assert step_cell(b.ranks[0]) == "-"
     run_steps(b, clock, range(1, 2), 0.5)
-    assert step_cells(b.ranks[0]) == ["1", "-"]
+    assert step_cell(b.ranks[0]) == "1"
     run_steps(b, clock, range(2, 5), 0.25)
     run_steps(b, clock, range(5, 6), 2.0)
-    assert step_cells(b.ranks[0]) == ["5", "0.25s (2s)"]
+    assert step_cell(b.ranks[0]) == "5 (250ms/2.0s)"
