@@ -280,7 +280,11 @@ class ProgressBook:
             if self.ranks[r].reports_steps and limit is not None and quiet[r] >= limit.seconds:
                 late.append((r, limit))
         if late:
-            return self._hang(running, quiet, late[0][1], {r for r, _ in late})
+            # A rank that reports no steps and has been quiet at least as long is as suspect.
+            since = min(quiet[r] for r, _ in late)
+            suspects = {r for r, _ in late} | {r for r in running
+                                                if not self.ranks[r].reports_steps and quiet[r] >= since}
+            return self._hang(running, quiet, late[0][1], suspects)
         silent = now - max(self.last_finish, *(self.ranks[r].last_progress for r in running))
         if silent >= ceiling:
             why = f"no rank has shown progress for {silent:.1f}s, --hang-timeout {ceiling:g}s"

@@ -88,6 +88,17 @@ def test_the_rank_that_stopped_first_is_named() -> None:
     assert "rank 2 at step 12" in hang.line
 
 
+def test_a_silent_rank_without_steps_is_named_before_a_late_one_with_steps() -> None:
+    """Only rank 0 reports steps; rank 1 went quiet first, then rank 0 waited for it."""
+    b, clock = book(POLICY)
+    b.feed(1, [Beat("output")], clock.now)
+    run_steps(b, clock, range(1, 6), 0.1, ranks=(0,))
+    clock.now += 2.5
+    hang = b.check([0, 1], clock.now)
+    assert hang is not None and hang.culprits == [1, 0]
+    assert hang.line.startswith("rank 1 stopped progressing first: last progress 3.0s ago before any step")
+
+
 def test_output_is_progress_only_for_ranks_without_steps() -> None:
     b, clock = book(POLICY)
     run_steps(b, clock, range(1, 5), 0.1, ranks=(0,))
@@ -154,11 +165,14 @@ def test_learned_numbers_are_kept_and_reused_after_a_restart(tmp_path: Path) -> 
     again, clock = book(POLICY, store=store)  # the next attempt, same output folder
     assert again.timeout(0).seconds == 600.0  # type: ignore[union-attr]  # start-up: the ceiling
     clock.now += 30.0
-    again.feed(0, step(8), clock.now)  # its first step: the learned numbers apply at once
+    for r in (0, 1):
+        again.feed(r, step(8), clock.now)  # the first step: the learned numbers apply at once
     assert again.timeout(0).seconds == 2.0  # type: ignore[union-attr]
-    clock.now += 2.1
+    clock.now += 1.0
+    again.feed(1, step(9), clock.now)
+    clock.now += 1.1
     hang = again.check([0, 1], clock.now)
-    assert hang is not None and hang.culprits[0] == 0
+    assert hang is not None and hang.culprits == [0, 1]
 
 
 def test_a_damaged_store_is_ignored(tmp_path: Path) -> None:
