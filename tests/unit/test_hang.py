@@ -168,9 +168,9 @@ def test_learned_numbers_are_kept_and_reused_after_a_restart(tmp_path: Path) -> 
     for r in (0, 1):
         again.feed(r, step(8), clock.now)  # the first step: the learned numbers apply at once
     assert again.timeout(0).seconds == 2.0  # type: ignore[union-attr]
-    clock.now += 1.0
+    clock.now += 0.3
     again.feed(1, step(9), clock.now)
-    clock.now += 1.1
+    clock.now += 1.8
     hang = again.check([0, 1], clock.now)
     assert hang is not None and hang.culprits == [0, 1]
 
