@@ -21,6 +21,7 @@ On a hang the rank(s) that stopped first (lowest step, then earliest last progre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,7 +93,8 @@ class Learned:
             tmp.write_text(json.dumps(data, indent=2) + "\n")
             os.replace(tmp, path)
         except OSError:  # a full disk costs the reuse after a restart, never the run
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def note_step(self, interval: float) -> bool:
         if self.slowest_step is None or interval > self.slowest_step:

@@ -175,11 +175,16 @@ def test_learned_numbers_are_kept_and_reused_after_a_restart(tmp_path: Path) -> 
     assert hang is not None and hang.culprits == [0, 1]
 
 
-def test_a_damaged_store_is_ignored(tmp_path: Path) -> None:
+def test_a_damaged_or_unwritable_store_is_ignored(tmp_path: Path) -> None:
     store = tmp_path / LEARNED_FILE
     store.write_text("{not json")
-    b, _ = book(POLICY, store=store)
+    b, clock = book(POLICY, store=store)
     assert b.learned.slowest_step is None
+    gone = tmp_path / "no-such-folder" / LEARNED_FILE
+    b, clock = book(POLICY, store=gone)
+    run_steps(b, clock, range(1, 5), 0.1)
+    b.maybe_save(clock.now, force=True)  # cannot be written: the run goes on
+    assert not gone.exists() and b.learned.slowest_step == pytest.approx(0.1)
 
 
 def test_straggler_warned_once_with_its_numbers() -> None:
