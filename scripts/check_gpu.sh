@@ -78,5 +78,37 @@ check preempt_nccl 150 bash -c "'$PY' -m multigpu run --gpus 0 --status off --pr
     && grep -q 'stopped for preemption at step' '$WORK/preempt/logs/attempt_0/rank_0.log'"
 cp -r "$WORK/run" "$LOGS/nccl_run" 2>/dev/null || true
 
+# Hangs (issue 14): a NCCL rank stops reporting steps; the learned timeout stops the run, the flight
+# recorder (on by default for GPU ranks) is dumped into the run folder and read into the report.
+cat >"$WORK/nccl_hang.py" <<'PY'
+import os, time
+import torch
+import torch.distributed as dist
+import multigpu
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+t = torch.ones(1024, device="cuda")
+for step in range(1, 1000):
+    with multigpu.section("forward"):
+        if step == 20:
+            time.sleep(600)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    multigpu.heartbeat(step=step)
+PY
+cat >"$WORK/read_fr.py" <<'PY'
+import sys
+from multigpu.flight_recorder import read_dumps
+dumps = read_dumps(sys.argv[1])
+ops = {e["profiling_name"] for e in dumps[0]["entries"]}
+print("flight record:", len(dumps[0]["entries"]), "entries", sorted(ops))
+assert "nccl:all_reduce" in ops, ops
+PY
+check nccl_hang_flight_recorder 120 bash -c "'$PY' -m multigpu run --gpus 0 --status off --grace-period 2 \
+    --hang-timeout 100 --hang-floor 3 --output '$WORK/hang' '$WORK/nccl_hang.py'; [ \$? = 1 ] \
+    && '$PY' '$WORK/read_fr.py' '$WORK/hang/logs/attempt_0/fr_trace_rank_'"
+grep -h -m1 'attempt 0 hung' "$LOGS/nccl_hang_flight_recorder.log" | cut -c1-300 | sed 's/^/    /'
+grep -h 'flight record:' "$LOGS/nccl_hang_flight_recorder.log" | sed 's/^/    /'
+
 if [[ $failed == 0 ]]; then echo "PASS all GPU checks"; else echo "FAIL some GPU checks (logs in $LOGS)"; fi
 exit $failed

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .errors import MultiGPUError, RendezvousError, UsageError, WorkerFailedError, WorkerFailure
     from .manager import MultiGPUManager
     from .preemption import preempted, should_stop
-    from .progress import heartbeat
+    from .progress import heartbeat, section
 
 _EXPORTS = {
     "get_gpu_ids": "devices",
@@ -28,6 +28,7 @@ _EXPORTS = {
     "heartbeat": "progress",
     "preempted": "preemption",
     "should_stop": "preemption",
+    "section": "progress",
     "MultiGPUError": "errors",
     "UsageError": "errors",
     "RendezvousError": "errors",
@@ -47,6 +48,7 @@ __all__ = [
     "heartbeat",
     "is_multigpu_child_process",
     "preempted",
+    "section",
     "set_arguments_to_argv",
     "should_stop",
 ]

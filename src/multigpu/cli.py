@@ -53,7 +53,8 @@ def _run_parser() -> _Parser:
         "then PET_.",
         allow_abbrev=False,  # split_argv knows only full flags: '--out DIR' must not eat DIR
     )
-    defaults = {k: _default_text(k) for k in ("grace_period", "rdzv_timeout", "max_restarts", "role")}
+    defaults = {k: _default_text(k) for k in ("grace_period", "rdzv_timeout", "max_restarts", "role",
+                                              "hang_factor", "hang_floor")}
     groups = (("multigpu options", options.OURS),
               ("torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)",
                options.TORCHRUN))
@@ -81,6 +82,16 @@ def _seconds(value: str, flag: str, *, positive: bool = False) -> float:
         raise UsageError(f"{flag} must be a number of seconds, got {value!r}") from None
     if number < 0 or (positive and number == 0) or number != number:
         raise UsageError(f"{flag} must be {'more than' if positive else 'at least'} 0, got {value}")
+    return number
+
+
+def _factor(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number >= 1:
+        raise UsageError(f"--hang-factor must be a number of at least 1, got {value!r}")
     return number
 
 
@@ -231,6 +242,9 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         if values["max_restarts"] else RunConfig.max_restarts,
         status=_status(values["status"]),
         run_mode=run_mode,
+        hang_factor=_factor(values["hang_factor"]) if values["hang_factor"] else RunConfig.hang_factor,
+        hang_floor=_seconds(values["hang_floor"], "--hang-floor")
+        if values["hang_floor"] else RunConfig.hang_floor,
     )
     config = apply_torchrun_options(config, values)
     config = apply_layout(config, rendezvous_values(config, values), env)

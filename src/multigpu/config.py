@@ -74,6 +74,11 @@ class RunConfig:
     """``scontrol requeue`` the job once the ranks have stopped after a warning (SLURM)."""
     preempt_grace: float | None = None
     """Stop the ranks this many seconds after the warning if they are still running."""
+    # -- hangs found from progress (H2)
+    hang_factor: float = 5.0
+    """A rank that reports steps hangs after ``hang_factor`` x its slowest step interval..."""
+    hang_floor: float = 60.0
+    """...but never sooner than this, and never later than ``hang_timeout`` (the ceiling)."""
 
     @property
     def resolved_world_size(self) -> int:

@@ -17,8 +17,10 @@ CONTRACT_KEYS = (
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE", "MULTIGPU_RUN_ID", "MULTIGPU_OUTPUT_DIR", "MULTIGPU_LAUNCHER_PID",
     "MULTIGPU_ERROR_FILE", "MULTIGPU_HEARTBEAT_FD", "MULTIGPU_STORE_FD", "MULTIGPU_DEVICE",
-    "MULTIGPU_NODE_RANK", "MULTIGPU_ATTEMPT", "MULTIGPU_ANNOUNCE_FAILURE",
+    "MULTIGPU_NODE_RANK", "MULTIGPU_ATTEMPT", "MULTIGPU_ANNOUNCE_FAILURE", "MULTIGPU_FR_DUMP",
 )
+FR_BUFFER_DEFAULT = "2000"
+"""Collectives the flight recorder keeps per process group on GPU ranks, unless the user chose."""
 
 PREEMPTION_KEYS = ("MULTIGPU_WARNING_SIGNALS", "MULTIGPU_RESUMED", "MULTIGPU_PREVIOUS_OUTPUT")
 """Set for every rank of a run by ``requeue.rank_env`` (always replaced, never inherited): the signals
@@ -85,6 +87,7 @@ def build_worker_env(
     *,
     error_file: str | None = None,
     store_fd: int | None = None,
+    fr_dump_prefix: str | None = None,
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` plus the torchrun contract and multigpu's own keys."""
     env = {k: v for k, v in base.items() if k not in CONTRACT_KEYS}
@@ -98,7 +101,31 @@ def build_worker_env(
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if store_fd is not None:
         env["MULTIGPU_STORE_FD"] = str(store_fd)
+    if fr_dump_prefix is not None:
+        env.update(flight_recorder_env(env, job.device, fr_dump_prefix))
     return env
+
+
+def flight_recorder_env(env: Mapping[str, str], device: str, dump_prefix: str) -> dict[str, str]:
+    """torch's collective flight recorder for a hang report that names the missing rank.
+
+    On GPU ranks it is on by default (``TORCH_FR_BUFFER_SIZE``, the name torch 2.13 reads first; the
+    older ``TORCH_NCCL_TRACE_BUFFER_SIZE`` still counts as the user's choice, as does 0 for "off").
+    Its dumps (torch's own on a NCCL timeout, and the one the launcher asks for on a hang) go to
+    ``dump_prefix<rank>`` unless the user named a file; ``MULTIGPU_FR_DUMP`` tells the bootstrap
+    where, and that the launcher may ask for a dump.
+    """
+    size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+    extra: dict[str, str] = {}
+    if size is None and device == "cuda":
+        size = extra["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER_DEFAULT
+    if size is None or not size.strip().isdigit() or int(size) <= 0:
+        return extra
+    target = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if target is None:
+        target = extra["TORCH_FR_DUMP_TEMP_FILE"] = dump_prefix
+    extra["MULTIGPU_FR_DUMP"] = target
+    return extra
 
 
 def rank_env(placement: RankPlacement, job: JobContext) -> dict[str, str]:

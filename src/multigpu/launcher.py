@@ -21,6 +21,7 @@ from .endpoint import Endpoint
 from .errors import signal_name
 from .exitcodes import EXIT_CRASH_LOOP, EXIT_FAILED, EXIT_PREEMPTED
 from .fate import FateMonitor, mark_done, serve_until_all_done, settle_root, share_failure
+from .hang import progress_book
 from .preempt_watch import PreemptWatch
 from .record import RunRecord
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
@@ -291,7 +292,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     with ExitStack() as stack:
         supervisor = Supervisor(specs, sink=live or console, listener=record,
                                 grace_period=config.grace_period, hang_timeout=config.hang_timeout,
-                                tick=live.refresh if live else None, reap_orphans=reaper)
+                                tick=live.refresh if live else None, reap_orphans=reaper,
+                                progress=progress_book(config, record.path.parent, specs))
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers

@@ -108,6 +108,13 @@ class RunRecord:
             self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
         self.write()
 
+    def on_progress(self, progress: dict[str, dict[str, Any]]) -> None:
+        """Every rank's step times (``hang.ProgressBook.snapshot``): last step, median and slowest
+        step interval, section times, the hang timeout in force, a straggler warning."""
+        if self.data["attempts"]:
+            self.data["attempts"][-1]["progress"] = progress
+            self.write()
+
     def end_attempt(self, result: RunResult) -> None:
         attempt = self.data["attempts"][-1]
         attempt["status"] = result.status.value

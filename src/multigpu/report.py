@@ -32,7 +32,9 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     if result.status is RunStatus.INTERRUPTED:
         head = f"attempt {attempt} interrupted by {signal_name(result.signal or 0)}"
     elif result.status is RunStatus.HUNG:
-        head = f"attempt {attempt} hung; stack dumps of every rank follow"
+        culprit = result.root_cause.message if result.root_cause and result.root_cause.message else None
+        head = f"attempt {attempt} hung: {culprit}" if culprit else f"attempt {attempt} hung"
+        head += "\nstack dumps of every rank follow, the rank that stopped first first"
     else:
         head = f"attempt {attempt} failed"
     lines = [head]

@@ -42,7 +42,9 @@ def build_specs(config: RunConfig, *, run_id: str, output_dir: Path, attempt: in
                                   group_world_size=config.group_world_size)
         envs[local_rank] = build_worker_env({**base_env, **config.extra_env}, placement, job,
                                             error_file=str(logs / f"error_rank_{rank}.json"),
-                                            store_fd=store_fd if rank == 0 else None)
+                                            store_fd=store_fd if rank == 0 else None,
+                                            fr_dump_prefix=None if config.run_mode == "exec"
+                                            else str(logs / "fr_trace_rank_"))
     attempt_dir = None
     if config.logs_specs is not None:
         rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from .console import ConsoleWriter, PrefixedConsole, WriterFile
+from .hang import RankProgress
 from .output import display_text
 from .supervisor import Worker, WorkerState
 
@@ -36,22 +37,45 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
 
     now = time.monotonic()
     table = Table(title=title, title_justify="left", expand=False)
+    steps = any(w.progress is not None and w.progress.step is not None for w in workers)
     columns = ["rank", "pid", "device", "state", "run time", "quiet for", "memory"]
+    if steps:  # only for loops that report steps: the table stays narrow otherwise
+        columns.insert(6, STEP_COLUMN)
     if bars:
         columns.append("progress")
     for col in columns:
         table.add_column(col, justify="right" if col in ("rank", "pid") else "left",
-                         no_wrap=col == "progress", overflow="ellipsis")
+                         no_wrap=col in ("progress", STEP_COLUMN), overflow="ellipsis")
     for w in workers:
         took = (w.end_time or time.time()) - (w.start_time or time.time())
-        quiet = f"{now - w.last_activity:.0f}s" if w.alive else "-"
+        p = w.progress
+        quiet = f"{now - p.last_progress:.0f}s" if w.alive and p is not None else "-"
         cells: list[Any] = [str(w.rank), str(w.pid or "-"), w.spec.device,
                  Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
                  _rss_mib(w.pid) if (live and w.alive) else "-"]
+        if steps:
+            cells.insert(6, step_cell(p))
         if bars:
             cells.append(Text(bars.get(w.rank, ""), no_wrap=True))
         table.add_row(*cells)
     return table
+
+
+STEP_COLUMN = "step (med/max)"
+
+
+def step_cell(p: RankProgress | None) -> str:
+    """The last step reported, and its step interval: median/slowest over the recent steps."""
+    if p is None or p.step is None:
+        return "-"
+    median = p.median_interval()
+    if median is None:
+        return str(p.step)
+    return f"{p.step} ({_short(median)}/{_short(max(p.intervals))})"
+
+
+def _short(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}ms" if seconds < 1 else f"{seconds:.1f}s"
 
 
 class LiveStatus:

@@ -8,22 +8,16 @@ deadline, SIGKILL for what is left, a bounded reap. ``close()`` is safe to call 
 twice raises. What the workers write is ``output.WorkerOutput``'s business: the loop hands it ready
 pipes and never waits on a console.
 
-Progress for ``--hang-timeout`` is the rank's own: its heartbeats (the bootstrap beats whenever the
-rank itself writes to stdout or stderr, and ``multigpu.heartbeat()``). Pipe output counts only for a
-worker that never beat (a program not run by our bootstrap), since a rank's children share its pipes.
+Progress and the hang decision are ``hang.ProgressBook``'s: the loop feeds it every rank's beats
+(``progress.BeatDecoder``) and asks it each turn; ``rank_dumps`` collects stacks and flight records.
 A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
 succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
-
-Worker states::
-
-    PENDING -> RUNNING -> SUCCEEDED | FAILED      (the rank's own exit)
-                       -> STOPPED                 (ended by the launcher's teardown)
+Worker states and the other types are in ``states.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import selectors
 import signal
@@ -31,121 +25,35 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import reaping
 from .console import say
 from .errors import WorkerFailure, signal_name
-from .output import LineCopy, OutputSink, Stream, WorkerOutput
-from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
+from .hang import HangPolicy, ProgressBook, hang_failures
+from .output import OutputSink, Stream, WorkerOutput
+from .rank_dumps import DumpRequest, flight_record
+from .states import (
+    LOG_TAIL_LINES,
+    RunResult,
+    RunStatus,
+    SupervisorListener,
+    Worker,
+    WorkerSpec,
+    WorkerState,
+    read_error_file,
+)
 
-LOG_TAIL_LINES = 20
+__all__ = ["LOG_TAIL_LINES", "STOP_SIGNALS", "RunResult", "RunStatus", "Supervisor", "SupervisorListener",
+           "Worker", "WorkerSpec", "WorkerState", "read_error_file"]
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
 """Signals that stop the run; the others the launcher catches (SIGHUP, SIGUSR1/2) go to the ranks."""
 
 
-class WorkerState(str, enum.Enum):
-    PENDING = "pending"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-class RunStatus(str, enum.Enum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    HUNG = "hung"
-    INTERRUPTED = "interrupted"
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything needed to start one rank; built by the launcher, never changed by the supervisor."""
-
-    rank: int
-    local_rank: int
-    argv: list[str]
-    env: dict[str, str]
-    device: str = "cpu"
-    node: int = 0
-    log_path: Path | None = None
-    error_file: Path | None = None
-    pass_fds: tuple[int, ...] = ()
-    cwd: str | None = None
-    stream_files: Mapping[str, Path] = field(default_factory=dict)
-    """"stdout"/"stderr" -> a file that gets exactly that stream's bytes (torchrun's --log-dir files)."""
-    console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
-    """The streams shown on the console (torchrun's --redirects without --tee hides one)."""
-    line_copies: tuple[LineCopy, ...] = ()
-    """Matching lines copied to a file the attempt's ranks share (torchrun's --duplicate-*-filters)."""
-
-
-@dataclass
-class Worker:
-    spec: WorkerSpec
-    state: WorkerState = WorkerState.PENDING
-    popen: subprocess.Popen[bytes] | None = None
-    pidfd: int | None = None
-    start_time: float | None = None
-    end_time: float | None = None
-    returncode: int | None = None
-    last_activity: float = 0.0
-    """The last progress of the rank itself (heartbeats), for --hang-timeout."""
-    last_output: float = 0.0
-    failure: WorkerFailure | None = None
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
-    open_streams: int = 0
-    heartbeat_read_fd: int | None = None
-    capture: list[str] | None = None
-    group_open: bool = True
-    dump: list[str] = field(default_factory=list)
-    beats: bool = False
-    """True once the bootstrap beat: from then on only beats count as progress."""
-    finished: bool = False
-    """The bootstrap said its script returned and everything it left to do at exit is done."""
-    late_death: str | None = None
-    """How a finished rank's process ended badly anyway (torch's exit-time abort), for the report."""
-    unkillable: bool = False
-
-    @property
-    def rank(self) -> int:
-        return self.spec.rank
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen else None
-
-    @property
-    def alive(self) -> bool:
-        return self.state is WorkerState.RUNNING and self.returncode is None
-
-
-@dataclass
-class RunResult:
-    status: RunStatus
-    failures: list[WorkerFailure] = field(default_factory=list)
-    signal: int | None = None
-
-    @property
-    def root_cause(self) -> WorkerFailure | None:
-        return self.failures[0] if self.failures else None
-
-
-class SupervisorListener(Protocol):
-    def on_worker_change(self, worker: Worker) -> None: ...
-
-
-def read_error_file(path: Path | None) -> dict[str, Any] | None:
-    """The rank's record (``WorkerFailure.read``: ours or torch's ``@record``), as the keys read here."""
-    record = WorkerFailure.read(path)
-    if record is None:
-        return None
-    return {"type": record.error_type, "message": record.message, "traceback": record.traceback,
-            "time": record.time, "pid": record.pid}
+PROGRESS_EVERY_S = 5.0
+"""How often step times go to the listener (run.json), besides the end of the attempt."""
 
 
 class Supervisor:
@@ -166,11 +74,14 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         reap_orphans: bool = False,
         on_failing: Callable[[Worker], None] | None = None,
+        progress: ProgressBook | None = None,
     ) -> None:
         self.workers = [Worker(spec) for spec in specs]
         self._listener = listener
         self.grace_period = grace_period
-        self.hang_timeout = hang_timeout
+        self.progress = progress or ProgressBook(HangPolicy(ceiling=hang_timeout),
+                                                 (w.rank for w in self.workers), clock=clock,
+                                                 notify=notify or say)
         self._tick = tick
         self._tick_period = tick_period
         self._dump_wait = dump_wait
@@ -195,8 +106,8 @@ class Supervisor:
         self._failures: list[WorkerFailure] = []
         self._hung = False
         self._closing = False
-        self._last_finish = float("-inf")
         self._last_tick = 0.0
+        self._published = float("-inf")
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -208,6 +119,8 @@ class Supervisor:
         try:
             for worker in self.workers:
                 self._spawn(worker, now)
+                self.progress.started(worker.rank, now)
+                worker.progress = self.progress.ranks[worker.rank]
         except BaseException:
             self.close(grace_period=0)
             raise
@@ -236,7 +149,7 @@ class Supervisor:
         self._selector.register(hb_r, selectors.EVENT_READ, ("beat", worker))
         worker.state = WorkerState.RUNNING
         worker.start_time = time.time()
-        worker.last_activity = worker.last_output = now
+        worker.last_output = now
         pipes = (("stdout", worker.popen.stdout), ("stderr", worker.popen.stderr))
         for stream in self._output.attach(worker, pipes):
             self._selector.register(stream.fd, selectors.EVENT_READ, ("out", stream))
@@ -292,8 +205,9 @@ class Supervisor:
 
     def _select_timeout(self, remaining: float | None) -> float:
         period = self._tick_period
-        if self.hang_timeout is not None:
-            period = min(period, max(0.01, self.hang_timeout / 4))
+        shortest = self.progress.shortest_timeout()
+        if shortest is not None:
+            period = min(period, max(0.01, shortest / 4))
         due = self._output.due_in()
         if due is not None:
             period = min(period, max(0.01, due))
@@ -327,8 +241,7 @@ class Supervisor:
             kind, obj = key.data
             if kind == "out":
                 self._read_stream(obj)
-                if not obj.worker.beats:  # not our bootstrap: its output is all we know of it
-                    obj.worker.last_activity = obj.worker.last_output
+                self.progress.output(obj.worker.rank, obj.worker.last_output)
             elif kind == "exit":
                 self._reap(obj)
             elif kind == "beat":
@@ -348,12 +261,22 @@ class Supervisor:
         self._maybe_tick()
 
     def _maybe_tick(self) -> None:
+        now = self._clock()
+        if now - self._published >= PROGRESS_EVERY_S:
+            self.publish_progress()
         if self._tick is None:
             return
-        now = self._clock()
         if now - self._last_tick >= self._tick_period:
             self._last_tick = now
             self._tick()
+
+    def publish_progress(self) -> None:
+        """Hand every rank's step times to the listener (run.json), and keep the learned timeouts."""
+        self._published = self._clock()
+        self.progress.maybe_save(self._published, force=self._closing)
+        on_progress = getattr(self._listener, "on_progress", None)
+        if on_progress is not None:
+            on_progress(self.progress.snapshot())
 
     def _read_beats(self, worker: Worker) -> None:
         fd = worker.heartbeat_read_fd
@@ -364,11 +287,12 @@ class Supervisor:
         except BlockingIOError:
             return
         if data:
-            worker.last_activity = self._clock()
-            worker.beats = True
-            if DONE_BEAT in data:
-                worker.finished = True
-            if FAILING_BEAT in data and self._on_failing is not None:
+            beats = worker.decoder.feed(data)
+            self.progress.feed(worker.rank, beats, self._clock())
+            kinds = {b.kind for b in beats}
+            worker.finished |= "done" in kinds
+            worker.recorded |= "dumped" in kinds
+            if "failing" in kinds and self._on_failing is not None:
                 self._on_failing(worker)
         else:
             self._selector.unregister(fd)
@@ -402,7 +326,7 @@ class Supervisor:
                 self._failures.append(worker.failure)
         elif rc == 0:
             worker.state = WorkerState.SUCCEEDED
-            self._last_finish = self._clock()
+            self.progress.finished(worker.rank, self._clock())
         else:
             worker.state = WorkerState.FAILED
             worker.failure = self._failure_of(worker)
@@ -483,51 +407,31 @@ class Supervisor:
                 reaping.signal_group(worker.pid, signum)
 
     def _check_hang(self) -> None:
-        if self.hang_timeout is None or self._failures or self._closing or self._hung:
+        if self._failures or self._closing or self._hung:
             return
         running = [w for w in self.workers if w.alive]
-        if not running:
+        hang = self.progress.check([w.rank for w in running], self._clock())
+        if hang is None:
             return
-        now = self._clock()
-        # A rank that finished is progress too: the ones left may have been waiting on it.
-        silent = now - max(self._last_finish, *(w.last_activity for w in running))
-        if silent < self.hang_timeout:
-            return
-        self._notify(f"no rank has shown progress for {silent:.1f}s (--hang-timeout "
-                     f"{self.hang_timeout:g}); dumping every rank's stacks and stopping the run")
+        self._notify(f"hang: {hang.line}; dumping every rank's stacks and stopping the run")
         self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
-        self.dump_stacks(running)
-        for w in running:
-            dumped = w.dump
-            self._failures.append(WorkerFailure(
-                rank=w.rank, local_rank=w.spec.local_rank, node=w.spec.node, pid=w.pid,
-                error_type="Hang", message=f"no progress for {silent:.1f}s",
-                traceback="\n".join(dumped) or None, time=time.time() - silent + w.rank * 1e-6,
-                log_tail=list(w.tail),
-                log_path=str(w.spec.log_path) if w.spec.log_path else None,
-            ))
+        request = self.dump_stacks(running)
+        since = request.wall_start if request is not None else time.time()
+        flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
+        self._failures.extend(hang_failures(hang, running, flight, time.time()))
 
     # ---- teardown ----------------------------------------------------------------------------------
 
-    def dump_stacks(self, workers: Sequence[Worker] | None = None) -> None:
-        """Ask live ranks to write their Python stacks to their logs, then wait briefly for them."""
+    def dump_stacks(self, workers: Sequence[Worker] | None = None) -> DumpRequest | None:
+        """Ask live ranks for their Python stacks (to their logs) and flight records; wait briefly."""
         targets = [w for w in (workers or self.workers) if w.alive and w.pid is not None]
         if not targets:
-            return
-        activity = {w.rank: w.last_output for w in targets}
-        for w in targets:
-            w.capture = []
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.pid, DUMP_SIGNAL)  # type: ignore[arg-type]
-        deadline = self._clock() + self._dump_wait
-        while self._clock() < deadline:
+            return None
+        request = DumpRequest(targets, self._clock, self._dump_wait)
+        while not request.done():
             self._process_events(0.02)
-            pending = [w for w in targets if w.alive and w.last_output == activity[w.rank]]
-            quiet = all(self._clock() - w.last_output >= 0.03 for w in targets if w.alive)
-            if not pending and quiet:
-                break
-        for w in targets:
-            w.dump, w.capture = w.capture or [], None
+        request.finish()
+        return request
 
     def close(self, sig: int = signal.SIGTERM, grace_period: float | None = None,
               dump_stacks: bool = False) -> None:
@@ -543,6 +447,7 @@ class Supervisor:
                 if dump_stacks:
                     self.dump_stacks()
                 self._terminate(sig, grace)
+                self.publish_progress()
         finally:
             self._release()
 

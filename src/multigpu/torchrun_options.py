@@ -64,7 +64,11 @@ OURS = (
     Option(("--world-size",), "W", "total workers over all nodes (multi-node)"),
     Option(("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default "
            "{grace_period}); same as --shutdown-timeout"),
-    Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress"),
+    Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; "
+           "for ranks that report steps, the ceiling of a timeout learned from their step times"),
+    Option(("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
+           "{hang_factor})"),
+    Option(("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})"),
     Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
            choices=("auto", "on", "off")),
     # -- preemption and requeue (H1)

@@ -150,6 +150,36 @@ def register_stack_dumps() -> None:
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
+def arm_flight_recorder() -> None:
+    """With ``MULTIGPU_FR_DUMP`` set, a thread waits for ``FR_SIGNAL`` and then writes torch's
+    collective flight record to ``<MULTIGPU_FR_DUMP><rank>`` and beats "F".
+
+    A thread, not a handler: a rank hung in a collective sits in C++ with the GIL released, where a
+    Python signal handler would never run but another thread can. The signal is blocked first, before
+    any other thread exists, so every thread inherits the block and only ``sigwait`` receives it.
+    """
+    from .flight_recorder import FR_ENV, FR_SIGNAL
+
+    prefix = os.environ.get(FR_ENV)
+    if not prefix:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {FR_SIGNAL})
+    threading.Thread(target=_flight_recorder_loop, args=(prefix,), name="multigpu-flight-recorder",
+                     daemon=True).start()
+
+
+def _flight_recorder_loop(prefix: str) -> None:
+    from .flight_recorder import FR_SIGNAL, write_dump
+    from .progress import DUMPED, send
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})  # stack dumps: taken by the other threads
+    while True:
+        signal.sigwait({FR_SIGNAL})
+        with contextlib.suppress(Exception):  # a dump that fails must not take the rank down
+            write_dump(prefix)
+        send(DUMPED, wait_s=DONE_WAIT_S)
+
+
 def serve_store_if_asked() -> None:
     """Rank 0 serves the launcher's c10d store on the listening socket it inherited."""
     global _store
@@ -269,7 +299,7 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         raise SystemExit(f"multigpu.worker: unknown mode {mode!r}")
 
 
-FAILING_BEAT = b"!"
+FAILING_BEAT = b"!"  # progress.py lists the whole beat protocol
 DONE_BEAT = b"D"
 DONE_WAIT_S = 1.0
 NUMPY_WARNING = "Failed to initialize NumPy"
@@ -277,7 +307,8 @@ NUMPY_WARNING = "Failed to initialize NumPy"
 
 class _BeatingStream:
     """sys.stdout/sys.stderr as they were, plus a heartbeat (at most every 50 ms) on each write by
-    this process: a rank's own output is progress, its children's output (same pipe) is not."""
+    this process: a rank's own output is progress (for ranks that report no steps), its children's
+    output (same pipe) is not."""
 
     def __init__(self, stream: Any) -> None:
         object.__setattr__(self, "_stream", stream)
@@ -287,9 +318,9 @@ class _BeatingStream:
         now = time.monotonic()
         if now >= self._next:
             object.__setattr__(self, "_next", now + 0.05)
-            from .progress import heartbeat
+            from .progress import output_beat
 
-            heartbeat()
+            output_beat()
 
     def write(self, text: str) -> int:
         self._beat()
@@ -402,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) < 2:
         raise SystemExit("usage: python -m multigpu.worker {script|module|function|exec} TARGET [ARGS...]")
     mode, target, *args = argv
+    if mode != "exec":
+        arm_flight_recorder()  # first: the signal must be blocked before any thread starts
     launcher = os.environ.get("MULTIGPU_LAUNCHER_PID")
     guard_parent(int(launcher) if launcher else None)
     from .numa import apply_affinity

@@ -417,7 +417,8 @@ stuck_here()
     print(f"hung run ended after {time.monotonic() - t0:.2f}s")
     assert res.returncode == 1, res.stderr
     assert "no rank has shown progress" in res.stderr
-    assert "attempt 0 hung; stack dumps of every rank follow" in res.stderr
+    assert "attempt 0 hung: rank" in res.stderr and "stopped progressing first" in res.stderr
+    assert "stack dumps of every rank follow" in res.stderr
     for rank in (0, 1):
         assert f"rank {rank} (pid" in res.stderr
         assert "stuck_here" in log(out, rank) and "most recent call first" in log(out, rank)

@@ -1,0 +1,79 @@
+"""The beat protocol: what ``multigpu.heartbeat(step=)`` and ``multigpu.section()`` write, and how
+the launcher's decoder reads it, whatever the reads cut."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from multigpu import progress
+from multigpu.progress import Beat, BeatDecoder
+
+
+@pytest.fixture
+def pipe() -> Iterator[int]:
+    """A heartbeat pipe attached in this process, as the bootstrap does; the read end is yielded."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    saved = (progress._fd, progress._owner, progress._looked)
+    progress.attach(w)
+    try:
+        yield r
+    finally:
+        progress._fd, progress._owner, progress._looked = saved
+        os.close(r)
+        os.close(w)
+
+
+def test_steps_sections_and_beats_round_trip(pipe: int) -> None:
+    import multigpu
+
+    multigpu.heartbeat()
+    multigpu.heartbeat(step=41)
+    with multigpu.section("forward;=\nx"):
+        pass
+    progress.output_beat()
+    data = os.read(pipe, 4096)
+    beats = BeatDecoder().feed(data)
+    assert [b.kind for b in beats] == ["beat", "step", "begin", "end", "output"]
+    assert beats[1].value == 41
+    assert beats[2].name == beats[3].name == "forward___x"
+    assert 0 <= beats[3].value < 1
+
+
+def test_decoder_joins_records_cut_by_reads() -> None:
+    stream = b".S12;Bforward;Eforward=0.250000;DS13;!F"
+    expected = BeatDecoder().feed(stream)
+    assert [b.kind for b in expected] == ["beat", "step", "begin", "end", "done", "step", "failing", "dumped"]
+    for cut in range(len(stream)):
+        decoder = BeatDecoder()
+        assert decoder.feed(stream[:cut]) + decoder.feed(stream[cut:]) == expected, cut
+
+
+def test_decoder_skips_garbage() -> None:
+    decoder = BeatDecoder()
+    beats = decoder.feed(b"xyzSnot-a-number;E=;" + b"B" + b"a" * 200 + b".S7;")
+    assert Beat("step", value=7.0) in beats
+    assert all(b.kind in ("beat", "step") for b in beats), beats
+
+
+def test_a_full_pipe_drops_a_report_instead_of_blocking(pipe: int) -> None:
+    sent = 0
+    while progress.send(b"S1;"):
+        sent += 1
+    assert sent > 1000  # the pipe is full now
+    progress.heartbeat(step=2)  # returns at once
+    assert BeatDecoder().feed(os.read(pipe, 3 * 64))[0] == Beat("step", value=1.0)
+
+
+def test_outside_a_worker_nothing_is_sent() -> None:
+    saved = (progress._fd, progress._owner, progress._looked)
+    progress._fd, progress._owner, progress._looked = None, os.getpid(), True
+    try:
+        progress.heartbeat(step=1)
+        with progress.section("x"):
+            pass
+    finally:
+        progress._fd, progress._owner, progress._looked = saved
