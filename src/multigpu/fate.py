@@ -153,17 +153,18 @@ class FateMonitor:
     def _beat_loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._timed(self.job.beat)
-                if self._watch_once():
+                if self.beat_once():
                     return
                 self._stop.wait(self._beat_s)
         except Exception as exc:
             if not self._stop.is_set():
                 self._lost_store(exc)
 
-    def _watch_once(self) -> bool:
-        """The watcher's round (one read of every counter) and, elsewhere, of the watcher's counter
-        when the watcher does not serve the store. True once the job died."""
+    def beat_once(self) -> bool:
+        """One interval's store calls: our beat; on the watcher, one read of every counter (and the
+        elastic membership); on a node watching a watcher that does not serve the store, one read of
+        that counter. True once this found the job dead (then it has published and fired)."""
+        self._timed(self.job.beat)
         if self._watched is None:
             self._watched = self._timed(self._to_watch)
         if self.watcher:
