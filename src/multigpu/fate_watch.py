@@ -17,7 +17,7 @@ from .rendezvous import DONE
 
 LOSS_FLOOR_S = 1.0
 """Never declare the store or a node lost after less silence than this (scheduling hiccups, GC)."""
-LOSS_FACTOR = 20.0
+LOSS_FACTOR = 10.0
 LOSS_CAP_S = 30.0
 """However slow the store was, a store or node silent this long is lost."""
 FIRST_BEAT_GRACE_S = 5.0

@@ -112,6 +112,8 @@ class JobStore:
         """The base rank of the node that watches every node's beats (node 0 here)."""
         self.watcher_hosts_store = True
         """Whether the watcher serves the store: then its death is the store's, and nobody watches it."""
+        self.waiter_store: Any = None
+        """A second connection, for the one blocking wait (see ``with_own_client``)."""
 
     @property
     def is_watcher(self) -> bool:
@@ -125,12 +127,17 @@ class JobStore:
         job = JobStore(self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
                        world_size=self.world_size)
         job.run_id, job.scope = self.run_id, (f"attempt_{attempt}",)
+        job.waiter_store = self.waiter_store
         return job
 
     def with_own_client(self) -> JobStore:
         """The same keys over a second connection: a blocking wait holds its connection (c10d
-        serializes the calls of one client), so the beats go on over the first one."""
-        job = JobStore(self.store.clone(), node=self.node, base_rank=self.base_rank, nproc=self.nproc,
+        serializes the calls of one client), so the beats go on over the first one. The connection
+        is opened at join, on the caller's thread: c10d's connect holds the GIL (a slow reverse DNS
+        lookup there would freeze every thread of the launcher, the beats included)."""
+        if self.waiter_store is None:
+            self.waiter_store = self.store.clone()
+        job = JobStore(self.waiter_store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
                        world_size=self.world_size)
         job.run_id, job.scope = self.run_id, self.scope
         return job
@@ -163,6 +170,7 @@ class JobStore:
             self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
         # A member before claiming ranks: once every rank is claimed, every node is a member (the
         # watcher reads the members once), and its beat counter exists (a read never waits for it).
+        self.with_own_client()
         self.store.add(self.key("beat", self.base_rank), 0)
         self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
         for rank in range(self.base_rank, self.base_rank + self.nproc):
@@ -228,10 +236,10 @@ class JobStore:
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_abort()
-            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            if not missing:
+            if self.store.check(keys):  # one call per poll, however many ranks
                 return
             if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise RendezvousError(f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "
                                       "check that every node started with the same --rdzv-endpoint and "
                                       "--world-size")
