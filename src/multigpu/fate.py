@@ -86,7 +86,7 @@ class FateMonitor:
         left behind (daemon); nothing is asked of a store known to be gone."""
         self._stop.set()
         waiter = self._threads[1]
-        if waiter.is_alive() and not self._store_gone:
+        if waiter.is_alive() and waiter is not threading.current_thread() and not self._store_gone:
             _bounded(self.job.wake_self)
             waiter.join(PUBLISH_TIMEOUT_S)
             if not waiter.is_alive():
@@ -125,12 +125,14 @@ class FateMonitor:
                                   "that serves it, or the network, is down)"))
             return
 
-    def _timed(self, call: Callable[[], T]) -> T:
-        """One store call, watched by the deadman and measured for the loss threshold."""
+    def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
+        """A store call, watched by the deadman and (``measure``: one round trip) timed for the
+        loss threshold."""
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
-        self.latency.record(self._clock() - began)
+        if measure:
+            self.latency.record(self._clock() - began)
         return answer
 
     def _wait_loop(self) -> None:
@@ -166,9 +168,9 @@ class FateMonitor:
         that counter. True once this found the job dead (then it has published and fired)."""
         self._timed(self.job.beat)
         if self._watched is None:
-            self._watched = self._timed(self._to_watch)
+            self._watched = self._timed(self._to_watch, measure=False)
         if self.watcher:
-            change = self._timed(self.job.membership_change)
+            change = self._timed(self.job.membership_change, measure=False)  # mostly no call at all
             if change is not None:  # published, so a peer whose ranks fail first restarts too
                 return self._publish(node_lost(-1, change, MEMBERSHIP_CHANGE))
         if not self._watched:
@@ -194,7 +196,7 @@ class FateMonitor:
 
     def _publish(self, failure: WorkerFailure) -> bool:
         """Publish a failure this node found (first failure anywhere wins) and act on the standing one."""
-        standing = self._timed(lambda: self.job.publish_abort(failure_record(failure)))
+        standing = self._timed(lambda: self.job.publish_abort(failure_record(failure)), measure=False)
         self._fire(failure_from_record(standing))
         return True
 

@@ -312,3 +312,26 @@ def test_the_deadman_fires_on_a_call_in_flight_past_the_latency_relative_thresho
             thread.join(WAIT_S)
     assert [f.error_type for f in seen] == ["StoreLost"]
     assert "stopped answering for 4.5s (allowed 4.0s" in str(seen[0].message)
+
+
+def test_only_the_watcher_asks_about_membership_and_publishes_a_change_to_every_node() -> None:
+    store, clock = FakeStore(), Clock()
+    asked: list[int] = []
+
+    class Elastic(JobStore):
+        def membership_change(self) -> str | None:
+            asked.append(self.base_rank)
+            return "1 node(s) asked to join: a new rendezvous round"
+
+    jobs = [Elastic(store, node=n, base_rank=n, nproc=1, world_size=3) for n in range(3)]
+    for job in jobs:
+        job.run_id = "r"
+        job.store.add(job.key("beat", job.base_rank), 0)
+        job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+    seen: list[WorkerFailure] = []
+    assert not FateMonitor(jobs[1], seen.append, clock=clock).beat_once() and asked == []
+    assert FateMonitor(jobs[0], seen.append, clock=clock).beat_once() and asked == [0]
+    assert [f.error_type for f in seen] == ["MembershipChange"]
+    record = jobs[2].read_abort()
+    assert record is not None and record["error_type"] == "MembershipChange"
+    assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs)
