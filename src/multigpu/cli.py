@@ -7,6 +7,8 @@ Every ``run`` option may also come from ``MULTIGPU_<OPTION>`` (``--grace-period`
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import importlib.util
 import os
 import shutil
@@ -303,6 +305,10 @@ commands:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ensure_std_fds()  # before anything opens a descriptor: closed 0-2 must not be reused
+    # The interpreter's last collection walks torch's whole heap (0.5-2 s on a busy machine) after the
+    # report is out; a frozen heap is not walked, so a failed job's launcher exits when it is done.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(HELP, end="")

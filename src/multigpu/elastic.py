@@ -26,10 +26,13 @@ from typing import Any
 from .config import RunConfig
 from .endpoint import Endpoint
 from .errors import RendezvousError, UsageError
-from .fate import BEAT_S, LOST_AFTER_S
+from .fate import BEAT_S
 from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 
 WAITING_POLL_S = 0.5
+EVICT_AFTER_S = 3.0
+"""A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
+WATCHER_KEY = "multigpu/watcher"
 
 
 def is_elastic(config: RunConfig) -> bool:
@@ -138,7 +141,7 @@ class Round:
 
 class ElasticJobStore(JobStore):
     """The round's fate-sharing keys (in torch's per-round prefix store), plus: a node waiting to join
-    is a membership change that ends the round on every node."""
+    is a membership change that ends the round on every node (the watcher asks, and publishes it)."""
 
     def __init__(self, store: Any, rdzv: ElasticRendezvous, **layout: int) -> None:
         super().__init__(store, **layout)
@@ -214,7 +217,7 @@ class ElasticRendezvous:
             timeout=timeout, keep_alive_interval=settings.keep_alive_interval,
             keep_alive_max_attempt=settings.keep_alive_max_attempt)
         store.compare_set(self.RESTARTS_KEY, "", "0")
-        self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node)
+        self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=hosted)
         self.liveness.start()
 
     def next_round(self) -> Round:
@@ -249,6 +252,8 @@ class ElasticRendezvous:
         group_rank, group_world, rstore = info.rank, info.world_size, info.store
         if group_rank == 0:
             rstore.set("multigpu/restart_count", self.store.get(self.RESTARTS_KEY))
+        if self.hosted:  # before our nproc key: whoever has read every nproc key sees it
+            rstore.set(WATCHER_KEY, str(group_rank))
         rstore.set(f"multigpu/nproc/{group_rank}", str(self.config.nproc))
         keys = ["multigpu/restart_count", *(f"multigpu/nproc/{g}" for g in range(group_world))]
         rstore.wait(keys, timedelta(seconds=self.settings.read_timeout))
@@ -257,6 +262,11 @@ class ElasticRendezvous:
         job = ElasticJobStore(rstore, self, node=group_rank, base_rank=base_rank, nproc=self.config.nproc,
                               world_size=world_size)
         job.run_id = self.run_id
+        # The launcher that serves the store watches the round; if it is not in it, group rank 0 does,
+        # and every other node watches that one's counter (its death is not the store's).
+        hosted = int(rstore.get(WATCHER_KEY)) if rstore.check([WATCHER_KEY]) else None
+        job.watcher_base = sum(nprocs[:hosted]) if hosted is not None else 0
+        job.watcher_hosts_store = hosted is not None
         job.join(self.settings.read_timeout)
         store_info = info.bootstrap_store_info
         return Round(group_rank, group_world, base_rank, world_size, store_info.master_addr,
@@ -284,15 +294,18 @@ class Liveness:
 
     torch drops a participant only after ``keep_alive_interval * keep_alive_max_attempt`` (15 s by
     default) without its keep-alive, and until then the survivors of a lost node wait in the next
-    round. A launcher here beats every ``beat_s``; one whose beats stop for ``lost_after_s`` has its
-    torch keep-alive aged on the store, so torch's own sanitizer removes it at its next sync. Nodes
-    that never beat (a torchrun among us) are left to torch's rule.
+    round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
+    nodes); only the launcher that serves the store (``evicts``) reads the others' counters, with one
+    ``multi_get``, and ages the keep-alive of one silent for ``lost_after_s`` on the store, so torch's
+    own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
+    torch's rule.
     """
 
-    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, beat_s: float = BEAT_S,
-                 lost_after_s: float = 2 * LOST_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
+                 beat_s: float = BEAT_S, lost_after_s: float = EVICT_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store, self.backend, self.run_id = store, backend, run_id
-        self.me = me
+        self.me, self.evicts = me, evicts
         self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
@@ -313,7 +326,15 @@ class Liveness:
         while not self._stop.wait(self.beat_s):
             with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
                 self.store.add(self.key(self.me), 1)
-                self.evict_silent()
+                if self.evicts:
+                    self.evict_silent()
+
+    def _counts(self, nodes: list[Any]) -> dict[Any, int]:
+        """The beat counters of the nodes that have one (a key seen once stays), in one read."""
+        beating = [node for node in nodes
+                   if self.key(node) in self._seen or self.store.check([self.key(node)])]
+        values = self.store.multi_get([self.key(node) for node in beating]) if beating else []
+        return {node: int(value) for node, value in zip(beating, values, strict=True)}
 
     def evict_silent(self) -> None:
         current = self.backend.get_state()
@@ -322,11 +343,8 @@ class Liveness:
         state = pickle.loads(current[0])
         now = self._clock()
         silent = []
-        for node in state.last_heartbeats:
+        for node, count in self._counts([n for n in state.last_heartbeats if n != self.me]).items():
             key = self.key(node)
-            if node == self.me or not self.store.check([key]):
-                continue
-            count = int(self.store.add(key, 0))
             last, since = self._seen.get(key, (-1, now))
             if count != last:
                 self._seen[key] = (count, now)

@@ -1,8 +1,14 @@
-"""Fate sharing across nodes: heartbeats and one abort record in the job's c10d store.
+"""Fate sharing across nodes: beat counters, one watcher and one abort record in the job's c10d store.
 
-Every launcher beats (a counter, so clocks need not agree) and watches the abort record and the other
-nodes' beats. The first failure anywhere is written once (compare-and-set) and every node tears down
-and reports it; a node whose beats stop, or a store that stops answering, counts as a failure too.
+A node's cost is constant in the number of nodes. Every launcher adds 1 to its own beat counter per
+``BEAT_S`` (a counter, so clocks need not agree) and blocks in one ``wait`` on its own wake key, which
+the store's server answers the moment the key is set: learning of an abort costs no polling. One
+launcher watches: the one that serves the store (node 0 of a static job, the hosting launcher of an
+elastic round) reads every counter with one ``multi_get`` per beat and publishes a node whose counter
+stopped. The first failure anywhere is written once (compare-and-set, earliest wins) and every waiter
+is woken with one ``multi_set``; every node tears down and reports that root cause. The store's own
+loss is noticed from outside the blocked call (a deadman), after a silence relative to the store's
+measured round trips (``fate_watch.Latency``), not a fixed one.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import WorkerFailure
+from .fate_watch import BeatWatch, Latency
 from .rendezvous import JobStore
 from .supervisor import RunResult, RunStatus
 
 BEAT_S = 0.2
-LOST_AFTER_S = 1.5
+T = TypeVar("T")
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:
@@ -26,6 +33,8 @@ def failure_record(failure: WorkerFailure) -> dict[str, Any]:
 
 
 def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
+    if "reason" in record:  # an inconsistent layout refused at the rendezvous
+        return node_lost(int(record.get("node", -1)), str(record["reason"]))
     return WorkerFailure.from_dict(record)
 
 
@@ -34,9 +43,9 @@ LEARNED_FROM_SILENCE = (NODE_LOST, STORE_LOST)
 """Causes known from a peer's or the store's silence: nothing to publish, nothing to ask the store."""
 
 
-def node_lost(node: int, why: str, kind: str = NODE_LOST) -> WorkerFailure:
+def node_lost(node: int, why: str, kind: str = NODE_LOST, at: float | None = None) -> WorkerFailure:
     return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type=kind, message=why,
-                         time=time.time())
+                         time=time.time() if at is None else at)
 
 
 def store_lost(why: str) -> WorkerFailure:
@@ -45,41 +54,44 @@ def store_lost(why: str) -> WorkerFailure:
 
 
 class FateMonitor:
-    """A daemon thread that beats for this node and calls ``on_remote_failure`` once when the job dies."""
+    """Beats for this node, waits for the job's abort, watches beats if this node is the watcher, and
+    calls ``on_remote_failure`` once when the job dies. Three daemon threads: the beat (and watch)
+    loop, the waiter blocked on the wake key, and the deadman that notices a store call that never
+    returns (a cut link has no time-out)."""
 
     def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
-                 beat_s: float = BEAT_S, lost_after_s: float = LOST_AFTER_S,
+                 beat_s: float = BEAT_S, watcher: bool | None = None, latency: Latency | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.job = job
+        self.watcher = job.is_watcher if watcher is None else watcher
+        self.latency = latency or Latency()
         self._on_failure = on_remote_failure
-        self._beat_s, self._lost_after_s, self._clock = beat_s, lost_after_s, clock
+        self._beat_s, self._clock = beat_s, clock
         self._stop = threading.Event()
-        self._fired = False
+        self._fired = self._store_gone = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="multigpu-fate", daemon=True)
-        self._deadman = threading.Thread(target=self._watch_store, name="multigpu-fate-deadman",
-                                         daemon=True)
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._last_ok = clock()
+        self._watch = BeatWatch(clock)
+        self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
+        self._in_call: float | None = None  # when the store call in flight began
+        self._threads = [threading.Thread(target=target, name=f"multigpu-fate-{name}", daemon=True)
+                         for name, target in (("beat", self._beat_loop), ("wait", self._wait_loop),
+                                              ("deadman", self._deadman))]
 
     def start(self) -> None:
-        self._last_ok = self._clock()
-        self._thread.start()
-        self._deadman.start()
-
-    def _watch_store(self) -> None:
-        """A store call over a cut link blocks without a time-out; notice that from outside the call."""
-        while not self._stop.wait(self._beat_s):
-            silent = self._clock() - self._last_ok
-            if silent > self._lost_after_s:
-                self._fire(store_lost(f"the rendezvous store stopped answering for {silent:.1f}s "
-                                      "(the launcher that serves it, or the network, is down)"))
-                return
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Stop beating. A thread stuck in a store call over a dead link is left behind (daemon)."""
+        """Stop beating and release the waiter. A thread stuck in a store call over a dead link is
+        left behind (daemon); nothing is asked of a store known to be gone."""
         self._stop.set()
-        for thread in (self._thread, self._deadman):
+        waiter = self._threads[1]
+        if waiter.is_alive() and waiter is not threading.current_thread() and not self._store_gone:
+            _bounded(self.job.wake_self)
+            waiter.join(PUBLISH_TIMEOUT_S)
+            if not waiter.is_alive():
+                _bounded(self.job.clear_wake)
+        for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(self._beat_s)
 
@@ -88,47 +100,105 @@ class FateMonitor:
             if self._fired or self._stop.is_set():
                 return
             self._fired = True
+            self._store_gone = failure.error_type == STORE_LOST
         self._on_failure(failure)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._beat_s):
-            try:
-                self.job.beat()
-                record = self.job.read_abort()
-                if record is not None:
-                    self._fire(failure_from_record(record) if "reason" not in record
-                               else node_lost(int(record.get("node", -1)), str(record["reason"])))
-                    return
-                change = self.job.membership_change()
-                if change is not None:  # published, so a peer whose ranks fail first restarts too
-                    failure = node_lost(-1, change, MEMBERSHIP_CHANGE)
-                    self.job.publish_abort(failure_record(failure))
-                    self._fire(failure)
-                    return
-                lost = self._lost_node()
-                if lost is not None:
-                    why = f"node {lost}'s launcher stopped beating for {self._lost_after_s:g}s " \
-                          "(killed, or its network is down)"
-                    self._fire(node_lost(lost, why))
-                    return
-                self._last_ok = self._clock()
-            except Exception as exc:  # the store is gone: node 0's launcher died or the network did
-                self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
-                                      "the launcher that serves it, or the network, is down"))
-                return
+    def _lost_store(self, exc: BaseException) -> None:
+        self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
+                              "the launcher that serves it, or the network, is down"))
 
-    def _lost_node(self) -> int | None:
-        now = self._clock()
-        for base, node in self.job.members().items():
-            if base == self.job.base_rank or self.job.is_done(base):
+    def _deadman(self) -> None:
+        """A store call over a cut link blocks without a time-out; notice that from outside the call.
+
+        Only a call in flight counts, and a tick that overslept (this process stalled: GC, a busy
+        GIL, a stopped VM) checks nothing, so our own stall is never taken for the store's silence."""
+        tick = self._beat_s / 2
+        last = self._clock()
+        while not self._stop.wait(tick):
+            now = self._clock()
+            overslept, last = now - last - tick, now
+            began, allowed = self._in_call, self.latency.threshold()
+            if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
-            count = self.job.beats_of(base)
-            last_count, since = self._seen.get(base, (-1, now))
-            if count != last_count:
-                self._seen[base] = (count, now)
-            elif now - since > self._lost_after_s:
-                return node
-        return None
+            self._fire(store_lost(f"the rendezvous store stopped answering for {now - began:.1f}s "
+                                  f"(allowed {allowed:.1f}s from its measured latency; the launcher "
+                                  "that serves it, or the network, is down)"))
+            return
+
+    def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
+        """A store call, watched by the deadman and (``measure``: one round trip) timed for the
+        loss threshold."""
+        self._in_call = began = self._clock()
+        answer = call()
+        self._in_call = None
+        if measure:
+            self.latency.record(self._clock() - began)
+        return answer
+
+    def _wait_loop(self) -> None:
+        """Read the abort record, then block until woken; the writer of a record wakes every node after
+        writing it, so a record written before our wait is read here first, and none is missed."""
+        try:
+            own = self.job.with_own_client()
+            while not self._stop.is_set():
+                record = own.read_abort()
+                if record is not None:
+                    self._fire(failure_from_record(record))
+                    return
+                own.wait_woken()
+                if not self._stop.is_set() and own.read_abort() is None:
+                    self._stop.wait(self._beat_s)  # woken with no record: our key was left set
+        except Exception as exc:  # the store is gone: its host died or the network did
+            if not self._stop.is_set():
+                self._lost_store(exc)
+
+    def _beat_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.beat_once():
+                    return
+                self._stop.wait(self._beat_s)
+        except Exception as exc:
+            if not self._stop.is_set():
+                self._lost_store(exc)
+
+    def beat_once(self) -> bool:
+        """One interval's store calls: our beat; on the watcher, one read of every counter (and the
+        elastic membership); on a node watching a watcher that does not serve the store, one read of
+        that counter. True once this found the job dead (then it has published and fired)."""
+        self._timed(self.job.beat)
+        if self._watched is None:
+            self._watched = self._timed(self._to_watch, measure=False)
+        if self.watcher:
+            change = self._timed(self.job.membership_change, measure=False)  # mostly no call at all
+            if change is not None:  # published, so a peer whose ranks fail first restarts too
+                return self._publish(node_lost(-1, change, MEMBERSHIP_CHANGE))
+        if not self._watched:
+            return False
+        watched = list(self._watched)
+        counts = self._timed(lambda: self.job.beat_counts(watched))
+        silent = self._watch.silent(counts, self._beat_s + self.latency.threshold())
+        if silent is None:
+            return False
+        base, seconds = silent
+        node = self._watched[base]
+        why = f"node {node}'s launcher stopped beating for {seconds:.1f}s (killed, or its network is down)"
+        return self._publish(node_lost(node, why, at=time.time() - seconds))
+
+    def _to_watch(self) -> dict[int, int]:
+        members = self.job.members()
+        me = self.job.base_rank
+        if self.watcher:
+            return {base: node for base, node in members.items() if base != me}
+        if self.job.watcher_hosts_store or self.job.watcher_base == me:
+            return {}
+        return {base: node for base, node in members.items() if base == self.job.watcher_base}
+
+    def _publish(self, failure: WorkerFailure) -> bool:
+        """Publish a failure this node found (first failure anywhere wins) and act on the standing one."""
+        standing = self._timed(lambda: self.job.publish_abort(failure_record(failure)), measure=False)
+        self._fire(failure_from_record(standing))
+        return True
 
 
 PUBLISH_TIMEOUT_S = 1.0
@@ -188,9 +258,10 @@ def mark_done(job: JobStore) -> None:
 
 
 def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:
-    """The store's host (base rank 0) keeps serving until every node is done or the job died."""
+    """The store's host keeps serving until every node is done or the job died, and watches the nodes
+    still running meanwhile (it is the watcher now, whoever watched during the attempt)."""
     lost: list[WorkerFailure] = []
-    monitor = FateMonitor(job, lost.append)
+    monitor = FateMonitor(job, lost.append, watcher=True)
     monitor.start()
     try:
         while not lost and not job.all_done() and job.read_abort() is None:

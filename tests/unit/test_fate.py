@@ -1,0 +1,337 @@
+"""Fate sharing at scale, on a fake c10d store and an injectable clock: the watcher's one read, the
+latency-relative loss threshold, the done flag, the abort that wakes a blocked waiter, the deadman."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from multigpu.errors import WorkerFailure
+from multigpu.fate import FateMonitor, failure_record, serve_until_all_done
+from multigpu.fate_watch import BeatWatch, Latency
+from multigpu.rendezvous import DONE, JobStore
+
+WAIT_S = 10.0  # a bound on waiting for a thread to act: reached only when the behaviour is broken
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeStore:
+    """torch's c10d store semantics that fate sharing uses, in memory; every call is logged, and ``add``
+    can be made to hang (a cut link) until released."""
+
+    def __init__(self, shared: dict[str, bytes] | None = None, log: list[tuple[str, Any]] | None = None,
+                 cond: threading.Condition | None = None) -> None:
+        self.data = {} if shared is None else shared
+        self.log = [] if log is None else log
+        self.cond = cond or threading.Condition()
+        self.hang = threading.Event()
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def clone(self) -> FakeStore:
+        twin = FakeStore(self.data, self.log, self.cond)
+        twin.release = self.release
+        return twin
+
+    def _op(self, name: str, arg: Any) -> None:
+        self.log.append((name, arg))
+
+    def add(self, key: str, value: int) -> int:
+        self._op("add", key)
+        if self.hang.is_set():
+            self.hanging.set()
+            self.release.wait(WAIT_S)
+            raise ConnectionError("the link is down")
+        with self.cond:
+            new = int(self.data.get(key, b"0")) + value
+            self.data[key] = str(new).encode()
+            self.cond.notify_all()
+            return new
+
+    def set(self, key: str, value: str) -> None:
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self._op("multi_set", keys)
+        with self.cond:
+            self.data.update((k, v.encode()) for k, v in zip(keys, values, strict=True))
+            self.cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        self._op("get", key)
+        return self.data[key]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._op("multi_get", keys)
+        return [self.data[k] for k in keys]
+
+    def check(self, keys: list[str]) -> bool:
+        self._op("check", keys)
+        return all(k in self.data for k in keys)
+
+    def append(self, key: str, value: str) -> None:
+        self._op("append", key)
+        self.data[key] = self.data.get(key, b"") + value.encode()
+
+    def delete_key(self, key: str) -> bool:
+        self._op("delete_key", key)
+        with self.cond:
+            return self.data.pop(key, None) is not None
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._op("compare_set", key)
+        with self.cond:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+                self.cond.notify_all()
+            return self.data[key]
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        self._op("wait", keys)
+        with self.cond:
+            if not self.cond.wait_for(lambda: all(k in self.data for k in keys), WAIT_S):
+                raise TimeoutError("wait timeout")
+
+
+def job_of(store: FakeStore, nodes: int) -> list[JobStore]:
+    """``nodes`` launchers of one nproc each, joined to run "r" on ``store``."""
+    jobs = [JobStore(store, node=n, base_rank=n, nproc=1, world_size=nodes) for n in range(nodes)]
+    for job in jobs:
+        job.run_id = "r"
+        job.store.compare_set(job.key("world_size"), "", str(nodes))
+        job.store.add(job.key("beat", job.base_rank), 0)
+        job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+    return jobs
+
+
+def calls(store: FakeStore, start: int) -> list[str]:
+    return [name for name, _ in store.log[start:]]
+
+
+# ---- the latency-relative threshold and the beat watch -----------------------------------------------
+
+
+def test_the_loss_threshold_follows_the_measured_p99_between_floor_and_cap() -> None:
+    latency = Latency(floor_s=1.0, factor=20.0, cap_s=30.0)
+    assert latency.threshold() == 1.0, "nothing measured yet: the floor"
+    for _ in range(200):
+        latency.record(0.001)
+    assert latency.threshold() == 1.0, "a fast store: the floor"
+    for _ in range(100):
+        latency.record(0.2)
+    assert latency.p99() == pytest.approx(0.2) and latency.threshold() == pytest.approx(4.0)
+    latency.record(100.0)
+    assert latency.threshold() == pytest.approx(4.0), "one outlier in 256 is above the p99"
+    for _ in range(10):
+        latency.record(5.0)
+    assert latency.threshold() == 30.0, "however slow the store, the cap"
+
+
+def test_a_counter_that_stopped_is_silent_a_finished_one_never_and_a_first_beat_gets_grace() -> None:
+    clock = Clock()
+    watch = BeatWatch(clock, first_beat_grace_s=5.0)
+    assert watch.silent({1: 0, 2: 4, 3: 7}, threshold=1.0) is None
+    clock.now += 0.9
+    assert watch.silent({1: 0, 2: 5, 3: 7 + DONE}, threshold=1.0) is None
+    clock.now += 0.5
+    assert watch.silent({1: 0, 2: 6, 3: 7 + DONE}, threshold=1.0) is None, "node 3 finished; node 1 starts"
+    clock.now += 1.2
+    found = watch.silent({1: 0, 2: 6, 3: 7 + DONE}, threshold=1.0)
+    assert found is not None and found[0] == 2 and found[1] == pytest.approx(1.2)
+    clock.now += 3.0
+    late = watch.silent({1: 0, 2: 7, 3: 7 + DONE}, threshold=1.0)
+    assert late is not None and late[0] == 1 and late[1] == pytest.approx(5.6)
+
+
+# ---- the watcher: one read of every counter per beat ------------------------------------------------
+
+
+def test_the_watcher_reads_every_counter_in_one_call_and_publishes_a_silent_node() -> None:
+    store, clock = FakeStore(), Clock()
+    jobs = job_of(store, 4)
+    seen: list[WorkerFailure] = []
+    watcher = FateMonitor(jobs[0], seen.append, beat_s=0.2, clock=clock, latency=Latency(floor_s=1.0))
+    assert watcher.watcher
+    watcher.beat_once()  # the first round also reads the members, once
+    for step in range(4):
+        clock.now += 0.3
+        for job in jobs[1:] if step < 2 else jobs[1:3]:  # node 3 stops after two beats
+            job.beat()
+        start = len(store.log)
+        assert not watcher.beat_once() and not seen
+        assert calls(store, start) == ["add", "multi_get"], "constant per round, whatever the node count"
+    clock.now += 0.7  # node 3 silent for 1.3 s > 0.2 s beat + 1.0 s threshold
+    assert watcher.beat_once()
+    assert [(f.error_type, f.node) for f in seen] == [("NodeLost", 3)]
+    assert "node 3's launcher stopped beating for 1.3s" in str(seen[0].message)
+    record = jobs[1].read_abort()
+    assert record is not None and record["error_type"] == "NodeLost" and record["node"] == 3
+    assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs), "every waiter woken"
+
+
+def test_a_node_that_finished_is_never_taken_for_lost() -> None:
+    store, clock = FakeStore(), Clock()
+    jobs = job_of(store, 3)
+    seen: list[WorkerFailure] = []
+    watcher = FateMonitor(jobs[0], seen.append, clock=clock)
+    jobs[2].beat()
+    jobs[2].mark_done()
+    assert jobs[2].is_done(2) and not jobs[1].is_done(1) and not jobs[0].all_done()
+    for _ in range(50):
+        clock.now += 0.5
+        jobs[1].beat()
+        assert not watcher.beat_once()
+    assert not seen and jobs[0].read_abort() is None
+    jobs[1].mark_done()
+    jobs[0].mark_done()
+    assert jobs[0].all_done()
+
+
+def test_a_non_watcher_makes_one_call_per_beat_and_watches_a_watcher_that_does_not_host_the_store() -> None:
+    store, clock = FakeStore(), Clock()
+    jobs = job_of(store, 3)
+    seen: list[WorkerFailure] = []
+    static = FateMonitor(jobs[1], seen.append, clock=clock)
+    static.beat_once()
+    start = len(store.log)
+    static.beat_once()
+    assert calls(store, start) == ["add"], "the watcher serves the store: its death is the store's"
+    jobs[2].watcher_hosts_store = False  # an elastic round whose store is served elsewhere
+    elastic = FateMonitor(jobs[2], seen.append, clock=clock, latency=Latency(floor_s=1.0))
+    for _ in range(3):
+        jobs[0].beat()
+        clock.now += 0.5
+        start = len(store.log)
+        assert not elastic.beat_once()
+    assert calls(store, start) == ["add", "multi_get"]
+    clock.now += 1.5
+    assert elastic.beat_once()
+    assert [(f.error_type, f.node) for f in seen] == [("NodeLost", 0)]
+
+
+# ---- the waiter: an abort wakes it, with no polling -------------------------------------------------
+
+
+def test_a_published_abort_wakes_every_blocked_waiter_and_the_earliest_failure_wins() -> None:
+    store = FakeStore()
+    jobs = job_of(store, 3)
+    event = threading.Event()
+    got: dict[int, WorkerFailure] = {}
+
+    def on(node: int) -> Any:
+        def call(failure: WorkerFailure) -> None:
+            got[node] = failure
+            if len(got) == 2:
+                event.set()
+        return call
+
+    monitors = [FateMonitor(jobs[n], on(n), beat_s=0.01) for n in (0, 1)]
+    for monitor in monitors:
+        monitor.start()
+    try:
+        late = WorkerFailure(rank=2, local_rank=0, pid=7, node=2, error_type="OSError", message="late",
+                             time=200.0)
+        early = WorkerFailure(rank=1, local_rank=0, pid=8, node=1, error_type="ValueError", message="first",
+                              time=100.0)
+        jobs[2].publish_abort(failure_record(late))
+        assert jobs[1].publish_abort(failure_record(early))["message"] == "first"
+        assert jobs[2].publish_abort(failure_record(late))["message"] == "first"
+        assert event.wait(WAIT_S)
+    finally:
+        for monitor in monitors:
+            monitor.stop()
+    assert {got[0].rank, got[1].rank} <= {1, 2}
+    record = json.loads(store.data[jobs[0].key("abort")])
+    assert record["rank"] == 1, "the earliest failure stands, whichever wrote last"
+    abort_reads = [arg for name, arg in store.log if name == "check" and arg == [jobs[0].key("abort")]]
+    assert len(abort_reads) <= 6, "the waiters read the record when woken, not once per beat"
+    assert not any(t.is_alive() for m in monitors for t in m._threads)
+
+
+def test_stop_releases_the_waiter_and_leaves_the_wake_key_unset_for_the_next_monitor() -> None:
+    store = FakeStore()
+    jobs = job_of(store, 2)
+    seen: list[WorkerFailure] = []
+    first = FateMonitor(jobs[1], seen.append, beat_s=0.01)
+    first.start()
+    first.stop()
+    assert not any(t.is_alive() for t in first._threads) and not seen
+    assert jobs[1].key("wake", 1) not in store.data
+    jobs[1].mark_done()
+    jobs[0].mark_done()
+    serve_until_all_done(jobs[0], poll_s=0.01)  # every node done: returns, its monitor stopped
+    assert not seen and jobs[0].read_abort() is None
+
+
+# ---- the deadman: a call that never returns, relative to the store's latency -------------------------
+
+
+def test_the_deadman_fires_on_a_call_in_flight_past_the_latency_relative_threshold_only() -> None:
+    store, clock = FakeStore(), Clock()
+    jobs = job_of(store, 2)
+    seen: list[WorkerFailure] = []
+    event = threading.Event()
+    latency = Latency(floor_s=1.0, factor=20.0)
+    for _ in range(50):
+        latency.record(0.2)  # a slow store: 4 s allowed
+
+    def on(failure: WorkerFailure) -> None:
+        seen.append(failure)
+        event.set()
+
+    monitor = FateMonitor(jobs[1], on, beat_s=0.01, clock=clock, latency=latency)
+    monitor.start()
+    try:
+        clock.now += 100.0  # our own stall with no call in flight: not the store's silence
+        assert not event.wait(0.1)
+        store.hang.set()
+        assert store.hanging.wait(WAIT_S)
+        clock.now += 2.5  # in flight 2.5 s: a fixed 1.5 s would call the store lost; 4 s are allowed
+        assert not event.wait(0.1)
+        clock.now += 2.0
+        assert event.wait(WAIT_S)
+    finally:
+        store.release.set()
+        monitor.stop()  # asks nothing of a store known to be gone: its waiter is left blocked
+        store.data[jobs[1].key("wake", 1)] = b"1"  # as a dead store's connection would end the wait
+        with store.cond:
+            store.cond.notify_all()
+        for thread in monitor._threads:
+            thread.join(WAIT_S)
+    assert [f.error_type for f in seen] == ["StoreLost"]
+    assert "stopped answering for 4.5s (allowed 4.0s" in str(seen[0].message)
+
+
+def test_only_the_watcher_asks_about_membership_and_publishes_a_change_to_every_node() -> None:
+    store, clock = FakeStore(), Clock()
+    asked: list[int] = []
+
+    class Elastic(JobStore):
+        def membership_change(self) -> str | None:
+            asked.append(self.base_rank)
+            return "1 node(s) asked to join: a new rendezvous round"
+
+    jobs = [Elastic(store, node=n, base_rank=n, nproc=1, world_size=3) for n in range(3)]
+    for job in jobs:
+        job.run_id = "r"
+        job.store.add(job.key("beat", job.base_rank), 0)
+        job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+    seen: list[WorkerFailure] = []
+    assert not FateMonitor(jobs[1], seen.append, clock=clock).beat_once() and asked == []
+    assert FateMonitor(jobs[0], seen.append, clock=clock).beat_once() and asked == [0]
+    assert [f.error_type for f in seen] == ["MembershipChange"]
+    record = jobs[2].read_abort()
+    assert record is not None and record["error_type"] == "MembershipChange"
+    assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs)
