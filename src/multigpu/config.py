@@ -67,6 +67,11 @@ class RunConfig:
     """``target`` is a pickled payload for ``multigpu.worker function`` (``MultiGPUManager``)."""
     first_local_rank: int = 0
     """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
+    # -- warm worker template (H4)
+    template: bool = True
+    """Fork the ranks from a per-node template that imported torch once (``--no-template``: don't)."""
+    preload: tuple[str, ...] = ()
+    """Modules the template imports besides torch (``--preload``)."""
 
     @property
     def resolved_world_size(self) -> int:

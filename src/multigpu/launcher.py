@@ -6,9 +6,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,10 @@ from .rendezvous import JobStore, bind_store_socket, connect_store, serve_store
 from .report import format_report, plain_summary
 from .rundir import check_run_id, claim_output, raise_open_file_limit
 from .signals import capture_signals, end_with_signal, set_child_subreaper
+from .spawning import Spawner
 from .specs import build_specs
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
+from .template_client import NodeSpawner, StoreSocket
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 
@@ -62,6 +64,8 @@ class Rendezvous:
     """Set on one machine: rank 0 serves the store on the launcher's socket (no torch in the launcher)."""
     job: JobStore | None = None
     """Set for several nodes: the launchers share membership, heartbeats and the abort record."""
+    spawner: NodeSpawner | None = None
+    """Starts this node's ranks: forked from the node's template, or plain processes (H4)."""
 
 
 def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
@@ -84,6 +88,21 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
          f"{config.resolved_world_size} rank(s)")
     job.join(config.rdzv_timeout)
     return Rendezvous(endpoint.host, port, run_id, None, job)
+
+
+def node_spawner(config: RunConfig, rdzv: Rendezvous, notify: Callable[[str], None]) -> Rendezvous:
+    """``rdzv`` with this node's spawner, which also takes over serving a one-node job's store (from
+    rank 0's bootstrap), so that the store lives as long as the run (H4)."""
+    store = None
+    if rdzv.worker_store_fd is not None:
+        store = StoreSocket(rdzv.worker_store_fd, (config.rdzv_endpoint or LOOPBACK).bind_host,
+                            rdzv.master_port)
+    use = config.template and config.run_mode == "python" and not config.function
+    why = "--no-python" if config.run_mode == "exec" else "--no-template"
+    if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
+        use, why = False, "cannot adopt forked ranks: no child subreaper"
+    spawner = NodeSpawner(use_template=use, store=store, preload=config.preload, notify=notify, why_not=why)
+    return replace(rdzv, worker_store_fd=None, spawner=spawner)
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
@@ -117,8 +136,9 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     folder = None
+    rdzv = None
     try:
-        rdzv = rendezvous(config, sock)
+        rdzv = node_spawner(config, rendezvous(config, sock), _say)
         check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
         output_dir = (config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve()
         folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
@@ -138,6 +158,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     finally:
         if folder is not None:
             folder.release()
+        if rdzv is not None and rdzv.spawner is not None:
+            rdzv.spawner.close()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
 
@@ -155,7 +177,7 @@ def run_attempts(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_
                             store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
                             launcher_pid=os.getpid())
         record.begin_attempt(attempt, rdzv.master_addr, master_port)
-        result, workers = run_attempt(config, specs, record, reaper, attempt, job)
+        result, workers = run_attempt(config, specs, record, reaper, attempt, job, rdzv.spawner)
         record.end_attempt(result)
         code = _exit_code(result)
         if result.status is RunStatus.SUCCEEDED:
@@ -200,7 +222,8 @@ def _node_gone(result: RunResult) -> bool:
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
-                attempt: int, job: JobStore | None = None) -> tuple[RunResult, list[Worker]]:
+                attempt: int, job: JobStore | None = None, spawner: Spawner | None = None,
+                ) -> tuple[RunResult, list[Worker]]:
     console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node, writer=active_writer())
     live = None
     if _use_live_view(config):
@@ -210,7 +233,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     with ExitStack() as stack:
         supervisor = Supervisor(specs, sink=live or console, listener=record,
                                 grace_period=config.grace_period, hang_timeout=config.hang_timeout,
-                                tick=live.refresh if live else None, reap_orphans=reaper)
+                                tick=live.refresh if live else None, reap_orphans=reaper, spawner=spawner)
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers

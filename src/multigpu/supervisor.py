@@ -27,7 +27,6 @@ import enum
 import os
 import selectors
 import signal
-import subprocess
 import threading
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from . import reaping
 from .console import say
 from .errors import WorkerFailure, signal_name
 from .output import OutputSink, Stream, WorkerOutput
+from .spawning import PopenSpawner, ProcessHandle, Spawner, start_rank
 from .worker import DONE_BEAT, DUMP_SIGNAL, FAILING_BEAT
 
 LOG_TAIL_LINES = 20
@@ -86,7 +86,7 @@ class WorkerSpec:
 class Worker:
     spec: WorkerSpec
     state: WorkerState = WorkerState.PENDING
-    popen: subprocess.Popen[bytes] | None = None
+    popen: ProcessHandle | None = None
     pidfd: int | None = None
     start_time: float | None = None
     end_time: float | None = None
@@ -164,7 +164,9 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         reap_orphans: bool = False,
         on_failing: Callable[[Worker], None] | None = None,
+        spawner: Spawner | None = None,
     ) -> None:
+        self._spawner: Spawner = spawner or PopenSpawner()
         self.workers = [Worker(spec) for spec in specs]
         self._listener = listener
         self.grace_period = grace_period
@@ -204,6 +206,7 @@ class Supervisor:
         self._started = True
         now = self._clock()
         try:
+            self._spawner.prepare([w.spec for w in self.workers])
             for worker in self.workers:
                 self._spawn(worker, now)
         except BaseException:
@@ -211,25 +214,8 @@ class Supervisor:
             raise
 
     def _spawn(self, worker: Worker, now: float) -> None:
-        spec = worker.spec
-        if spec.error_file is not None:  # an earlier run's record must never be read as this one's
-            with contextlib.suppress(FileNotFoundError):
-                spec.error_file.unlink()
         self._output.open(worker)
-        hb_r, hb_w = os.pipe()
-        os.set_blocking(hb_r, False)
-        os.set_blocking(hb_w, False)
-        env = dict(spec.env, MULTIGPU_HEARTBEAT_FD=str(hb_w))
-        try:
-            worker.popen = subprocess.Popen(
-                spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*spec.pass_fds, hb_w),
-            )
-        except BaseException:
-            os.close(hb_r)
-            raise
-        finally:
-            os.close(hb_w)
+        worker.popen, hb_r = start_rank(self._spawner, worker.spec)
         worker.heartbeat_read_fd = hb_r
         self._selector.register(hb_r, selectors.EVENT_READ, ("beat", worker))
         worker.state = WorkerState.RUNNING
@@ -564,7 +550,7 @@ class Supervisor:
             for pgid in groups:
                 reaping.signal_group(pgid, signal.SIGKILL)
         if self._reap_orphans:
-            reaping.kill_escaped(self.workers)
+            reaping.kill_escaped(self.workers, self._spawner.spared())
         for w in reaping.reap_killed(self.workers, self._notify):
             if w.unkillable:
                 self._changed(w)

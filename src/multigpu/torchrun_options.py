@@ -67,6 +67,10 @@ OURS = (
     Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress"),
     Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
            choices=("auto", "on", "off")),
+    # -- warm worker template (H4)
+    Option(("--no-template",), None, "start every rank as a fresh Python process instead of forking it "
+           "from the node's template (which imports torch once per node)"),
+    Option(("--preload",), "MODULES", "modules the template imports besides torch, comma separated"),
 )
 
 TORCHRUN = (
