@@ -27,7 +27,7 @@ from .signals import capture_signals, end_with_signal, set_child_subreaper
 from .spawning import Spawner
 from .specs import build_specs
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
-from .template_client import NodeSpawner, StoreSocket
+from .template_client import NodeSpawner, StoreSocket, spawner_for
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 
@@ -97,11 +97,7 @@ def node_spawner(config: RunConfig, rdzv: Rendezvous, notify: Callable[[str], No
     if rdzv.worker_store_fd is not None:
         store = StoreSocket(rdzv.worker_store_fd, (config.rdzv_endpoint or LOOPBACK).bind_host,
                             rdzv.master_port)
-    use = config.template and config.run_mode == "python" and not config.function
-    why = "--no-python" if config.run_mode == "exec" else "--no-template"
-    if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
-        use, why = False, "cannot adopt forked ranks: no child subreaper"
-    spawner = NodeSpawner(use_template=use, store=store, preload=config.preload, notify=notify, why_not=why)
+    spawner = spawner_for(config, store, notify)
     return replace(rdzv, worker_store_fd=None, spawner=spawner)
 
 

@@ -6,9 +6,12 @@ again. The template pays it once: the launcher starts it before the first attemp
 environment its ranks share, it imports torch (and ``--preload`` modules) before any CUDA or
 process-group state exists, and then forks each rank on request, for every attempt of the run.
 
-It also hosts the job's c10d store, so the store lives as long as the run, not as long as rank 0. The
-store's server runs threads, and a process with threads must not fork, so the store lives in a child
-forked right after the imports (``--store-only``: the fallback's store process, no forking at all).
+It also hosts the job's c10d store, so the store lives as long as the attempt, not as long as rank 0.
+The store's server runs threads, and a process with threads must not fork, so the store lives in a
+child forked right after the imports, and again for each attempt (``{"op": "store"}``): torch's ranks
+put no per-attempt prefix on their keys (with an agent store it expects a new store per attempt), so
+every attempt gets a fresh store on the same listening socket. Without a template (``--no-template``,
+``--no-python``) the same program, never asked to fork a rank, is the node's store process.
 
 The protocol, on a ``SOCK_SEQPACKET`` socket pair whose other end the launcher holds (the pattern of
 Python's multiprocessing forkserver): the template says ``{"ready": ...}`` once; each request is a
@@ -16,7 +19,7 @@ JSON ``{"argv", "env", "cwd", "fds"}`` carrying descriptors (SCM_RIGHTS) that th
 numbers ``fds`` names; the answer is ``{"pid": N}`` or ``{"error": TEXT}``. The rank is forked twice
 (template -> middle -> rank) and the middle exits at once, so the rank is re-parented to the launcher,
 a child subreaper, which waits for it, signals its group and reads its exit status as for any child.
-The rank itself is made indistinguishable from a fresh one in ``forked_rank``. The template ends when
+The rank itself is made indistinguishable from a fresh one in ``forked.py``. The template ends when
 the control socket closes, and with the launcher (parent-death signal), taking the store with it.
 """
 
@@ -78,10 +81,13 @@ def warm_up(preload: list[str]) -> None:
 
 
 def start_store(listen_fd: int, host: str, port: int) -> int:
-    """Fork the process that serves the job's store on the launcher's listening socket; its pid."""
+    """Fork a process that serves a fresh store on the launcher's listening socket; its pid.
+
+    One per attempt: torch's ranks add no per-attempt prefix to their keys (with an agent store it
+    expects a new store per attempt), so the last attempt's keys must not be there for the next.
+    """
     pid = os.fork()
     if pid:
-        os.close(listen_fd)  # the store owns it now; a rank must never inherit it
         return pid
     try:
         set_pdeathsig()  # it goes with the template, which goes with the launcher
@@ -124,15 +130,30 @@ def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -
     return {"pid": int(text)} if text else {"error": "the fork failed"}
 
 
-def serve_requests(control: socket.socket) -> None:
+class Store:
+    """The attempt's store process, when the template hosts the job's store."""
+
+    def __init__(self, listen_fd: int | None, host: str, port: int) -> None:
+        self.listen_fd, self.host, self.port = listen_fd, host, port
+        self.pid: int | None = None
+
+    def renew(self) -> dict[str, Any]:
+        end_store(self.pid)
+        self.pid = None
+        if self.listen_fd is not None:
+            self.pid = start_store(self.listen_fd, self.host, self.port)
+        return {"store_pid": self.pid}
+
+
+def serve_requests(control: socket.socket, store: Store) -> None:
     while True:
         request, fds = receive(control)
         if request is None:
             return
         try:
-            answer = fork_rank(request, fds, control)
+            answer = store.renew() if request.get("op") == "store" else fork_rank(request, fds, control)
         except OSError as exc:
-            answer = {"error": f"fork failed: {exc}"}
+            answer = {"error": f"{request.get('op', 'fork')} failed: {exc}"}
         send(control, answer)
 
 
@@ -160,7 +181,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--store-port", type=int, default=0)
     parser.add_argument("--preload", default="")
-    parser.add_argument("--store-only", action="store_true", help="serve the store; fork nothing")
     return parser.parse_args(argv)
 
 
@@ -171,27 +191,18 @@ def main(argv: list[str] | None = None) -> None:
         return  # the launcher is already gone
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when the template ends
     control = socket.socket(fileno=args.control_fd)
-    store_pid = None
+    store = Store(args.store_fd, args.store_host, args.store_port)
     try:
         try:
             warm_up([m for m in args.preload.split(",") if m])
-            if args.store_fd is not None and not args.store_only:
-                store_pid = start_store(args.store_fd, args.store_host, args.store_port)
-            elif args.store_fd is not None:
-                from .rendezvous import serve_store
-
-                _store = serve_store(args.store_fd, args.store_host, args.store_port)
+            store.renew()
         except Exception as exc:  # the launcher falls back to plain processes and says why
             send(control, {"error": f"{type(exc).__name__}: {exc}"})
             return
-        send(control, {"ready": True, "pid": os.getpid(), "store_pid": store_pid})
-        if args.store_only:
-            while control.recv(1):
-                pass
-        else:
-            serve_requests(control)
+        send(control, {"ready": True, "pid": os.getpid(), "store_pid": store.pid})
+        serve_requests(control, store)
     finally:
-        end_store(store_pid)
+        end_store(store.pid)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ starts the template with the environment all that attempt's ranks share, so torc
 exactly what a fresh rank would have read; later attempts (``--max-restarts``) fork from the same
 template. Where a template cannot serve (``--no-python``, ``--no-template``, a template that failed to
 start or will not fork) ranks are plain processes, said in one line, and a small store process (the
-same program with ``--store-only``) still hosts the store: either way the store lives as long as the
-run, not as long as rank 0, and the launcher imports no torch.
+same program, never asked to fork) still hosts the store: either way each attempt's store lives as
+long as the attempt, not as long as rank 0, and the launcher imports no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .config import RunConfig
+from .signals import set_child_subreaper
 from .spawning import AdoptedProcess, PopenSpawner, ProcessHandle
 from .supervisor import WorkerSpec
 from .template import receive, send
@@ -46,7 +48,7 @@ class TemplateProcess:
     """One ``python -m multigpu.template`` and the launcher's end of its control socket."""
 
     def __init__(self, env: dict[str, str], store: StoreSocket | None, preload: Sequence[str],
-                 store_only: bool, python: str = sys.executable) -> None:
+                 python: str = sys.executable) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
                 "--launcher-pid", str(os.getpid()), "--preload", ",".join(preload)]
@@ -54,8 +56,6 @@ class TemplateProcess:
         if store is not None:
             argv += ["--store-fd", str(store.fd), "--store-host", store.host, "--store-port", str(store.port)]
             fds.append(store.fd)
-        if store_only:
-            argv.append("--store-only")
         try:
             self.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=fds)
@@ -95,6 +95,16 @@ class TemplateProcess:
             raise OSError((answer or {}).get("error", "the template is gone"))
         return int(answer["pid"])
 
+    def renew_store(self) -> None:
+        """A fresh store for the next attempt, on the same socket (the last one's keys are gone)."""
+        send(self.control, {"op": "store"})
+        answer, extra = receive(self.control)
+        for fd in extra:
+            os.close(fd)
+        if answer is None or "error" in answer:
+            raise OSError((answer or {}).get("error", "the template is gone"))
+        self.store_pid = answer.get("store_pid")
+
     def pids(self) -> frozenset[int]:
         return frozenset(p for p in (self.process.pid, self.store_pid) if p is not None)
 
@@ -129,7 +139,9 @@ class NodeSpawner:
     """Forks ranks from the node's template, or starts plain processes where it cannot (see module)."""
 
     def __init__(self, *, use_template: bool, store: StoreSocket | None, preload: Sequence[str] = (),
-                 notify: Callable[[str], None], why_not: str = "--no-template") -> None:
+                 notify: Callable[[str], None], why_not: str = "--no-template",
+                 python: str = sys.executable) -> None:
+        self._python = python
         self._use_template = use_template
         self._why_not = why_not
         self._store = store
@@ -146,36 +158,35 @@ class NodeSpawner:
         return self._template
 
     def prepare(self, specs: Sequence[WorkerSpec]) -> None:
-        """Before the first attempt's ranks: start the template (or the store process). Once."""
+        """Before each attempt's ranks: the first time, start the template (or the store process);
+        later, a fresh store for the attempt."""
         if self._prepared:
+            host = self._template or self._store_process
+            if self._store is not None and host is not None:
+                host.renew_store()
             return
         self._prepared = True
         if self._use_template and specs and all(forkable(s) for s in specs):
             started = time.monotonic()
-            self._template = TemplateProcess(shared_env(specs), self._store, self._preload, store_only=False)
+            self._template = TemplateProcess(shared_env(specs), self._store, self._preload, self._python)
             why = self._template.wait_ready()
             if why is None:
                 return
-            self._drop_template(f"the worker template failed to start ({why}; "
-                                f"{time.monotonic() - started:.1f}s)")
+            self._template.close()
+            self._template = None
+            took = time.monotonic() - started
+            self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
         elif self._use_template:
             self._why_not = "--no-python" if specs and specs[0].argv[3:4] == ["exec"] else "not a script"
         if self._template is None:
             self._notify(f"ranks start as plain processes ({self._why_not}); one import of torch each")
         if self._store is not None and self._template is None:
-            self._store_process = TemplateProcess(shared_env(specs), self._store, (), store_only=True)
+            self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
             why = self._store_process.wait_ready()
             if why is not None:
                 raise OSError(f"the job's store process failed to start: {why}")
 
-    def _drop_template(self, why: str) -> None:
-        self._notify(why)
-        if self._template is not None:
-            self._template.close()
-            self._template = None
-
     def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
-        self.prepare([spec])
         if self._template is None or not self._forks or not forkable(spec):
             return self._plain.spawn(spec, env, pass_fds)
         out_r, out_w = os.pipe()
@@ -204,3 +215,12 @@ class NodeSpawner:
             if host is not None:
                 host.close()
         self._template = self._store_process = None
+
+
+def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None]) -> NodeSpawner:
+    """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job."""
+    use = config.template and config.run_mode == "python" and not config.function
+    why = "--no-python" if config.run_mode == "exec" else "--no-template"
+    if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
+        use, why = False, "cannot adopt forked ranks: no child subreaper"
+    return NodeSpawner(use_template=use, store=store, preload=config.preload, notify=notify, why_not=why)

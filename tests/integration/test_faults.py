@@ -275,7 +275,9 @@ def start_sleepers(tmp_path: Path, launched: list[subprocess.Popen[str]], *extra
     proc = start_cli(run_args(out, *extra, str(job)), cwd=tmp_path)
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
-    pids = rank_pids(out) + grandchild_pids(out)
+    deadline = time.monotonic() + 10  # a rank's printed pid reaches its log just after its ready file
+    while len(pids := rank_pids(out) + grandchild_pids(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(pids) == 4, pids
     return proc, out, pids
 
