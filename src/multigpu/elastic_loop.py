@@ -45,7 +45,7 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
          f"worker(s) here; this launcher {role} the rendezvous at {config.rdzv_endpoint}; "
          f"output in {output_dir}")
     code, over = 1, False
-    spawner = spawner_for(config, None, _say)  # every round's ranks fork from one template (H4)
+    spawner = spawner_for(config, None, _say, base_env)  # every round's ranks fork from one template (H4)
     try:
         code, over = run_rounds(config, rdzv, record, output_dir, base_env, cvd, spawner)
     except RendezvousError:

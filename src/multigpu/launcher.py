@@ -90,15 +90,15 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
     return Rendezvous(endpoint.host, port, run_id, None, job)
 
 
-def node_spawner(config: RunConfig, rdzv: Rendezvous, notify: Callable[[str], None]) -> Rendezvous:
-    """``rdzv`` with this node's spawner, which also takes over serving a one-node job's store (from
-    rank 0's bootstrap), so that the store lives as long as the run (H4)."""
+def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None],
+                 base_env: Mapping[str, str]) -> NodeSpawner:
+    """This node's spawner, started before the rendezvous so the template imports torch meanwhile; on
+    one node it also serves the job's store (not rank 0's bootstrap), so the store outlives rank 0."""
     store = None
-    if rdzv.worker_store_fd is not None:
-        store = StoreSocket(rdzv.worker_store_fd, (config.rdzv_endpoint or LOOPBACK).bind_host,
-                            rdzv.master_port)
-    spawner = spawner_for(config, store, notify)
-    return replace(rdzv, worker_store_fd=None, spawner=spawner)
+    if sock is not None and not config.multi_node:
+        host = (config.rdzv_endpoint or LOOPBACK).bind_host
+        store = StoreSocket(sock.fileno(), host, sock.getsockname()[1])
+    return spawner_for(config, store, notify, base_env)
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
@@ -132,9 +132,10 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     folder = None
-    rdzv = None
+    spawner = None
     try:
-        rdzv = node_spawner(config, rendezvous(config, sock), _say)
+        spawner = node_spawner(config, sock, _say, base_env)
+        rdzv = replace(rendezvous(config, sock), worker_store_fd=None, spawner=spawner)
         check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
         output_dir = (config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve()
         folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
@@ -154,8 +155,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     finally:
         if folder is not None:
             folder.release()
-        if rdzv is not None and rdzv.spawner is not None:
-            rdzv.spawner.close()
+        if spawner is not None:
+            spawner.close()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
 

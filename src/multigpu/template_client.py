@@ -19,10 +19,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .config import RunConfig
+from .environment import omp_threads, usable_cpu_count
 from .signals import set_child_subreaper
 from .spawning import AdoptedProcess, PopenSpawner, ProcessHandle
 from .supervisor import WorkerSpec
@@ -136,7 +137,11 @@ def forkable(spec: WorkerSpec) -> bool:
 
 
 class NodeSpawner:
-    """Forks ranks from the node's template, or starts plain processes where it cannot (see module)."""
+    """Forks ranks from the node's template, or starts plain processes where it cannot (see module).
+
+    ``start`` launches the template (or the store process) at once and does not wait: it imports
+    torch while the launcher meets its peers, so a launcher never stalls its own beats on it.
+    """
 
     def __init__(self, *, use_template: bool, store: StoreSocket | None, preload: Sequence[str] = (),
                  notify: Callable[[str], None], why_not: str = "--no-template",
@@ -150,6 +155,7 @@ class NodeSpawner:
         self._template: TemplateProcess | None = None
         self._store_process: TemplateProcess | None = None
         self._plain = PopenSpawner()
+        self._started: float | None = None
         self._prepared = False
         self._forks = True
 
@@ -157,31 +163,37 @@ class NodeSpawner:
     def template(self) -> TemplateProcess | None:
         return self._template
 
+    def start(self, env: dict[str, str]) -> None:
+        """Start the template (or, without one, the store process) with ``env``; no waiting."""
+        self._started = time.monotonic()
+        if self._use_template:
+            self._template = TemplateProcess(env, self._store, self._preload, self._python)
+        elif self._store is not None:
+            self._store_process = TemplateProcess(env, self._store, (), self._python)
+
     def prepare(self, specs: Sequence[WorkerSpec]) -> None:
-        """Before each attempt's ranks: the first time, start the template (or the store process);
-        later, a fresh store for the attempt."""
+        """Before each attempt's ranks: the first time, wait for what ``start`` started (starting it
+        now if nobody did); later, a fresh store for the attempt."""
         if self._prepared:
             host = self._template or self._store_process
             if self._store is not None and host is not None:
                 host.renew_store()
             return
         self._prepared = True
-        if self._use_template and specs and all(forkable(s) for s in specs):
-            started = time.monotonic()
-            self._template = TemplateProcess(shared_env(specs), self._store, self._preload, self._python)
+        if self._started is None:
+            self.start(shared_env(specs))
+        if self._template is not None:
             why = self._template.wait_ready()
             if why is None:
                 return
             self._template.close()
             self._template = None
-            took = time.monotonic() - started
+            took = time.monotonic() - (self._started or 0.0)
             self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
-        elif self._use_template:
-            self._why_not = "--no-python" if specs and specs[0].argv[3:4] == ["exec"] else "not a script"
-        if self._template is None:
-            self._notify(f"ranks start as plain processes ({self._why_not}); one import of torch each")
-        if self._store is not None and self._template is None:
-            self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
+            if self._store is not None:
+                self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
+        self._notify(f"ranks start as plain processes ({self._why_not}); one import of torch each")
+        if self._store_process is not None:
             why = self._store_process.wait_ready()
             if why is not None:
                 raise OSError(f"the job's store process failed to start: {why}")
@@ -217,10 +229,20 @@ class NodeSpawner:
         self._template = self._store_process = None
 
 
-def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None]) -> NodeSpawner:
-    """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job."""
+def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None],
+                base_env: Mapping[str, str]) -> NodeSpawner:
+    """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job, started.
+
+    The template gets what every rank's environment shares that torch may read at import: the
+    launcher's environment, ``--env`` settings, and the ranks' default ``OMP_NUM_THREADS``. A rank
+    whose value differs still gets it (``forked.reseed`` applies it as torch would have).
+    """
     use = config.template and config.run_mode == "python" and not config.function
     why = "--no-python" if config.run_mode == "exec" else "--no-template"
     if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
         use, why = False, "cannot adopt forked ranks: no child subreaper"
-    return NodeSpawner(use_template=use, store=store, preload=config.preload, notify=notify, why_not=why)
+    spawner = NodeSpawner(use_template=use, store=store, preload=config.preload, notify=notify, why_not=why)
+    env = {**base_env, **config.extra_env}
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads(usable_cpu_count(), config.nproc)))
+    spawner.start(env)
+    return spawner

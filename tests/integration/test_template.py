@@ -118,7 +118,7 @@ def test_the_store_outlives_rank_0(tmp_path: Path, mode: str) -> None:
     res = run_cli(["run", "--cpu", "2", "--status", "off", *flags, str(job)], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "subgroup made after rank 0 had gone" in res.stdout
-    assert_gone(pids_in(res.stdout) + [int((tmp_path / "rank0.pid").read_text())])
+    assert_gone([*pids_in(res.stdout), int((tmp_path / "rank0.pid").read_text())])
 
 
 RESTART = REPORT + """
