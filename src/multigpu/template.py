@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         send(control, {"ready": True, "pid": os.getpid(), "store_pid": store.pid})
         serve_requests(control, store)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the launcher closed the channel before we answered: it needs us no more
     finally:
         end_store(store.pid)
 
