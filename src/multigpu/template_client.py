@@ -175,9 +175,7 @@ class NodeSpawner:
         """Before each attempt's ranks: the first time, wait for what ``start`` started (starting it
         now if nobody did); later, a fresh store for the attempt."""
         if self._prepared:
-            host = self._template or self._store_process
-            if self._store is not None and host is not None:
-                host.renew_store()
+            self._renew_store(specs)
             return
         self._prepared = True
         if self._started is None:
@@ -197,6 +195,23 @@ class NodeSpawner:
             why = self._store_process.wait_ready()
             if why is not None:
                 raise OSError(f"the job's store process failed to start: {why}")
+
+    def _renew_store(self, specs: Sequence[WorkerSpec]) -> None:
+        """A fresh store for a restart; a template that died meanwhile is replaced by plain ranks
+        and a new store process."""
+        host = self._template or self._store_process
+        if self._store is None or host is None:
+            return
+        try:
+            host.renew_store()
+        except OSError as exc:
+            host.close()
+            self._template = None
+            self._notify(f"the worker template is gone ({exc}); ranks start as plain processes from here on")
+            self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
+            why = self._store_process.wait_ready()
+            if why is not None:
+                raise OSError(f"the job's store process failed to start: {why}") from None
 
     def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
         if self._template is None or not self._forks or not forkable(spec):
