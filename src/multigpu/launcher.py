@@ -61,7 +61,8 @@ class Rendezvous:
     master_port: int
     run_id: str
     worker_store_fd: int | None
-    """Set on one machine: rank 0 serves the store on the launcher's socket (no torch in the launcher)."""
+    """The launcher's listening socket on one machine, until ``node_spawner`` hands it to the node's
+    template (or store process), which serves the store; function mode's caller serves it itself."""
     job: JobStore | None = None
     """Set for several nodes: the launchers share membership, heartbeats and the abort record."""
     spawner: NodeSpawner | None = None

@@ -190,7 +190,7 @@ class NodeSpawner:
             self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
             if self._store is not None:
                 self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
-        self._notify(f"ranks start as plain processes ({self._why_not}); one import of torch each")
+        self._notify(f"ranks start as plain processes ({self._why_not})")
         if self._store_process is not None:
             why = self._store_process.wait_ready()
             if why is not None:
