@@ -227,8 +227,10 @@ def main() -> int:
     res["left_behind"] = LEFT_BEHIND
     res["summary"] = summary(res)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "start_restart.json").write_text(json.dumps(res, indent=1) + "\n")
-    (args.out / "start_restart.md").write_text(markdown(res))
+    everything = set(only) >= {"start", "restart", "train"}
+    stem = "start_restart" if everything else "start_restart_" + "_".join(only)
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(res))
     print(markdown(res))
     return 0
 

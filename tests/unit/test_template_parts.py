@@ -1,4 +1,4 @@
-"""The template's parts that need no running template: the adopted-child handle, the shared
+"""The warm template's parts that need no running template: the adopted-child handle, the shared
 environment, the fallback when a template cannot start, the forked rank's descriptor set-up and exit
 status, and the command-line options."""
 
