@@ -70,6 +70,24 @@ if [[ $ngpus -ge 2 ]]; then
 else
     echo "SKIP manager_nccl_* (function mode on NCCL needs 2 GPUs; $ngpus visible)"
 fi
+# The warm worker template (H4) on CUDA: ranks forked from a template that imported torch (never CUDA)
+# initialise CUDA and NCCL themselves; a restart forks again from the same template.
+cat >"$WORK/template_restart.py" <<'PY'
+import os, sys, torch, torch.distributed as dist
+forked = "torch" in sys.modules
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+t = torch.ones(4, device="cuda")
+dist.all_reduce(t)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"template rank {dist.get_rank()} attempt {attempt} forked={forked} sum={int(t[0].item())}", flush=True)
+if attempt == 0:
+    os._exit(3)
+dist.destroy_process_group()
+PY
+check template_nccl_restart 150 bash -c "'$PY' -m multigpu run --gpus 0 --status off --max-restarts 1 \
+    --output '$WORK/tpl' '$WORK/template_restart.py' && grep -q 'attempt 1 forked=True sum=1' \
+    '$WORK/tpl/logs/attempt_1/rank_0.log'"
 check pytest_gpu 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/gpu"
 # Preemption on NCCL: SIGUSR1 reaches a rank inside NCCL work; it is recorded, the loop stops via
 # multigpu.should_stop, saves, and the launcher exits 75 (no SLURM here: nothing to requeue).

@@ -15,6 +15,7 @@ import shutil
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -252,8 +253,18 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = apply_layout(config, rendezvous_values(config, values), env)
     config = apply_rank_filters(config, values)
     config = apply_preemption_options(config, values, env)
+    config = _apply_template(config, values)
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
+
+
+def _apply_template(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig:
+    """--no-template and --preload (H4)."""
+    preload = tuple(m.strip() for m in (values["preload"] or "").split(",") if m.strip())
+    bad = [m for m in preload if not all(part.isidentifier() for part in m.split("."))]
+    if bad:
+        raise UsageError(f"--preload takes module names, comma separated; got {bad[0]!r}")
+    return replace(config, template=values["no_template"] != "1", preload=preload)
 
 
 def cmd_run(argv: Sequence[str]) -> int:

@@ -79,6 +79,11 @@ class RunConfig:
     """A rank that reports steps hangs after ``hang_factor`` x its slowest step interval..."""
     hang_floor: float = 60.0
     """...but never sooner than this, and never later than ``hang_timeout`` (the ceiling)."""
+    # -- warm worker template (H4)
+    template: bool = True
+    """Fork the ranks from a per-node template that imported torch once (``--no-template``: don't)."""
+    preload: tuple[str, ...] = ()
+    """Modules the template imports besides torch (``--preload``)."""
 
     @property
     def resolved_world_size(self) -> int:

@@ -22,8 +22,10 @@ from .record import RunRecord
 from .report import format_report
 from .rundir import check_run_id
 from .signals import set_child_subreaper
+from .spawning import Spawner
 from .specs import build_specs
 from .supervisor import RunResult, RunStatus
+from .template_client import spawner_for
 
 
 def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | None,
@@ -43,13 +45,15 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
          f"worker(s) here; this launcher {role} the rendezvous at {config.rdzv_endpoint}; "
          f"output in {output_dir}")
     code, over = 1, False
+    spawner = spawner_for(config, None, _say, base_env)  # every round's ranks fork from one template (H4)
     try:
-        code, over = run_rounds(config, rdzv, record, output_dir, base_env, cvd)
+        code, over = run_rounds(config, rdzv, record, output_dir, base_env, cvd, spawner)
     except RendezvousError:
         record.finish("failed", 1)
         over = True
         raise
     finally:
+        spawner.close()
         rdzv.shutdown(close=over)
     return code, record
 
@@ -60,7 +64,8 @@ def _round_config(config: RunConfig, rnd: Round, run_id: str) -> RunConfig:
 
 
 def run_rounds(config: RunConfig, rdzv: ElasticRendezvous, record: RunRecord, output_dir: Path,
-               base_env: Mapping[str, str], cvd: str | None) -> tuple[int, bool]:
+               base_env: Mapping[str, str], cvd: str | None,
+               spawner: Spawner | None = None) -> tuple[int, bool]:
     """(exit code, whether the job is over for every node: then the rendezvous is closed)."""
     reaper = set_child_subreaper()
     while True:
@@ -77,7 +82,8 @@ def run_rounds(config: RunConfig, rdzv: ElasticRendezvous, record: RunRecord, ou
             if spec.error_file is not None:
                 spec.error_file.unlink(missing_ok=True)
         record.begin_attempt(rnd.restart_count, rnd.master_addr, rnd.master_port)
-        result, workers = run_attempt(round_config, specs, record, reaper, rnd.restart_count, rnd.job)
+        result, workers = run_attempt(round_config, specs, record, reaper, rnd.restart_count, rnd.job,
+                                       spawner=spawner)
         record.end_attempt(result)
         rdzv.handler.worker_store = None  # the round's workers are gone: so is their store
         code = _exit_code(result)

@@ -6,9 +6,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,10 @@ from .requeue import allocation_dir
 from .restarts import CrashLoopPolicy
 from .rundir import check_run_id, claim_output, raise_open_file_limit
 from .signals import capture_signals, end_with_signal, set_child_subreaper
+from .spawning import Spawner
 from .specs import build_specs
 from .supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec
+from .template_client import NodeSpawner, StoreSocket, spawner_for
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 
@@ -65,9 +67,12 @@ class Rendezvous:
     master_port: int
     run_id: str
     worker_store_fd: int | None
-    """Set on one machine: rank 0 serves the store on the launcher's socket (no torch in the launcher)."""
+    """The launcher's listening socket on one machine, until ``node_spawner`` hands it to the node's
+    template (or store process), which serves the store; function mode's caller serves it itself."""
     job: JobStore | None = None
     """Set for several nodes: the launchers share membership, heartbeats and the abort record."""
+    spawner: NodeSpawner | None = None
+    """Starts this node's ranks: forked from the node's template, or plain processes (H4)."""
 
 
 def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
@@ -90,6 +95,17 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
          f"{config.resolved_world_size} rank(s)")
     job.join(config.rdzv_timeout)
     return Rendezvous(endpoint.host, port, run_id, None, job)
+
+
+def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None],
+                 base_env: Mapping[str, str]) -> NodeSpawner:
+    """This node's spawner, started before the rendezvous so the template imports torch meanwhile; on
+    one node it also serves the job's store (not rank 0's bootstrap), so the store outlives rank 0."""
+    store = None
+    if sock is not None and not config.multi_node:
+        host = (config.rdzv_endpoint or LOOPBACK).bind_host
+        store = StoreSocket(sock.fileno(), host, sock.getsockname()[1])
+    return spawner_for(config, store, notify, base_env)
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
@@ -123,8 +139,10 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     endpoint = config.rdzv_endpoint or LOOPBACK
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     folder = None
+    spawner = None
     try:
-        rdzv = rendezvous(config, sock)
+        spawner = node_spawner(config, sock, _say, base_env)
+        rdzv = replace(rendezvous(config, sock), worker_store_fd=None, spawner=spawner)
         check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
         output_dir = allocation_dir((config.output_dir or Path("multigpu_runs") / rdzv.run_id).resolve(),
                                     base_env)
@@ -144,6 +162,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     finally:
         if folder is not None:
             folder.release()
+        if spawner is not None:
+            spawner.close()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
 
@@ -206,7 +226,7 @@ def _attempt(config: RunConfig, rdzv: Rendezvous, record: RunRecord, output_dir:
                         store_fd=rdzv.worker_store_fd, base_env=base_env, cuda_visible_devices=cvd,
                         launcher_pid=os.getpid())
     record.begin_attempt(attempt, rdzv.master_addr, master_port)
-    result, workers = run_attempt(config, specs, record, reaper, attempt, job, watch)
+    result, workers = run_attempt(config, specs, record, reaper, attempt, job, watch, rdzv.spawner)
     record.end_attempt(result)
     return result, workers, job, worker_store
 
@@ -281,8 +301,8 @@ def _node_gone(result: RunResult) -> bool:
 
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
-                attempt: int, job: JobStore | None = None,
-                preempt: PreemptWatch | None = None) -> tuple[RunResult, list[Worker]]:
+                attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
+                spawner: Spawner | None = None) -> tuple[RunResult, list[Worker]]:
     console = PrefixedConsole(config.log_ranks, qualify_node=config.multi_node, writer=active_writer())
     live = None
     if _use_live_view(config):
@@ -293,7 +313,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         supervisor = Supervisor(specs, sink=live or console, listener=record,
                                 grace_period=config.grace_period, hang_timeout=config.hang_timeout,
                                 tick=live.refresh if live else None, reap_orphans=reaper,
-                                progress=progress_book(config, record.path.parent, specs))
+                                progress=progress_book(config, record.path.parent, specs), spawner=spawner)
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers

@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .supervisor import Worker
@@ -78,15 +78,25 @@ def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> lis
     return done
 
 
-def kill_escaped(workers: Sequence[Worker]) -> None:
-    """As a subreaper, also end descendants that left their worker's process group (setsid)."""
+def kill_escaped(workers: Sequence[Worker], spared: frozenset[int] = frozenset()) -> None:
+    """As a subreaper, also end descendants that left their worker's process group (setsid); the
+    ``spared`` ones (the node's template, which outlives attempts) and their children are left alone."""
     import psutil
 
     pids = {w.pid for w in workers}
     for child in psutil.Process().children(recursive=True):
-        if child.pid not in pids:
+        if child.pid not in pids and child.pid not in spared and not _child_of(child, spared):
             with contextlib.suppress(psutil.Error):
                 child.kill()
+
+
+def _child_of(process: Any, parents: frozenset[int]) -> bool:
+    import psutil
+
+    try:
+        return bool(parents) and process.ppid() in parents
+    except psutil.Error:
+        return False
 
 
 def reap_adopted(workers: Sequence[Worker]) -> None:

@@ -1,9 +1,10 @@
 """Rendezvous on torch's own c10d TCPStore, with a port that is bound once and never probed.
 
 The launcher binds the listening socket (port 0 on loopback picks a free port atomically) and keeps it
-for the whole run; whoever serves the store (rank 0's bootstrap, or the caller in function mode)
-serves it on that inherited descriptor. Workers use ``TORCHELASTIC_USE_AGENT_STORE``, so every rank is
-a client and keys are namespaced per attempt, exactly as under torchrun.
+for the whole run; whoever serves the store (the node's template or store process, or the caller in
+function mode) serves it on that inherited descriptor. Workers use ``TORCHELASTIC_USE_AGENT_STORE``,
+so every rank is a client; torch then adds no per-attempt prefix to their keys (it expects a new store
+per attempt), so each attempt gets a fresh store.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ Worker states::
 from __future__ import annotations
 
 import enum
-import subprocess
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from .errors import WorkerFailure
 from .hang import RankProgress
 from .output import LineCopy
 from .progress import BeatDecoder
+from .spawning import ProcessHandle
 
 LOG_TAIL_LINES = 20
 
@@ -66,7 +66,7 @@ class WorkerSpec:
 class Worker:
     spec: WorkerSpec
     state: WorkerState = WorkerState.PENDING
-    popen: subprocess.Popen[bytes] | None = None
+    popen: ProcessHandle | None = None
     pidfd: int | None = None
     start_time: float | None = None
     end_time: float | None = None

@@ -21,7 +21,6 @@ import contextlib
 import os
 import selectors
 import signal
-import subprocess
 import threading
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from .errors import WorkerFailure, signal_name
 from .hang import HangPolicy, ProgressBook, hang_failures
 from .output import OutputSink, Stream, WorkerOutput
 from .rank_dumps import DumpRequest, flight_record
+from .spawning import PopenSpawner, Spawner, start_rank
 from .states import (
     LOG_TAIL_LINES,
     RunResult,
@@ -75,7 +75,9 @@ class Supervisor:
         reap_orphans: bool = False,
         on_failing: Callable[[Worker], None] | None = None,
         progress: ProgressBook | None = None,
+        spawner: Spawner | None = None,
     ) -> None:
+        self._spawner: Spawner = spawner or PopenSpawner()
         self.workers = [Worker(spec) for spec in specs]
         self._listener = listener
         self.grace_period = grace_period
@@ -117,6 +119,7 @@ class Supervisor:
         self._started = True
         now = self._clock()
         try:
+            self._spawner.prepare([w.spec for w in self.workers])
             for worker in self.workers:
                 self._spawn(worker, now)
                 self.progress.started(worker.rank, now)
@@ -126,25 +129,8 @@ class Supervisor:
             raise
 
     def _spawn(self, worker: Worker, now: float) -> None:
-        spec = worker.spec
-        if spec.error_file is not None:  # an earlier run's record must never be read as this one's
-            with contextlib.suppress(FileNotFoundError):
-                spec.error_file.unlink()
         self._output.open(worker)
-        hb_r, hb_w = os.pipe()
-        os.set_blocking(hb_r, False)
-        os.set_blocking(hb_w, False)
-        env = dict(spec.env, MULTIGPU_HEARTBEAT_FD=str(hb_w))
-        try:
-            worker.popen = subprocess.Popen(
-                spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*spec.pass_fds, hb_w),
-            )
-        except BaseException:
-            os.close(hb_r)
-            raise
-        finally:
-            os.close(hb_w)
+        worker.popen, hb_r = start_rank(self._spawner, worker.spec)
         worker.heartbeat_read_fd = hb_r
         self._selector.register(hb_r, selectors.EVENT_READ, ("beat", worker))
         worker.state = WorkerState.RUNNING
@@ -471,7 +457,7 @@ class Supervisor:
             for pgid in groups:
                 reaping.signal_group(pgid, signal.SIGKILL)
         if self._reap_orphans:
-            reaping.kill_escaped(self.workers)
+            reaping.kill_escaped(self.workers, self._spawner.spared())
         for w in reaping.reap_killed(self.workers, self._notify):
             if w.unkillable:
                 self._changed(w)

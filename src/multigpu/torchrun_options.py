@@ -80,6 +80,10 @@ OURS = (
     Option(("--requeue",), None, "after a warning, once the ranks exit, 'scontrol requeue' the job and "
            "exit 75 (default under SLURM with a warning signal)"),
     Option(("--no-requeue",), None, "never requeue; a warned run still exits 75"),
+    # -- warm worker template (H4)
+    Option(("--no-template",), None, "start every rank as a fresh Python process instead of forking it "
+           "from the node's template (which imports torch once per node)"),
+    Option(("--preload",), "MODULES", "modules the template imports besides torch, comma separated"),
 )
 
 TORCHRUN = (

@@ -2,8 +2,9 @@
 
 Before any user code runs it (1) ties the worker's fate to its launcher, (2) registers faulthandler
 for crashes and on-demand stack dumps, (3) takes the heartbeat descriptor out of the environment and
-beats whenever the rank itself writes to stdout or stderr, (4) serves the c10d store on rank 0 when
-asked to, and then runs the target, recording an uncaught exception in a per-rank error file. No
+beats whenever the rank itself writes to stdout or stderr, (4) serves the c10d store when asked to
+(``MULTIGPU_STORE_FD``; the launcher no longer asks: the node's template or store process serves it,
+see ``template.py``), and then runs the target, recording an uncaught exception in a per-rank error file. No
 decorator needed. When the target returns, the bootstrap finishes what interpreter exit would (non-
 daemon threads, atexit handlers, file buffers) and only then tells the launcher "done": a crash after
 that point (torch's C++ teardown aborting at exit) cannot undo finished work.
@@ -253,9 +254,8 @@ def run_program(program: str, args: list[str]) -> None:
 
     Why not just ``exec``: a program that is not Python cannot keep this bootstrap's guarantees. The
     kernel's parent-death signal would kill PROGRAM if the launcher died, but not PROGRAM's own
-    children, and on one machine rank 0's bootstrap serves the job's store, which must outlive the
-    program's start. So the bootstrap stays as a small parent: its watchdog thread still ends the whole
-    process group when the launcher dies, and it holds the store. The launcher signals the group, so
+    children. So the bootstrap stays as a small parent: its watchdog thread still ends the whole
+    process group when the launcher dies. The launcher signals the group, so
     PROGRAM receives every signal directly; this parent ignores them (ignoring is process-wide, where a
     blocked mask would only cover this thread, not the watchdog's or the store's) and waits, then exits
     with PROGRAM's code, or dies of PROGRAM's signal, so the report reads as for a Python rank.

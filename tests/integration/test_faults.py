@@ -2,7 +2,8 @@
 
 Workers print ``pid=<n>`` (and ``gc=<n>`` for every grandchild they start); the launcher's run.json
 holds every rank's PID too. Each test bounds its time and proves by PID that nothing it started is
-still alive. Only rank 0 imports torch (it serves the c10d store) unless the script needs it.
+still alive. The ranks are forked from the node's template (which imported torch once); a few tests
+run again with ``--no-template`` (fresh processes, a store process serving the store).
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ print("barrier returned", flush=True)
     assert_gone(rank_pids(out) + gcs)
 
 
-def test_grandchildren_are_gone_afterwards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [(), ("--no-template",)], ids=["template", "no-template"])
+def test_grandchildren_are_gone_afterwards(tmp_path: Path, mode: tuple[str, ...]) -> None:
     """DataLoader-like children: a subprocess and a forked multiprocessing worker on rank 0, a
     subprocess on rank 1, which exits first; its group is signalled even though it has already exited."""
     job = script(tmp_path, """
@@ -251,7 +253,7 @@ wait_ready(0)
 sys.exit(3)
 """)
     out = tmp_path / "out"
-    res = run_cli(run_args(out, str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
+    res = run_cli(run_args(out, *mode, str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
     assert res.returncode == 3, res.stderr
     gcs = grandchild_pids(out)
     assert len(gcs) == 3, res.stdout
@@ -275,14 +277,17 @@ def start_sleepers(tmp_path: Path, launched: list[subprocess.Popen[str]], *extra
     proc = start_cli(run_args(out, *extra, str(job)), cwd=tmp_path)
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
-    pids = rank_pids(out) + grandchild_pids(out)
+    deadline = time.monotonic() + 10  # a rank's printed pid reaches its log just after its ready file
+    while len(pids := rank_pids(out) + grandchild_pids(out)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert len(pids) == 4, pids
     return proc, out, pids
 
 
-def test_launcher_sigkill_takes_everything_down(tmp_path: Path,
-                                                launched: list[subprocess.Popen[str]]) -> None:
-    proc, _, pids = start_sleepers(tmp_path, launched)
+@pytest.mark.parametrize("mode", [(), ("--no-template",)], ids=["template", "no-template"])
+def test_launcher_sigkill_takes_everything_down(tmp_path: Path, launched: list[subprocess.Popen[str]],
+                                                mode: tuple[str, ...]) -> None:
+    proc, _, pids = start_sleepers(tmp_path, launched, *mode)
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     left = wait_gone(pids, timeout=3.0)

@@ -1,0 +1,201 @@
+"""The warm worker template with real launches: forked ranks look fresh, restarts fork again from the
+same template, the store outlives rank 0 (with and without the template), and a launcher SIGKILL
+leaves nothing behind, the template and its store included. Every test proves by PID that what it
+started is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from helpers import assert_gone, pids_in, run_cli, start_cli, wait_gone, write_script
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+# What a rank can see of itself at the first line of its script, before it imports anything.
+REPORT = """
+import json, os, random, sys, threading
+forked = "torch" in sys.modules  # a rank forked from the template has torch already
+import torch
+launcher = os.getppid()
+import psutil
+def of_template(p):
+    try:
+        return "multigpu.template" in " ".join(p.cmdline())
+    except psutil.Error:  # a sentinel's short-lived middle process
+        return False
+forks = [p for p in psutil.Process(launcher).children() if of_template(p)]
+template = [min(forks, key=lambda p: p.create_time()).pid] if forks else []  # forks keep its cmdline
+fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+print("REPORT " + json.dumps({
+    "rank": int(os.environ["RANK"]), "pid": os.getpid(), "pgid": os.getpgrp(), "sid": os.getsid(0),
+    "ppid": launcher, "forked": forked, "template": template, "random": random.random(),
+    "torch_seed": torch.initial_seed(), "threads": len(os.listdir("/proc/self/task")),
+    "fds": fds,
+    "fd_targets": sorted(os.readlink(f"/proc/self/fd/{f}").split(":")[0] for f in fds
+                         if os.path.exists(f"/proc/self/fd/{f}")),
+    "argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd": os.getcwd(),
+    "restart": os.environ["TORCHELASTIC_RESTART_COUNT"],
+}), flush=True)
+"""
+
+
+def reports(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line.split("REPORT ", 1)[1]) for line in text.splitlines() if "REPORT " in line]
+
+
+def gone_after(out_text: str, extra: list[int]) -> None:
+    pids = [r["pid"] for r in reports(out_text)] + extra
+    assert_gone(pids)
+
+
+def test_forked_ranks_look_fresh(tmp_path: Path) -> None:
+    """Per-rank independence, and a forked rank's view matches a plain-spawned rank's."""
+    job = write_script(tmp_path, "job.py", REPORT)
+    warm = run_cli(["run", "--cpu", "2", "--status", "off", str(job), "a1"], cwd=tmp_path)
+    cold = run_cli(["run", "--cpu", "2", "--status", "off", "--no-template", str(job), "a1"], cwd=tmp_path)
+    assert warm.returncode == 0 and cold.returncode == 0, warm.stderr + cold.stderr
+    forked, plain = reports(warm.stdout), reports(cold.stdout)
+    assert len(forked) == 2 and len(plain) == 2
+    assert all(r["forked"] for r in forked) and not any(r["forked"] for r in plain)
+    assert "plain processes (--no-template)" in cold.stderr and "plain processes" not in warm.stderr
+    template = forked[0]["template"]
+    assert len(template) == 1 and forked[1]["template"] == template
+    for r in forked:
+        assert r["pgid"] == r["pid"] and r["sid"] == r["pid"]  # own session and group
+        assert r["pid"] not in template  # threads: as many as a plain rank has (its watchdog), below
+    assert len({r["pid"] for r in forked}) == 2
+    assert len({r["random"] for r in forked}) == 2 and len({r["torch_seed"] for r in forked}) == 2
+    same = ("fds", "fd_targets", "argv", "path0", "name", "cwd", "threads")
+    by_rank = {r["rank"]: r for r in plain}
+    for r in forked:
+        assert {k: r[k] for k in same} == {k: by_rank[r["rank"]][k] for k in same}
+        assert r["ppid"] != template[0]  # re-parented to the launcher
+    assert forked[0]["argv"] == [str(job), "a1"]
+    gone_after(warm.stdout + cold.stdout, template)
+
+
+STORE_AFTER_RANK0 = """
+import os, sys, time, pathlib, datetime
+import torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+if rank == 0:
+    pathlib.Path("rank0.pid").write_text(str(os.getpid()))
+    sys.exit(0)  # finishes first; its peer still needs the store
+deadline = time.monotonic() + 20
+while not pathlib.Path("rank0.pid").exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+pid = int(pathlib.Path("rank0.pid").read_text())
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+    except (ProcessLookupError, FileNotFoundError):
+        break
+    time.sleep(0.01)
+group = dist.new_group([1], use_local_synchronization=True)  # a store-based barrier of its own
+dist.barrier(group=group)
+print(f"pid={os.getpid()} subgroup made after rank 0 had gone", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["template", "no-template"])
+def test_the_store_outlives_rank_0(tmp_path: Path, mode: str) -> None:
+    """Rank 0 exits first; rank 1 still makes a subgroup through the store (torchrun's agent holds
+    the store, so this works there; when rank 0's bootstrap served it, it failed with Broken pipe)."""
+    job = write_script(tmp_path, "job.py", STORE_AFTER_RANK0)
+    flags = ["--no-template"] if mode == "no-template" else []
+    res = run_cli(["run", "--cpu", "2", "--status", "off", *flags, str(job)], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "subgroup made after rank 0 had gone" in res.stdout
+    assert_gone([*pids_in(res.stdout), int((tmp_path / "rank0.pid").read_text())])
+
+
+RESTART = REPORT + """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
+    os._exit(3)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_module_mode_restart_forks_from_the_same_template(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    write_script(tmp_path / "pkg", "job.py", RESTART)
+    res = run_cli(["run", "--cpu", "2", "--status", "off", "--max-restarts", "1", "--grace-period", "1",
+                   "-m", "pkg.job"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    seen = reports(res.stdout)
+    assert sorted((r["restart"], r["rank"]) for r in seen) == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
+    assert all(r["forked"] and r["name"] == "__main__" for r in seen)
+    assert all(r["argv"] == [str(tmp_path / "pkg" / "job.py")] for r in seen)
+    assert len({tuple(r["template"]) for r in seen}) == 1  # one template for both attempts
+    gone_after(res.stdout, seen[0]["template"])
+
+
+def test_launcher_sigkill_leaves_nothing(tmp_path: Path) -> None:
+    """The ranks, their children, the template and its store process all go with the launcher."""
+    job = write_script(tmp_path, "job.py", """
+import os, pathlib, subprocess, time
+child = subprocess.Popen(["sleep", "60"])
+pathlib.Path(f"ready_{os.environ['RANK']}").write_text(f"{os.getpid()} {child.pid}")
+time.sleep(60)
+""")
+    proc = start_cli(["run", "--cpu", "2", "--status", "off", str(job)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready_{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+            time.sleep(0.05)
+        pids = [int(p) for r in (0, 1) for p in (tmp_path / f"ready_{r}").read_text().split()]
+        hosts = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.pid not in pids and "multigpu.template" in " ".join(p.cmdline())]
+        assert len(hosts) >= 2, hosts  # the template, its store process (and the ranks' sentinels)
+        os.kill(proc.pid, signal.SIGKILL)
+        left = wait_gone(pids + hosts, timeout=5.0)
+        assert not left, f"alive after the launcher's SIGKILL: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_template_that_cannot_start_falls_back(tmp_path: Path) -> None:
+    """A --preload that fails to import: the run goes on with plain processes, said in one line."""
+    job = write_script(tmp_path, "job.py", "import os\nprint(f'pid={os.getpid()}', flush=True)\n")
+    res = run_cli(["run", "--cpu", "2", "--status", "off", "--preload", "no_such_module_here", str(job)],
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    notes = [line for line in res.stderr.splitlines() if "template failed to start" in line]
+    assert len(notes) == 1 and "no_such_module_here" in notes[0], res.stderr
+    assert "plain processes" in res.stderr
+    assert_gone(pids_in(res.stdout))
+
+
+def test_plain_launch_env_reaches_forked_rank(tmp_path: Path) -> None:
+    """A variable set for the ranks only in one rank's environment (here: RANK) is the rank's own,
+    and OMP_NUM_THREADS is applied as a fresh rank reads it."""
+    job = write_script(tmp_path, "job.py", """
+import os, torch
+print(f"pid={os.getpid()} omp={os.environ['OMP_NUM_THREADS']} threads={torch.get_num_threads()}", flush=True)
+""")
+    res = run_cli(["run", "--cpu", "2", "--status", "off", str(job)], cwd=tmp_path,
+                  env={"OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("omp=1 threads=1") == 2
+    assert_gone(pids_in(res.stdout))
+

@@ -1,0 +1,145 @@
+"""The warm template's parts that need no running template: the adopted-child handle, the shared
+environment, the fallback when a template cannot start, the forked rank's descriptor set-up and exit
+status, and the command-line options."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_gone
+from multigpu.cli import parse_run_args
+from multigpu.errors import UsageError
+from multigpu.forked import exit_code
+from multigpu.spawning import AdoptedProcess
+from multigpu.supervisor import WorkerSpec
+from multigpu.template_client import NodeSpawner, forkable, shared_env
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def spawned(code: str) -> AdoptedProcess:
+    """A child started without Popen, so only the handle under test waits for it."""
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-c", code], dict(os.environ))
+    null = open(os.devnull, "rb")  # noqa: SIM115 - closed below by each test
+    return AdoptedProcess(pid, null, null)
+
+
+@pytest.mark.parametrize(("code", "expected"), [("import sys; sys.exit(3)", 3),
+                                                ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+                                                 -signal.SIGTERM)])
+def test_an_adopted_child_reports_its_status_as_popen_would(code: str, expected: int) -> None:
+    child = spawned(code)
+    try:
+        assert child.wait(timeout=30) == expected
+        assert child.poll() == expected and child.returncode == expected
+    finally:
+        assert child.stdout is not None
+        child.stdout.close()
+    assert_gone([child.pid])
+
+
+def test_an_adopted_child_times_out_like_popen() -> None:
+    child = spawned("import time; time.sleep(30)")
+    try:
+        assert child.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait() == -signal.SIGKILL
+    finally:
+        assert child.stdout is not None
+        child.stdout.close()
+    assert_gone([child.pid])
+
+
+def spec(rank: int, env: dict[str, str], mode: str = "script") -> WorkerSpec:
+    return WorkerSpec(rank=rank, local_rank=rank, env=env,
+                      argv=[sys.executable, "-m", "multigpu.worker", mode, "job.py"])
+
+
+def test_the_template_gets_what_every_rank_shares() -> None:
+    specs = [spec(0, {"RANK": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"}),
+             spec(1, {"RANK": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin", "ONLY": "1"})]
+    assert shared_env(specs) == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+
+
+def test_only_python_ranks_of_our_bootstrap_are_forked() -> None:
+    assert forkable(spec(0, {})) and forkable(spec(0, {}, "module"))
+    assert not forkable(spec(0, {}, "exec")) and not forkable(spec(0, {}, "function"))
+    assert not forkable(WorkerSpec(rank=0, local_rank=0, env={}, argv=["/bin/true"]))
+
+
+def test_a_template_that_cannot_start_means_plain_processes_said_once() -> None:
+    notes: list[str] = []
+    spawner = NodeSpawner(use_template=True, store=None, notify=notes.append, python="/bin/false")
+    plain = WorkerSpec(rank=0, local_rank=0, env={}, argv=[sys.executable, "-c", "pass"])
+    try:
+        spawner.start({"PATH": os.environ.get("PATH", "")})
+        spawner.prepare([spec(0, {})])
+        spawner.prepare([spec(0, {})])  # a restart: nothing more to say
+        assert spawner.template is None
+        child = spawner.spawn(plain, {"PATH": os.environ.get("PATH", "")}, ())
+        assert child.wait(timeout=30) == 0
+        for pipe in (child.stdout, child.stderr):
+            assert pipe is not None
+            pipe.close()
+    finally:
+        spawner.close()
+    assert len(notes) == 1, notes
+    assert "template failed to start" in notes[0] and "plain processes" in notes[0]
+    assert_gone([child.pid])
+
+
+PLACE = """
+import json, os, socket, sys
+from multigpu.forked import place_descriptors
+a_r, a_w = os.pipe()
+b_r, b_w = os.pipe()
+ctl, other = socket.socketpair()
+stray = os.open(os.devnull, os.O_RDONLY)  # something the template had open
+place_descriptors([a_w, b_w, a_r], [1, 2, 9], ctl.detach())
+fds = sorted(int(f) for f in os.listdir("/proc/self/fd"))
+seen = {f: os.readlink(f"/proc/self/fd/{f}") for f in fds if os.path.exists(f"/proc/self/fd/{f}")}
+with open("fds.json", "w") as out:  # stdout and stderr are pipes nobody reads now
+    json.dump(seen, out)
+"""
+
+
+def test_a_forked_rank_keeps_exactly_its_descriptors(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(PLACE)], capture_output=True, timeout=30,
+                         pass_fds=(), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    fds = {int(k): v for k, v in json.loads((tmp_path / "fds.json").read_text()).items()}
+    assert set(fds) == {0, 1, 2, 9}  # listdir's own descriptor is closed by now
+    assert fds[0] == os.devnull
+    assert fds[1].startswith("pipe:") and fds[9] == fds[1]  # both ends of one pipe
+    assert fds[2].startswith("pipe:") and fds[2] != fds[1]
+
+
+@pytest.mark.parametrize(("code", "status"), [(None, 0), (0, 0), (3, 3), (256 + 7, 7), ("bye", 1)])
+def test_a_forked_rank_ends_with_the_status_a_fresh_interpreter_would(
+        code: object, status: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert exit_code(SystemExit(code)) == status
+    if isinstance(code, str):
+        assert capsys.readouterr().err == "bye\n"
+
+
+def test_template_options(tmp_path: Path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text("")
+    config, _ = parse_run_args([str(job)], {})
+    assert config.template and config.preload == ()
+    config, _ = parse_run_args(["--no-template", "--preload", "numpy, json.decoder", str(job)], {})
+    assert not config.template and config.preload == ("numpy", "json.decoder")
+    config, _ = parse_run_args([str(job)], {"MULTIGPU_NO_TEMPLATE": "1"})
+    assert not config.template
+    with pytest.raises(UsageError, match="--preload takes module names"):
+        parse_run_args(["--preload", "not-a-module", str(job)], {})
