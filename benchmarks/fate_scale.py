@@ -67,7 +67,7 @@ class Child:
         for line in self.proc.stdout:
             self.lines.put(line)
 
-    def ask(self, command: str | None, timeout: float = 300.0) -> dict[str, Any]:
+    def ask(self, command: str | None, timeout: float = 900.0) -> dict[str, Any]:
         if command is not None:
             assert self.proc.stdin is not None
             self.proc.stdin.write(command + "\n")
@@ -174,7 +174,11 @@ def _cell(case: dict[str, Any], key: str) -> str:
         return "n/a (the healthy job was aborted)" if case["aborted_healthy"] else "n/a"
     if got["max_s"] is None:
         return f"{got['learned']} of {got['of']} within {LEARN_BOUND_S:g} s"
-    return f"{got['median_s']:.2f} s / {got['max_s']:.2f} s"
+    return f"{_seconds(got['median_s'])} / {_seconds(got['max_s'])}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 0.1 else f"{value:.2f} s"
 
 
 def _table(cases: list[dict[str, Any]]) -> str:
@@ -183,7 +187,7 @@ def _table(cases: list[dict[str, Any]]) -> str:
             "failure (median / max) |", "|---|---|---|---|---|---|---|---|"]
     for c in cases:
         death, published = _cell(c, "death"), _cell(c, "published")
-        p99 = f"{c['p99_rtt_ms']} ms" if c["protocol"] == "new" else "-"
+        p99 = f"{c['p99_rtt_ms']} ms" if c["protocol"] != "old" else "-"
         rows.append(f"| {c['nodes']} | {c['protocol']} | {c['ops_per_s']:,} | {c['store_cpu_pct']} | {p99} | "
                     f"{c['aborted_healthy']} of {c['nodes']} | {death} | {published} |")
     return "\n".join(rows)

@@ -210,7 +210,7 @@ class Nodes:
     def _on(self, base: int) -> Callable[[WorkerFailure], None]:
         def learned(failure: WorkerFailure) -> None:
             with self._lock:
-                self.learned.setdefault(base, (time.monotonic(), failure.error_type, failure.node))
+                self.learned.setdefault(base, (time.monotonic(), str(failure.error_type), failure.node))
         return learned
 
     def stop(self) -> None:
