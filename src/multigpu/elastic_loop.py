@@ -47,6 +47,7 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
     code, over = 1, False
     spawner = spawner_for(config, None, _say, base_env)  # every round's ranks fork from one template (H4)
     try:
+        spawner.wait_ready()  # before the first round: a node still importing torch would look lost
         code, over = run_rounds(config, rdzv, record, output_dir, base_env, cvd, spawner)
     except RendezvousError:
         record.finish("failed", 1)

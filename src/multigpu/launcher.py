@@ -105,7 +105,10 @@ def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable
     if sock is not None and not config.multi_node:
         host = (config.rdzv_endpoint or LOOPBACK).bind_host
         store = StoreSocket(sock.fileno(), host, sock.getsockname()[1])
-    return spawner_for(config, store, notify, base_env)
+    spawner = spawner_for(config, store, notify, base_env)
+    if config.multi_node:
+        spawner.wait_ready()  # ready before meeting the peers, which start beating at once
+    return spawner
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:

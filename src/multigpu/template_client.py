@@ -156,6 +156,7 @@ class NodeSpawner:
         self._store_process: TemplateProcess | None = None
         self._plain = PopenSpawner()
         self._started: float | None = None
+        self._env: dict[str, str] = {}
         self._prepared = False
         self._forks = True
 
@@ -165,7 +166,7 @@ class NodeSpawner:
 
     def start(self, env: dict[str, str]) -> None:
         """Start the template (or, without one, the store process) with ``env``; no waiting."""
-        self._started = time.monotonic()
+        self._started, self._env = time.monotonic(), env
         if self._use_template:
             self._template = TemplateProcess(env, self._store, self._preload, self._python)
         elif self._store is not None:
@@ -177,9 +178,18 @@ class NodeSpawner:
         if self._prepared:
             self._renew_store(specs)
             return
-        self._prepared = True
         if self._started is None:
             self.start(shared_env(specs))
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until what ``start`` started is ready, falling back (said once) if the template is not.
+
+        Several nodes call it before they meet, so a node whose template is still importing torch is
+        not taken for a lost node by its peers while its first attempt starts."""
+        if self._prepared:
+            return
+        self._prepared = True
         if self._template is not None:
             why = self._template.wait_ready()
             if why is None:
@@ -189,7 +199,7 @@ class NodeSpawner:
             took = time.monotonic() - (self._started or 0.0)
             self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
             if self._store is not None:
-                self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
+                self._store_process = TemplateProcess(self._env, self._store, (), self._python)
         self._notify(f"ranks start as plain processes ({self._why_not})")
         if self._store_process is not None:
             why = self._store_process.wait_ready()
