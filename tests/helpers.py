@@ -60,9 +60,10 @@ def write_script(directory: Path, name: str, code: str) -> Path:
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test process's environment without any launcher contract leaking in."""
+    """The test process's environment without any launcher or scheduler contract leaking in (a CI inside
+    SLURM would otherwise turn preemption on in every test)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MULTIGPU_", "TORCHELASTIC_")) and k not in (
+           if not k.startswith(("MULTIGPU_", "TORCHELASTIC_", "SLURM_", "PET_")) and k not in (
                "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "CUDA_VISIBLE_DEVICES")}
     env["PYTHONUNBUFFERED"] = "1"
