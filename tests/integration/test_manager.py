@@ -301,7 +301,10 @@ def test_child_failure_reaches_a_blocked_rank_0(tmp_path: Path, mode: str) -> No
     assert "ValueError: boom from rank 2" in caught["traceback"]
     if mode == "collective":  # out of the user's all_reduce call, through torch's collective wrapper
         assert "all_reduce" in caught["where"]
-        assert caught["cause"] == "RuntimeError", caught  # chained from the backend's error
+        # Chained from the backend's error when rank 0 was already blocked inside gloo; raised by the
+        # delivery signal itself (no cause) when it came while rank 0 was still in torch's Python
+        # wrapper. Rank 2 fails at once, so both orders happen; either way it leaves all_reduce.
+        assert caught["cause"] in ("RuntimeError", "NoneType"), caught
     else:  # out of the sleep itself, in the user's code
         assert caught["where"] == "time.sleep(30)" and caught["cause"] == "NoneType"
     assert "TRAIN RETURNED" not in text

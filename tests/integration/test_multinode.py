@@ -359,8 +359,11 @@ def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
     results = [finish(p) for p in (again, second, first)]
     refused = [err for rc, _, err in results if rc == 1 and "is claimed by both" in err]
     assert refused, [err[-500:] for _, _, err in results]
-    # An inconsistent layout fails the whole job at the rendezvous, so usually no worker started.
-    assert all(rc == 1 for rc, _, _ in results)
+    # An inconsistent layout fails the whole job at the rendezvous, so usually no worker started. When
+    # the two real nodes met before the duplicate came (nodes now wait for their templates' torch
+    # import), the job they formed may finish; the duplicate is refused either way.
+    codes = sorted(rc for rc, _, _ in results)
+    assert codes in ([1, 1, 1], [0, 0, 1]), [(rc, err[-700:]) for rc, _, err in results]
     pids = pids_in("".join(out for _, out, _ in results))
     if pids:
         assert_gone(pids)
