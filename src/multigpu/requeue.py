@@ -25,6 +25,7 @@ from .config import RunConfig
 from .environment import PREEMPTION_KEYS
 from .errors import UsageError
 from .preemption import SIGNALS_ENV, parse_signals
+from .torchrun_args import seconds_option
 
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SLURM_DEFAULT = ("SIGUSR1", "SIGUSR2")
@@ -76,17 +77,7 @@ def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None]
     # the next allocation finds this one's folder by the run id (srun steps have it already).
     run_id = config.run_id or (f"slurm-{env['SLURM_JOB_ID']}" if slurm else None)
     return dataclasses.replace(config, preempt_signals=signals, requeue=requeue, run_id=run_id,
-                               preempt_grace=_positive_seconds(grace) if grace else None)
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"--preempt-grace must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise UsageError(f"--preempt-grace must be more than 0, got {text}")
-    return value
+                               preempt_grace=seconds_option(grace, "--preempt-grace") if grace else None)
 
 
 def resume_count(env: Mapping[str, str]) -> int:

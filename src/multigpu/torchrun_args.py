@@ -28,7 +28,7 @@ CONF_SECONDS = ("join_timeout", "read_timeout", "last_call_timeout", "close_time
 TRUTHY, FALSY = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
 
 
-def _seconds(value: str, what: str) -> float:
+def seconds_option(value: str, what: str) -> float:
     try:
         number = float(value)
     except ValueError:
@@ -42,7 +42,7 @@ def _rdzv_conf(text: str | None) -> dict[str, str]:
     conf = options.parse_rdzv_conf(text or "")
     for key in CONF_SECONDS:
         if key in conf:
-            _seconds(conf[key], f"--rdzv-conf {key}")
+            seconds_option(conf[key], f"--rdzv-conf {key}")
     if "is_host" in conf and conf["is_host"].lower() not in TRUTHY + FALSY:
         raise UsageError(f"--rdzv-conf is_host must be true or false, got {conf['is_host']!r}")
     return conf
@@ -91,7 +91,7 @@ def rendezvous_settings(config: RunConfig, values: Mapping[str, str | None]) -> 
     return dataclasses.replace(
         config, rdzv_backend=backend, rdzv_conf=conf, min_nodes=min_nodes, max_nodes=max_nodes,
         rdzv_endpoint=endpoint,
-        rdzv_timeout=_seconds(timeout, "--rdzv-timeout") if timeout else RunConfig.rdzv_timeout,
+        rdzv_timeout=seconds_option(timeout, "--rdzv-timeout") if timeout else RunConfig.rdzv_timeout,
     )
 
 
