@@ -1,4 +1,4 @@
-"""6. Training throughput of the demo model (multigpu.demo.train) under both launchers, samples/s."""
+"""6. Training throughput of the demo model (multigpu.cli.demo.train) under both launchers, samples/s."""
 
 from __future__ import annotations
 

@@ -32,9 +32,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from multigpu.errors import WorkerFailure
-from multigpu.fate import BEAT_S, FateMonitor, failure_from_record, failure_record, node_lost, store_lost
-from multigpu.rendezvous import JobStore
+from multigpu.contract.errors import WorkerFailure
+from multigpu.rendezvous.fate import (
+    BEAT_S,
+    FateMonitor,
+    failure_from_record,
+    failure_record,
+    node_lost,
+    store_lost,
+)
+from multigpu.rendezvous.job import JobStore
 
 OLD_BEAT_S, OLD_LOST_AFTER_S = 0.2, 1.5
 

@@ -44,12 +44,12 @@ def main() -> int:
         manager = MultiGPUManager(train, ",".join(map(str, range(args.cpu))), device="cpu", grace_period=1)
     else:
         manager = MultiGPUManager(train, args.gpus or "0", device="cuda")
-    if manager.is_available():
-        out = manager.setup_multi_gpu_train(args.output)  # starts ranks 1..n-1; we are rank 0
-        print(f"rank 0: output in {out}, LOCAL_RANK={os.environ['LOCAL_RANK']}")
     try:
         try:
-            train()
+            if manager.is_available():
+                out = manager.setup_multi_gpu_train(args.output)  # starts ranks 1..n-1; we are rank 0
+                print(f"rank 0: output in {out}, LOCAL_RANK={os.environ['LOCAL_RANK']}")
+            train()  # a child that fails during setup already raises from setup_multi_gpu_train
         finally:
             manager.finalize()  # waits for the others; raises WorkerFailedError if one failed
     except WorkerFailedError as err:  # the root cause, even when rank 0 itself saw a collective error

@@ -61,7 +61,7 @@ check demo_1gpu 150 bash -c "'$PY' -m multigpu demo --gpus 0 --steps 100 >'$WORK
 # Function mode on NCCL: rank 1 raises while rank 0 waits in NCCL collectives, in torch.cuda.synchronize()
 # behind one, and in time.sleep(30); rank 0 must get WorkerFailedError within 5 s (each log has the latency).
 # NCCL refuses two ranks on one GPU, so this needs two.
-ngpus=$("$PY" -c 'from multigpu.devices import visible_gpus; print(len(visible_gpus()))' 2>/dev/null || echo 0)
+ngpus=$("$PY" -c 'from multigpu.cluster.devices import visible_gpus; print(len(visible_gpus()))' 2>/dev/null || echo 0)
 if [[ $ngpus -ge 2 ]]; then
     for case in collective synchronize sleep; do
         check "manager_nccl_$case" 90 "$PY" "$ROOT/tests/gpu/manager_nccl_failure.py" "$case" "$WORK/mgr_$case"
@@ -116,7 +116,7 @@ for step in range(1, 1000):
 PY
 cat >"$WORK/read_fr.py" <<'PY'
 import sys
-from multigpu.flight_recorder import read_dumps
+from multigpu.supervisor.flight_record import read_dumps
 dumps = read_dumps(sys.argv[1])
 ops = {e["profiling_name"] for e in dumps[0]["entries"]}
 print("flight record:", len(dumps[0]["entries"]), "entries", sorted(ops))

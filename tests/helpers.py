@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 PYTHON = sys.executable
 MULTIGPU = [PYTHON, "-m", "multigpu"]
@@ -117,3 +119,14 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def supervisor_arguments(notes: list[str], **kwargs: Any) -> dict[str, Any]:
+    """``Supervisor``'s keyword arguments from flat ones (``grace_period=``, ``tick=``...), with notes."""
+    from multigpu.supervisor.options import Hooks, SupervisorOptions
+
+    option_names = {f.name for f in dataclasses.fields(SupervisorOptions)}
+    hook_names = {f.name for f in dataclasses.fields(Hooks)}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
+    hooks = {k: kwargs.pop(k) for k in list(kwargs) if k in hook_names}
+    return {"options": SupervisorOptions(**options), "hooks": Hooks(notify=notes.append, **hooks), **kwargs}

@@ -1,4 +1,4 @@
-"""The demo's training loop (multigpu.demo.train), identical under every launcher.
+"""The demo's training loop (multigpu.cli.demo.train), identical under every launcher.
 
 usage: train.py STEPS
 Rank 0 writes marks/train.json: total samples over all ranks and the slowest rank's loop seconds.
@@ -12,7 +12,7 @@ import sys
 
 from _bench import bench_dir, init_gloo, rank, record_pid, write_atomic
 
-from multigpu.demo import train
+from multigpu.cli.demo import train
 
 record_pid()
 dist = init_gloo()

@@ -9,31 +9,37 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from multigpu._version import __version__
 
 if TYPE_CHECKING:
-    from .argv import set_arguments_to_argv
-    from .devices import get_gpu_ids
-    from .environment import is_multigpu_child_process
-    from .errors import MultiGPUError, RendezvousError, UsageError, WorkerFailedError, WorkerFailure
-    from .manager import MultiGPUManager
-    from .preemption import preempted, should_stop
-    from .progress import heartbeat, section
+    from multigpu.cluster.devices import get_gpu_ids
+    from multigpu.contract.environment import is_multigpu_child_process
+    from multigpu.contract.errors import (
+        MultiGPUError,
+        RendezvousError,
+        UsageError,
+        WorkerFailedError,
+        WorkerFailure,
+    )
+    from multigpu.function.argv import set_arguments_to_argv
+    from multigpu.function.manager import MultiGPUManager
+    from multigpu.rank.preemption import preempted, should_stop
+    from multigpu.rank.progress import heartbeat, section
 
 _EXPORTS = {
-    "get_gpu_ids": "devices",
-    "is_multigpu_child_process": "environment",
-    "set_arguments_to_argv": "argv",
-    "MultiGPUManager": "manager",
-    "heartbeat": "progress",
-    "preempted": "preemption",
-    "should_stop": "preemption",
-    "section": "progress",
-    "MultiGPUError": "errors",
-    "UsageError": "errors",
-    "RendezvousError": "errors",
-    "WorkerFailedError": "errors",
-    "WorkerFailure": "errors",
+    "get_gpu_ids": "cluster.devices",
+    "is_multigpu_child_process": "contract.environment",
+    "set_arguments_to_argv": "function.argv",
+    "MultiGPUManager": "function.manager",
+    "heartbeat": "rank.progress",
+    "preempted": "rank.preemption",
+    "should_stop": "rank.preemption",
+    "section": "rank.progress",
+    "MultiGPUError": "contract.errors",
+    "UsageError": "contract.errors",
+    "RendezvousError": "contract.errors",
+    "WorkerFailedError": "contract.errors",
+    "WorkerFailure": "contract.errors",
 }
 
 __all__ = [

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone, pids_in, run_cli, write_script
-from multigpu.devices import visible_gpus
+from multigpu.cluster.devices import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone, run_cli, write_script
-from multigpu.devices import visible_gpus
-from multigpu.flight_recorder import read_dumps
+from multigpu.cluster.devices import visible_gpus
+from multigpu.supervisor.flight_record import read_dumps
 
 pytestmark = [
     pytest.mark.gpu,

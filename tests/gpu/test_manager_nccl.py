@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, pids_in
-from multigpu.devices import visible_gpus
+from multigpu.cluster.devices import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,

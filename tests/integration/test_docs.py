@@ -120,7 +120,7 @@ BLOCKS = collect_blocks()
 
 
 def gpu_visible() -> bool:
-    from multigpu.devices import visible_gpus
+    from multigpu.cluster.devices import visible_gpus
 
     return bool(visible_gpus())
 

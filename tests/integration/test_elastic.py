@@ -211,8 +211,8 @@ EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
     (["--rdzv-id", "a", "--run-id", "b"], "disagree"),
 ])
 def test_wrong_elastic_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
-    from multigpu.cli import parse_run_args
-    from multigpu.errors import UsageError
+    from multigpu.cli.main import parse_run_args
+    from multigpu.contract.errors import UsageError
 
     script = write_script(tmp_path, "job.py", REPORT)
     with pytest.raises(UsageError, match=re.escape(message)):
@@ -231,14 +231,14 @@ def test_an_elastic_usage_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_the_elastic_fields_come_from_torchruns_options(tmp_path: Path) -> None:
-    from multigpu.cli import parse_run_args
+    from multigpu.cli.main import parse_run_args
 
     script = write_script(tmp_path, "job.py", REPORT)
     config, _ = parse_run_args(["--cpu", "2", "--nnodes", "1:3", "--rdzv-backend", "c10d", *EP,
                                 "--rdzv-id", "j7", "--rdzv-conf", "last_call_timeout=2,is_host=false",
                                 "--max-restarts", "2", str(script)], env={})
-    assert (config.rdzv_backend, config.min_nodes, config.max_nodes) == ("c10d", 1, 3)
-    assert config.rdzv_conf == {"last_call_timeout": "2", "is_host": "false"}
-    assert (config.run_id, config.max_restarts, config.nproc) == ("j7", 2, 2)
+    assert (config.rdzv.backend, config.rdzv.min_nodes, config.rdzv.max_nodes) == ("c10d", 1, 3)
+    assert config.rdzv.conf == {"last_call_timeout": "2", "is_host": "false"}
+    assert (config.output.run_id, config.supervision.max_restarts, config.nproc) == ("j7", 2, 2)
     single, _ = parse_run_args(["--cpu", "2", "--nnodes", "1", "--rdzv-backend", "c10d", str(script)], env={})
-    assert single.max_nodes == 1 and not single.multi_node, "one node at most: an ordinary local job"
+    assert single.rdzv.max_nodes == 1 and not single.multi_node, "one node at most: an ordinary local job"

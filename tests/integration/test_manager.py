@@ -387,10 +387,10 @@ SETUP = COMMON + """
             print(f"CAUSE {type(exc.__cause__).__name__}", flush=True)
         else:
             if MODE == "crash":
-                import multigpu.console
+                import multigpu.supervisor.console
                 def broken(*args, **kwargs):
                     raise OSError(28, "No space left on device")
-                multigpu.console.PrefixedConsole.write_lines = broken
+                multigpu.supervisor.console.PrefixedConsole.write_lines = broken
             train()
         try:
             manager.finalize()

@@ -144,7 +144,7 @@ def test_otx_train_with_a_failing_child(tmp_path: Path) -> None:
     proc, text = _otx_train(tmp_path, {"FAIL_RANK": "2"})
     assert proc.returncode == 1, text[-3000:]
     # rank 0's training loop got the typed error, with the child's own traceback, and the CLI ended
-    expected = (r"^multigpu\.errors\.WorkerFailedError: rank 2 \(node 0, pid \d+\) exited with code 1: "
+    expected = (r"^multigpu\.WorkerFailedError: rank 2 \(node 0, pid \d+\) exited with code 1: "
                 r"RuntimeError: rank 2: the data loader lost its files$")
     assert re.search(expected, proc.stderr, re.M), text[-3000:]
     assert "raise RuntimeError(f\"rank {rank}: the data loader lost its files\")" in proc.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
-from multigpu.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
+from multigpu.contract.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

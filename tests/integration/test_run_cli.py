@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from helpers import MULTIGPU, assert_gone, clean_env, pids_in, run_cli, start_cli, write_script
-from multigpu.devices import visible_gpus
+from multigpu.cluster.devices import visible_gpus
 
 pytestmark = pytest.mark.integration
 

@@ -88,7 +88,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
 rank = dist.get_rank()
 if rank == 0:
-    pathlib.Path("rank0.pid").write_text(str(os.getpid()))
+    pathlib.Path("rank0.pid.tmp").write_text(str(os.getpid()))
+    os.replace("rank0.pid.tmp", "rank0.pid")  # whole or not at all: rank 1 polls for it
     sys.exit(0)  # finishes first; its peer still needs the store
 deadline = time.monotonic() + 20
 while not pathlib.Path("rank0.pid").exists() and time.monotonic() < deadline:

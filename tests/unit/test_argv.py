@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from multigpu import set_arguments_to_argv
-from multigpu.argv import remove_option
+from multigpu.function.argv import remove_option
 
 
 def run(monkeypatch: pytest.MonkeyPatch, argv: list[str], keys: str | list[str], value: str | None = None,

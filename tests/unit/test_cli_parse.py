@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import devices
-from multigpu.cli import parse_run_args, split_run_argv
-from multigpu.config import RunConfig
-from multigpu.devices import GPUInfo
-from multigpu.endpoint import Endpoint
-from multigpu.errors import UsageError
+from multigpu.cli.main import parse_run_args, split_run_argv
+from multigpu.cluster import devices
+from multigpu.cluster.devices import GPUInfo
+from multigpu.config.endpoint import Endpoint
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import UsageError
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +44,12 @@ def test_defaults_without_gpu_are_one_cpu_worker_with_a_note(script: str) -> Non
     assert (config.device, config.nproc, config.gpus) == ("cpu", 1, ())
     assert note is not None and "--cpu N" in note
     assert config.target == script and config.target_args == () and not config.module
-    assert (config.base_rank, config.world_size, config.rdzv_endpoint, config.run_id) == (0, 1, None, None)
-    assert (config.output_dir, config.log_ranks) == (None, None)
-    assert (config.max_restarts, config.status) == (0, "auto")
-    assert config.grace_period == 5.0 and config.rdzv_timeout == 600.0 and config.hang_timeout is None
+    assert (config.base_rank, config.world_size) == (0, 1)
+    assert (config.rdzv.endpoint, config.output.run_id) == (None, None)
+    assert (config.output.dir, config.output.log_ranks) == (None, None)
+    assert (config.supervision.max_restarts, config.output.status) == (0, "auto")
+    assert config.supervision.grace_period == 5.0 and config.rdzv.timeout == 600.0
+    assert config.hang.timeout is None
 
 
 def test_cpu_workers(script: str) -> None:
@@ -58,13 +60,13 @@ def test_cpu_workers(script: str) -> None:
 def test_script_args_split_from_ours(script: str) -> None:
     config = parse(["--cpu", "2", "--output", "out", script, "--cpu", "5", "--gpus=1", "-m", "x",
                     "--output", "y", "--bogus", "--", "z"])
-    assert config.nproc == 2 and config.output_dir == Path("out")
+    assert config.nproc == 2 and config.output.dir == Path("out")
     assert config.target_args == ("--cpu", "5", "--gpus=1", "-m", "x", "--output", "y", "--bogus", "--", "z")
 
 
 def test_equals_form_of_our_options(script: str) -> None:
     config = parse(["--cpu=2", "--log-ranks=0", script, "a"])
-    assert config.nproc == 2 and config.log_ranks == frozenset({0}) and config.target_args == ("a",)
+    assert config.nproc == 2 and config.output.log_ranks == frozenset({0}) and config.target_args == ("a",)
 
 
 def test_double_dash_ends_our_options(tmp_path: Path) -> None:
@@ -104,16 +106,17 @@ def test_environment_variables_fill_options(script: str) -> None:
            "MULTIGPU_RDZV_TIMEOUT": "9"}
     config = parse([script], env)
     assert (config.device, config.nproc) == ("cpu", 3)
-    assert config.grace_period == 1.5 and config.output_dir == Path("/tmp/o")
-    assert config.log_ranks == frozenset({0, 2}) and config.rdzv_endpoint == Endpoint("127.0.0.1", 0)
-    assert config.run_id == "myrun" and config.hang_timeout == 30.0 and config.max_restarts == 2
-    assert config.status == "off" and config.rdzv_timeout == 9.0
+    assert config.supervision.grace_period == 1.5 and config.output.dir == Path("/tmp/o")
+    assert config.output.log_ranks == frozenset({0, 2}) and config.rdzv.endpoint == Endpoint("127.0.0.1", 0)
+    assert config.output.run_id == "myrun" and config.hang.timeout == 30.0
+    assert config.supervision.max_restarts == 2
+    assert config.output.status == "off" and config.rdzv.timeout == 9.0
 
 
 def test_command_line_wins_over_environment(script: str) -> None:
     env = {"MULTIGPU_CPU": "3", "MULTIGPU_GRACE_PERIOD": "1.5", "MULTIGPU_STATUS": "on"}
     config = parse(["--cpu", "2", "--grace-period", "0", "--status", "off", script], env)
-    assert (config.nproc, config.grace_period, config.status) == (2, 0.0, "off")
+    assert (config.nproc, config.supervision.grace_period, config.output.status) == (2, 0.0, "off")
 
 
 @pytest.mark.usefixtures("four_gpus")
@@ -187,7 +190,7 @@ def test_bad_input_is_a_usage_error(argv: list[str], message: str, script: str, 
 
 
 def test_main_reports_usage_errors_in_two_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    from multigpu.cli import main
+    from multigpu.cli.main import main
 
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import devices
-from multigpu.devices import (
+from multigpu.cluster import devices
+from multigpu.cluster.devices import (
     GPUInfo,
     apply_visible_devices,
     cuda_visible_devices_for,

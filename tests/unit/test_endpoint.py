@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.endpoint import Endpoint, format_endpoint, is_loopback_host, parse_endpoint
-from multigpu.errors import UsageError
+from multigpu.config.endpoint import Endpoint, format_endpoint, is_loopback_host, parse_endpoint
+from multigpu.contract.errors import UsageError
 
 
 @pytest.mark.parametrize(("text", "host", "port"), [

@@ -8,7 +8,7 @@ from types import MappingProxyType
 import pytest
 
 from multigpu import is_multigpu_child_process
-from multigpu.environment import (
+from multigpu.contract.environment import (
     CONTRACT_KEYS,
     JobContext,
     RankPlacement,
@@ -24,7 +24,7 @@ PLACE = RankPlacement(rank=5, local_rank=1, world_size=8, local_world_size=4, gr
 
 
 def test_full_contract() -> None:
-    env = build_worker_env({"PATH": "/bin", "HOME": "/h"}, PLACE, JOB, error_file="/runs/e.json", store_fd=7)
+    env = build_worker_env({"PATH": "/bin", "HOME": "/h"}, PLACE, JOB, error_file="/runs/e.json")
     expected = {
         "PATH": "/bin", "HOME": "/h",
         "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
@@ -36,7 +36,7 @@ def test_full_contract() -> None:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1",
         "MULTIGPU_RUN_ID": "run-abc", "MULTIGPU_OUTPUT_DIR": "/runs/abc", "MULTIGPU_DEVICE": "cpu",
         "MULTIGPU_NODE_RANK": "1", "MULTIGPU_ATTEMPT": "1", "MULTIGPU_LAUNCHER_PID": "4242",
-        "MULTIGPU_ERROR_FILE": "/runs/e.json", "MULTIGPU_STORE_FD": "7",
+        "MULTIGPU_ERROR_FILE": "/runs/e.json",
     }
     assert env == expected
     assert all(isinstance(v, str) for v in env.values())
@@ -46,7 +46,7 @@ def test_optional_keys_absent_when_not_given() -> None:
     job = JobContext(master_addr="10.0.0.1", master_port=1, run_id="r", use_agent_store=False)
     env = build_worker_env({}, RankPlacement(0, 0, 1, 1), job)
     for key in ("TORCHELASTIC_USE_AGENT_STORE", "MULTIGPU_OUTPUT_DIR", "MULTIGPU_LAUNCHER_PID",
-                "MULTIGPU_ERROR_FILE", "TORCHELASTIC_ERROR_FILE", "MULTIGPU_STORE_FD",
+                "MULTIGPU_ERROR_FILE", "TORCHELASTIC_ERROR_FILE",
                 "CUDA_VISIBLE_DEVICES"):
         assert key not in env
     assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
@@ -87,7 +87,7 @@ def test_stale_contract_keys_from_the_base_are_removed() -> None:
     env = build_worker_env({**stale, "KEEP": "me"}, RankPlacement(0, 0, 1, 1), job)
     assert "stale" not in env.values()
     assert env["KEEP"] == "me"
-    for key in ("MULTIGPU_STORE_FD", "MULTIGPU_HEARTBEAT_FD", "TORCHELASTIC_ERROR_FILE",
+    for key in ("MULTIGPU_HEARTBEAT_FD", "TORCHELASTIC_ERROR_FILE",
                 "MULTIGPU_OUTPUT_DIR", "TORCHELASTIC_USE_AGENT_STORE", "MULTIGPU_LAUNCHER_PID"):
         assert key not in env
 

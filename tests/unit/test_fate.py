@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from multigpu.errors import WorkerFailure
-from multigpu.fate import FateMonitor, failure_record, serve_until_all_done
-from multigpu.fate_watch import BeatWatch, Latency
-from multigpu.rendezvous import DONE, JobStore
+from multigpu.contract.errors import WorkerFailure
+from multigpu.rendezvous.fate import FateMonitor, failure_record, serve_until_all_done
+from multigpu.rendezvous.job import DONE, JobStore
+from multigpu.rendezvous.latency import BeatWatch, Latency
 
 WAIT_S = 10.0  # a bound on waiting for a thread to act: reached only when the behaviour is broken
 

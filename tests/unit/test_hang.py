@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.hang import LEARNED_FILE, HangPolicy, ProgressBook
-from multigpu.progress import Beat
+from multigpu.contract.beats import Beat
+from multigpu.supervisor.hang import LEARNED_FILE, HangPolicy, ProgressBook
 
 
 class Clock:
@@ -224,7 +224,7 @@ def test_snapshot_has_step_times() -> None:
 
 
 def test_live_view_cells() -> None:
-    from multigpu.status import step_cell
+    from multigpu.launch.status import step_cell
 
     b, clock = book(POLICY)
     assert step_cell(b.ranks[0]) == "-"

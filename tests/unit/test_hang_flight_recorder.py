@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from multigpu.environment import flight_recorder_env
-from multigpu.flight_recorder import load_dump, missing_ranks, read_dumps
+from multigpu.contract.environment import flight_recorder_env
+from multigpu.supervisor.flight_record import load_dump, missing_ranks, read_dumps
 
 RECORDED = Path(__file__).parent / "data" / "flight_recorder" / "gloo_rank1_missing"
 

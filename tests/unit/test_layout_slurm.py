@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.cli import parse_run_args
+from multigpu.cli.main import parse_run_args
 from multigpu.cluster.slurm import detect, expand_nodelist
-from multigpu.endpoint import Endpoint
-from multigpu.errors import UsageError
+from multigpu.config.endpoint import Endpoint
+from multigpu.contract.errors import UsageError
 
 # Recorded from `srun --nodes=4 --ntasks-per-node=1 env` on a SLURM 23 cluster (trimmed).
 SRUN_NODE2 = {
@@ -59,17 +59,17 @@ def _parse(tmp_path, args, env):  # type: ignore[no-untyped-def]
 
 def test_slurm_fills_the_layout(tmp_path) -> None:  # type: ignore[no-untyped-def]
     config = _parse(tmp_path, ["--cpu", "2"], SRUN_NODE2)
-    assert config.rdzv_endpoint == Endpoint("gpu01", 29500)
+    assert config.rdzv.endpoint == Endpoint("gpu01", 29500)
     assert (config.base_rank, config.world_size, config.node_rank, config.nnodes) == (4, 8, 2, 4)
-    assert config.run_id == "slurm-481516"
+    assert config.output.run_id == "slurm-481516"
     assert config.group_rank == 2 and config.group_world_size == 4
 
 
 def test_explicit_options_win_over_slurm(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = {**SRUN_NODE2, "MASTER_PORT": "4000"}
     config = _parse(tmp_path, ["--cpu", "2", "--rdzv-endpoint", "head:5000", "--run-id", "mine"], env)
-    assert config.rdzv_endpoint == Endpoint("head", 5000) and config.run_id == "mine"
-    assert _parse(tmp_path, ["--cpu", "2"], env).rdzv_endpoint == Endpoint("gpu01", 4000)
+    assert config.rdzv.endpoint == Endpoint("head", 5000) and config.output.run_id == "mine"
+    assert _parse(tmp_path, ["--cpu", "2"], env).rdzv.endpoint == Endpoint("gpu01", 4000)
     explicit = _parse(tmp_path, ["--cpu", "2", "--base-rank", "0", "--world-size", "2"], env)
     assert (explicit.base_rank, explicit.world_size, explicit.multi_node) == (0, 2, False)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import signal
 import threading
 import time
@@ -15,14 +14,13 @@ from typing import Any
 
 import pytest
 
-from multigpu import delivery
-from multigpu.argv import flatten_parameters
-from multigpu.config import RunConfig
-from multigpu.delivery import FailureDelivery, hook_collective_errors
-from multigpu.errors import WorkerFailedError, WorkerFailure
-from multigpu.fate import failure_from_record, failure_record
-from multigpu.specs import build_specs
-from multigpu.supervisor import read_error_file
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+from multigpu.function import delivery
+from multigpu.function.argv import flatten_parameters
+from multigpu.function.delivery import FailureDelivery, hook_collective_errors
+from multigpu.launch.specs import AttemptContext, build_specs
+from multigpu.rendezvous.fate import failure_from_record, failure_record
 
 # ---- hyper-parameters: a mapping or OTX's ConfigurableParameters -------------------------------------
 
@@ -97,9 +95,12 @@ def test_record_from_exception_and_the_supervisor_view(tmp_path: Path) -> None:
     assert (record.rank, record.local_rank, record.node, record.error_type) == (3, 1, 1, "KeyError")
     assert "KeyError: 'missing'" in (record.traceback or "")
     record.write(tmp_path / "e.json")
-    view = read_error_file(tmp_path / "e.json")
-    assert view == {"type": "KeyError", "message": "'missing'", "traceback": record.traceback,
-                    "time": record.time, "pid": os.getpid()}
+    assert WorkerFailure.read(tmp_path / "e.json") == record  # what the supervisor reads back
+    ended = WorkerFailure.from_exit(3, 1, 1, record.pid, -9, record, log_path="rank_3.log")
+    assert (ended.signal, ended.exit_code, ended.error_type, ended.traceback) == (
+        "SIGKILL", None, "KeyError", record.traceback)
+    exited = WorkerFailure.from_exit(3, 1, 1, None, 2)
+    assert exited.describe() == "rank 3 (node 1, pid None) exited with code 2"
 
 
 def test_record_reads_older_keys_torch_record_files_and_garbage(tmp_path: Path) -> None:
@@ -113,7 +114,7 @@ def test_record_reads_older_keys_torch_record_files_and_garbage(tmp_path: Path) 
     assert from_torch is not None and from_torch.traceback == "Traceback (torch)" and from_torch.time == 17
     (tmp_path / "bad.json").write_text("{not json")
     assert WorkerFailure.read(tmp_path / "bad.json") is None
-    assert WorkerFailure.read(tmp_path / "absent.json") is None and read_error_file(None) is None
+    assert WorkerFailure.read(tmp_path / "absent.json") is None and WorkerFailure.read(None) is None
 
 
 def test_fate_shares_the_same_record_with_a_short_tail() -> None:
@@ -131,14 +132,11 @@ def test_fate_shares_the_same_record_with_a_short_tail() -> None:
 def test_function_mode_specs_start_local_ranks_after_the_caller(tmp_path: Path) -> None:
     config = RunConfig(target=str(tmp_path / "payload.pkl"), function=True, first_local_rank=1, nproc=3,
                        base_rank=3, world_size=6)
-    specs = build_specs(config, run_id="r", output_dir=tmp_path, attempt=0, master_addr="127.0.0.1",
-                        master_port=1234, store_fd=None, base_env={}, cuda_visible_devices=None,
-                        launcher_pid=1)
+    specs = build_specs(config, AttemptContext("r", tmp_path, 0, "127.0.0.1", 1234, launcher_pid=1), {})
     assert [(s.rank, s.local_rank) for s in specs] == [(4, 1), (5, 2)]
     for spec in specs:
-        assert spec.argv[-3:] == ["multigpu.worker", "function", str(tmp_path / "payload.pkl")]
+        assert spec.argv[-3:] == ["multigpu.rank", "function", str(tmp_path / "payload.pkl")]
         assert spec.env["RANK"] == str(spec.rank) and spec.env["MULTIGPU_ANNOUNCE_FAILURE"] == "1"
-        assert "MULTIGPU_STORE_FD" not in spec.env  # the caller serves the store, in its own process
 
 
 # ---- delivery into the thread that called setup -------------------------------------------------------
@@ -167,27 +165,28 @@ def test_a_sleeping_main_thread_is_woken_with_the_error() -> None:
     assert target.deliver(_error()) is False  # one error per run: the first is kept
 
 
-def _frames(*files: str) -> Any:
+def _frames(*modules: str) -> Any:
     frame = None
-    for name in reversed(files):  # outermost last
-        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=name), f_back=frame)
+    for name in reversed(modules):  # outermost last
+        frame = SimpleNamespace(f_globals={"__name__": name}, f_back=frame)
     return frame
 
 
 def test_the_handler_declines_inside_multigpu_and_after_disarm() -> None:
-    import multigpu.manager
-
     target = FailureDelivery()
     target.error = _error()
     # finalize() waiting in the standard library: multigpu's machinery is lower on the stack
-    target._handle(delivery.DELIVERY_SIGNAL, _frames(threading.__file__, multigpu.manager.__file__, __file__))
-    target._handle(delivery.DELIVERY_SIGNAL, _frames(delivery.__file__, __file__))  # in multigpu's code
+    target._handle(delivery.DELIVERY_SIGNAL, _frames("threading", "multigpu.function.manager", __name__))
+    target._handle(delivery.DELIVERY_SIGNAL, _frames("multigpu.supervisor.loop", __name__))  # ours
     assert not target.delivered
     with pytest.raises(WorkerFailedError):  # the user's own frames: it lands
-        target._handle(delivery.DELIVERY_SIGNAL, _frames(json.__file__, __file__))
+        target._handle(delivery.DELIVERY_SIGNAL, _frames("json", __name__))
+    target.delivered = False
+    with pytest.raises(WorkerFailedError):  # the demo application is the user's side too
+        target._handle(delivery.DELIVERY_SIGNAL, _frames("multigpu.cli.demo", __name__))
     target.delivered = False
     target._stop.set()  # disarming: never again
-    target._handle(delivery.DELIVERY_SIGNAL, _frames(__file__))
+    target._handle(delivery.DELIVERY_SIGNAL, _frames(__name__))
     assert not target.delivered
 
 
@@ -215,8 +214,8 @@ def test_the_collective_hook_is_undone() -> None:
 def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code() -> None:
     """A child that fails while setup is still running cannot be raised inside multigpu's code; the end
     of setup raises it, and only once (finalize() reports it again on its own)."""
-    from multigpu.delivery import FailureDelivery
-    from multigpu.errors import WorkerFailedError, WorkerFailure
+    from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+    from multigpu.function.delivery import FailureDelivery
 
     delivery = FailureDelivery()
     delivery.raise_pending()  # nothing recorded: nothing raised

@@ -8,9 +8,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from multigpu import MultiGPUManager, devices
-from multigpu.manager import TIMEOUT_ENV, dist_timeout_s
-from multigpu.rendezvous import DEFAULT_TIMEOUT_S
+from multigpu import MultiGPUManager
+from multigpu.cluster import devices
+from multigpu.function.manager import TIMEOUT_ENV, dist_timeout_s
+from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
 
 
 def train() -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import numa
+from multigpu.cluster import numa
+from multigpu.contract.names import AFFINITY_ENV, format_cpulist, parse_cpulist
+from multigpu.rank.bootstrap import apply_affinity
 
 
 def fake_sysfs(root: Path, nodes: dict[int, str], packages: dict[int, int], gpus: dict[str, int]) -> Path:
@@ -16,7 +18,7 @@ def fake_sysfs(root: Path, nodes: dict[int, str], packages: dict[int, int], gpus
         d = root / "devices" / "system" / "node" / f"node{node}"
         d.mkdir(parents=True)
         (d / "cpulist").write_text(cpulist + "\n")
-        for cpu in numa.parse_cpulist(cpulist):
+        for cpu in parse_cpulist(cpulist):
             topo = root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
             topo.mkdir(parents=True)
             (topo / "physical_package_id").write_text(f"{packages[node]}\n")
@@ -38,8 +40,8 @@ BUSES = ["0000:1A:00.0", "0000:1b:00.0", "0000:8a:00.0", "0000:8b:00.0"]
 
 
 def test_cpulist_round_trip() -> None:
-    assert numa.parse_cpulist("0-2,8,10-11\n") == [0, 1, 2, 8, 10, 11]
-    assert numa.format_cpulist([3, 1, 2]) == "1,2,3"
+    assert parse_cpulist("0-2,8,10-11\n") == [0, 1, 2, 8, 10, 11]
+    assert format_cpulist([3, 1, 2]) == "1,2,3"
 
 
 def test_node_mode_binds_each_rank_to_its_gpus_node(sysfs: Path) -> None:
@@ -70,9 +72,9 @@ def test_worker_applies_the_launchers_choice() -> None:
     before = os.sched_getaffinity(0)
     target = {min(before)}
     try:
-        numa.apply_affinity({numa.AFFINITY_ENV: numa.format_cpulist(sorted(target))})
+        apply_affinity({AFFINITY_ENV: format_cpulist(sorted(target))})
         assert os.sched_getaffinity(0) == target
-        numa.apply_affinity({})  # nothing chosen: nothing changes
+        apply_affinity({})  # nothing chosen: nothing changes
         assert os.sched_getaffinity(0) == target
     finally:
         os.sched_setaffinity(0, before)

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
-from multigpu import preemption
-from multigpu.preemption import SIGNALS_ENV, _State
+from multigpu.contract.names import WARNING_SIGNALS_ENV as SIGNALS_ENV
+from multigpu.contract.values import signal_numbers
+from multigpu.rank import preemption
+from multigpu.rank.preemption import _State
 
 
 class FakeStore:
@@ -126,7 +128,7 @@ def test_no_store_call_before_a_warning_and_one_per_step_after(monkeypatch: pyte
     assert store.calls == 5  # one call per step while waiting for the peer
     second.signum = signal.SIGUSR1
     assert not _ask(monkeypatch, second, 103)
-    assert preemption.stop_step() == 105 and second.stop == 105
+    assert second.stop == 105
     assert not _ask(monkeypatch, first, 104) and first.stop == 105
     calls = store.calls
     assert _ask(monkeypatch, first, 105) and _ask(monkeypatch, second, 105)
@@ -144,9 +146,9 @@ def test_a_lost_store_stops_the_rank_where_it_is(monkeypatch: pytest.MonkeyPatch
 
 
 def test_parse_signals() -> None:
-    assert preemption.parse_signals("USR1, sigusr2") == (signal.SIGUSR1, signal.SIGUSR2)
+    assert signal_numbers("USR1, sigusr2", "--x") == (signal.SIGUSR1, signal.SIGUSR2)
     with pytest.raises(ValueError, match="'BOGUS'"):
-        preemption.parse_signals("bogus")
+        signal_numbers("bogus", "--x")
 
 
 def test_installed_handler_only_records(monkeypatch: pytest.MonkeyPatch) -> None:

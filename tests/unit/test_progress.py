@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from multigpu import progress
-from multigpu.progress import Beat, BeatDecoder
+from multigpu.contract.beats import Beat, BeatDecoder
+from multigpu.rank import progress
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from multigpu import requeue
-from multigpu.cli import parse_run_args
-from multigpu.errors import UsageError
-from multigpu.preempt_watch import PreemptWatch
+from multigpu.cli.main import parse_run_args
+from multigpu.cluster import requeue
+from multigpu.contract.errors import UsageError
+from multigpu.launch.preemption import PreemptWatch
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_JOB_NAME": "train", "SLURM_JOB_NUM_NODES": "1",
@@ -44,13 +44,13 @@ def script(tmp_path: Path) -> str:
 
 def test_defaults_under_slurm_and_elsewhere(script: str) -> None:
     config, _ = parse_run_args(["--cpu", "1", script], SLURM_ENV)
-    assert config.preempt_signals == ("SIGUSR1", "SIGUSR2") and config.requeue
-    assert config.run_id == "slurm-4242"  # the next allocation finds this run's folder by it
+    assert config.preemption.signals == ("SIGUSR1", "SIGUSR2") and config.preemption.requeue
+    assert config.output.run_id == "slurm-4242"  # the next allocation finds this run's folder by it
     batch_script_itself = {k: v for k, v in SLURM_ENV.items() if "STEP" not in k}  # no srun step
-    assert parse_run_args([script], batch_script_itself)[0].run_id == "slurm-4242"
-    assert parse_run_args(["--no-requeue", script], batch_script_itself)[0].run_id == "slurm-4242"
+    assert parse_run_args([script], batch_script_itself)[0].output.run_id == "slurm-4242"
+    assert parse_run_args(["--no-requeue", script], batch_script_itself)[0].output.run_id == "slurm-4242"
     config, _ = parse_run_args(["--cpu", "1", script], {})
-    assert config.preempt_signals == () and not config.requeue
+    assert config.preemption.signals == () and not config.preemption.requeue
 
 
 @pytest.mark.parametrize(("argv", "signals", "requeue_on", "grace"), [
@@ -61,7 +61,8 @@ def test_defaults_under_slurm_and_elsewhere(script: str) -> None:
 def test_options_under_slurm(script: str, argv: list[str], signals: tuple[str, ...], requeue_on: bool,
                              grace: float | None) -> None:
     config, _ = parse_run_args(["--cpu", "1", *argv, script], SLURM_ENV)
-    assert (config.preempt_signals, config.requeue, config.preempt_grace) == (signals, requeue_on, grace)
+    chosen = config.preemption
+    assert (chosen.signals, chosen.requeue, chosen.grace) == (signals, requeue_on, grace)
 
 
 @pytest.mark.parametrize(("argv", "env", "words"), [
@@ -82,9 +83,9 @@ def test_usage_mistakes_are_one_line(script: str, argv: list[str], env: dict[str
 def test_environment_variables_set_the_options(script: str) -> None:
     config, _ = parse_run_args(["--cpu", "1", script], {**SLURM_ENV, "MULTIGPU_NO_REQUEUE": "1",
                                                          "MULTIGPU_PREEMPT_SIGNAL": "USR2"})
-    assert config.preempt_signals == ("SIGUSR2",) and not config.requeue
-    assert not parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "0"})[0].requeue
-    assert parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "1"})[0].requeue
+    assert config.preemption.signals == ("SIGUSR2",) and not config.preemption.requeue
+    assert not parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "0"})[0].preemption.requeue
+    assert parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "1"})[0].preemption.requeue
 
 
 def _stand_in_scontrol(tmp_path: Path, code: int = 0) -> dict[str, str]:
@@ -125,10 +126,10 @@ def test_each_allocation_has_its_own_folder(tmp_path: Path) -> None:
 def test_rank_env_is_always_replaced(tmp_path: Path, script: str) -> None:
     config, _ = parse_run_args(["--cpu", "1", script], SLURM_ENV)
     stale = {"MULTIGPU_PREVIOUS_OUTPUT": "/stale", "MULTIGPU_RESUMED": "9"}
-    first = requeue.rank_env(config, tmp_path, {**SLURM_ENV, **stale})
+    first = requeue.preemption_env(config, tmp_path, {**SLURM_ENV, **stale})
     assert first["MULTIGPU_RESUMED"] == "0" and "MULTIGPU_PREVIOUS_OUTPUT" not in first
     assert first["MULTIGPU_WARNING_SIGNALS"] == "SIGUSR1,SIGUSR2"
-    later = requeue.rank_env(config, tmp_path / "requeue_2", {**SLURM_ENV, "SLURM_RESTART_COUNT": "2"})
+    later = requeue.preemption_env(config, tmp_path / "requeue_2", {**SLURM_ENV, "SLURM_RESTART_COUNT": "2"})
     assert later["MULTIGPU_RESUMED"] == "2" and later["MULTIGPU_PREVIOUS_OUTPUT"] == str(tmp_path)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sysconfig
 
-from multigpu.errors import WorkerFailure
-from multigpu.exitcodes import EXIT_CRASH_LOOP
-from multigpu.restarts import CrashLoopPolicy, Signature, signature
+from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+from multigpu.launch.restarts import CrashLoopPolicy, Signature, signature
 
 LIB = sysconfig.get_paths()["purelib"]
 

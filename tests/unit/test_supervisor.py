@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env, pids_in, write_script
-from multigpu.errors import WorkerFailure
-from multigpu.supervisor import RunResult, RunStatus, Supervisor, Worker, WorkerSpec, WorkerState
+from helpers import PYTHON, assert_gone, clean_env, pids_in, supervisor_arguments, write_script
+from multigpu.contract.errors import WorkerFailure
+from multigpu.supervisor.loop import Supervisor
+from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,7 +55,7 @@ def spec(rank: int, argv: list[str], tmp_path: Path, *, world: int = 2,
 
 def bootstrap(script: Path) -> list[str]:
     """The real worker bootstrap (faulthandler, error file), running a plain script."""
-    return [PYTHON, "-m", "multigpu.worker", "script", str(script)]
+    return [PYTHON, "-m", "multigpu.rank", "script", str(script)]
 
 
 def worker_pids(sup: Supervisor) -> list[int]:
@@ -88,8 +89,7 @@ def make(notes: list[str]) -> Iterator[Callable[..., Supervisor]]:
 
     def build(specs: list[WorkerSpec], **kwargs: object) -> Supervisor:
         kwargs.setdefault("grace_period", GRACE)
-        kwargs.setdefault("dump_wait", 0.5)
-        sup = Supervisor(specs, notify=notes.append, **kwargs)  # type: ignore[arg-type]
+        sup = Supervisor(specs, **supervisor_arguments(notes, **kwargs))
         made.append(sup)
         return sup
 

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env
-from multigpu import reaping
-from multigpu.console import ConsoleWriter, PrefixedConsole
-from multigpu.errors import UsageError
-from multigpu.output import LogFile, display_text
-from multigpu.rundir import check_run_id, claim_output
-from multigpu.supervisor import RunStatus, Supervisor, Worker, WorkerSpec, WorkerState
+from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments
+from multigpu.contract.errors import UsageError
+from multigpu.launch.rundir import check_run_id, claim_output
+from multigpu.supervisor import reaping
+from multigpu.supervisor.console import ConsoleWriter, PrefixedConsole
+from multigpu.supervisor.loop import Supervisor
+from multigpu.supervisor.output import LogFile, display_text
+from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,7 +55,7 @@ def make(notes: list[str]) -> Iterator[Callable[..., Supervisor]]:
 
     def factory(specs: list[WorkerSpec], **kw: object) -> Supervisor:
         kw.setdefault("grace_period", 0.3)
-        sup = Supervisor(specs, notify=notes.append, **kw)  # type: ignore[arg-type]
+        sup = Supervisor(specs, **supervisor_arguments(notes, **kw))
         made.append(sup)
         return sup
 
@@ -299,7 +300,7 @@ def test_no_console_thread_outlives_its_writer() -> None:
 def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
     import subprocess
 
-    code = ("import os, sys\nfrom multigpu.console import ensure_std_fds\nensure_std_fds()\n"
+    code = ("import os, sys\nfrom multigpu.supervisor.console import ensure_std_fds\nensure_std_fds()\n"
             "r, w = os.pipe()\nprint(r, w, file=open('fds.txt', 'w'))\n")
     for closed in ("<&-", ">&-", "2>&-", "<&- >&- 2>&-"):
         res = subprocess.run(["bash", "-c", f"exec {PYTHON} -c \"$0\" {closed}", code], cwd=tmp_path,
@@ -311,8 +312,7 @@ def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
 def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found under a full disk: the launcher's last lines came after a quiet spell longer than the stall
     limit, and close() took the idle console for a stalled one and dropped them."""
-    from multigpu import console
-
+    from multigpu.supervisor import console
     now = [100.0]
     monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
     r, w = os.pipe()
@@ -358,7 +358,7 @@ def test_caller_lines_keep_the_callers_print_whole_when_its_stdout_is_unbuffered
     same hole at its 8 KiB boundary. Under ``caller_lines`` only whole lines reach the descriptor."""
     import io
 
-    from multigpu.console import caller_lines
+    from multigpu.supervisor.console import caller_lines
 
     r, w = os.pipe()
     os.set_blocking(r, False)

@@ -7,7 +7,8 @@ import signal
 import time
 from types import FrameType
 
-from multigpu.signals import FORWARDED, capture_signals
+from multigpu.contract.signals import CAUGHT
+from multigpu.supervisor.signals import capture_signals
 
 
 def _wait_for(received: list[int], count: int) -> None:
@@ -24,7 +25,7 @@ def test_handlers_record_and_are_restored() -> None:
     try:
         received: list[int] = []
         with capture_signals(received.append):
-            assert all(signal.getsignal(s) is not previous for s in FORWARDED if s != signal.SIGHUP)
+            assert all(signal.getsignal(s) is not previous for s in CAUGHT if s != signal.SIGHUP)
             os.kill(os.getpid(), signal.SIGUSR1)
             os.kill(os.getpid(), signal.SIGUSR2)
             _wait_for(received, 2)

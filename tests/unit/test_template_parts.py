@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone
-from multigpu.cli import parse_run_args
-from multigpu.errors import UsageError
-from multigpu.forked import exit_code
-from multigpu.spawning import AdoptedProcess
-from multigpu.supervisor import WorkerSpec
-from multigpu.template_client import NodeSpawner, forkable, shared_env
+from multigpu.cli.main import parse_run_args
+from multigpu.contract.errors import UsageError
+from multigpu.supervisor.spawning import AdoptedProcess
+from multigpu.supervisor.states import WorkerSpec
+from multigpu.template.child import exit_code
+from multigpu.template.client import NodeSpawner, forkable, shared_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,7 +62,7 @@ def test_an_adopted_child_times_out_like_popen() -> None:
 
 def spec(rank: int, env: dict[str, str], mode: str = "script") -> WorkerSpec:
     return WorkerSpec(rank=rank, local_rank=rank, env=env,
-                      argv=[sys.executable, "-m", "multigpu.worker", mode, "job.py"])
+                      argv=[sys.executable, "-m", "multigpu.rank", mode, "job.py"])
 
 
 def test_the_template_gets_what_every_rank_shares() -> None:
@@ -100,7 +100,7 @@ def test_a_template_that_cannot_start_means_plain_processes_said_once() -> None:
 
 PLACE = """
 import json, os, socket, sys
-from multigpu.forked import place_descriptors
+from multigpu.template.child import place_descriptors
 a_r, a_w = os.pipe()
 b_r, b_w = os.pipe()
 ctl, other = socket.socketpair()
@@ -136,10 +136,10 @@ def test_template_options(tmp_path: Path) -> None:
     job = tmp_path / "job.py"
     job.write_text("")
     config, _ = parse_run_args([str(job)], {})
-    assert config.template and config.preload == ()
+    assert config.supervision.template and config.supervision.preload == ()
     config, _ = parse_run_args(["--no-template", "--preload", "numpy, json.decoder", str(job)], {})
-    assert not config.template and config.preload == ("numpy", "json.decoder")
+    assert not config.supervision.template and config.supervision.preload == ("numpy", "json.decoder")
     config, _ = parse_run_args([str(job)], {"MULTIGPU_NO_TEMPLATE": "1"})
-    assert not config.template
+    assert not config.supervision.template
     with pytest.raises(UsageError, match="--preload takes module names"):
         parse_run_args(["--preload", "not-a-module", str(job)], {})

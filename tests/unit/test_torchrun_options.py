@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import devices
-from multigpu.cli import _run_parser, main, parse_run_args
-from multigpu.config import RunConfig
-from multigpu.devices import GPUInfo
-from multigpu.endpoint import Endpoint
-from multigpu.environment import usable_cpu_count
-from multigpu.errors import UsageError
-from multigpu.torchrun_options import TORCHRUN, comma_list, parse_std
+from multigpu.cli.main import _run_parser, main, parse_run_args
+from multigpu.cli.options import TORCHRUN, comma_list
+from multigpu.cluster import devices
+from multigpu.cluster.devices import GPUInfo
+from multigpu.config.endpoint import Endpoint
+from multigpu.config.run import RunConfig
+from multigpu.config.streams import StdStreams
+from multigpu.contract.environment import usable_cpu_count
+from multigpu.contract.errors import UsageError
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,7 @@ def test_both_spellings_and_both_value_forms(script: str, spelling: list[str]) -
 
 def test_unique_prefixes_of_torchruns_options_as_argparse_takes_them(script: str) -> None:
     config = parse(["--nnode=1", "--nproc_per", "2", "--master_p", "29511", script])
-    assert (config.nproc, config.rdzv_endpoint) == (2, Endpoint("127.0.0.1", 29511))
+    assert (config.nproc, config.rdzv.endpoint) == (2, Endpoint("127.0.0.1", 29511))
     assert "--rdzv" in usage_error(["--rdzv", "x", script])  # ambiguous: refused, as under torchrun
     assert "--out" in usage_error(["--out", "dir", script])  # ours stay whole words
 
@@ -75,14 +76,15 @@ def test_pet_variables_and_precedence(script: str) -> None:
     env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "2", "PET_RDZV_CONF": "join_timeout=7",
            "PET_STANDALONE": "1", "PET_ROLE": "trainer"}
     config = parse([script], env)
-    assert (config.nproc, config.max_restarts, config.rdzv_timeout) == (3, 2, 7.0)
-    assert (config.rdzv_backend, config.role) == ("c10d", "trainer")
+    assert (config.nproc, config.supervision.max_restarts, config.rdzv.timeout) == (3, 2, 7.0)
+    assert (config.rdzv.backend, config.start.role) == ("c10d", "trainer")
     # command line, then MULTIGPU_, then PET_
-    assert parse([script], {**env, "MULTIGPU_MAX_RESTARTS": "1"}).max_restarts == 1
-    assert parse(["--max-restarts", "0", script], {**env, "MULTIGPU_MAX_RESTARTS": "1"}).max_restarts == 0
+    assert parse([script], {**env, "MULTIGPU_MAX_RESTARTS": "1"}).supervision.max_restarts == 1
+    given = parse(["--max-restarts", "0", script], {**env, "MULTIGPU_MAX_RESTARTS": "1"})
+    assert given.supervision.max_restarts == 0
     assert parse([script], {"PET_NPROC_PER_NODE": "3", "MULTIGPU_CPU": "2"}).nproc == 2
     assert parse(["--nproc-per-node", "1", script], {"MULTIGPU_CPU": "2"}).nproc == 1
-    assert parse([script], {"PET_STANDALONE": "0"}).rdzv_backend == "static"
+    assert parse([script], {"PET_STANDALONE": "0"}).rdzv.backend == "static"
     assert "PET_NO_PYTHON" in usage_error([script], {"PET_NO_PYTHON": "yes"})
 
 
@@ -135,37 +137,37 @@ def test_a_torchrun_line_without_nproc_gets_torchruns_one_worker(script: str) ->
 
 def test_standalone_is_one_node_on_a_free_port(script: str) -> None:
     config = parse(["--standalone", "--rdzv-endpoint", "10.1.1.1:1234", "--nproc-per-node", "2", script])
-    assert (config.rdzv_backend, config.rdzv_endpoint, config.multi_node) == ("c10d", None, False)
+    assert (config.rdzv.backend, config.rdzv.endpoint, config.multi_node) == ("c10d", None, False)
     assert "--standalone is one node" in usage_error(["--standalone", "--nnodes", "2", script])
 
 
 def test_static_rendezvous_from_master_addr_and_port(script: str) -> None:
     config = parse(["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.5", "--master_port=1234",
                     "--nproc_per_node=2", script])
-    assert config.rdzv_endpoint == Endpoint("10.0.0.5", 1234)
+    assert config.rdzv.endpoint == Endpoint("10.0.0.5", 1234)
     assert (config.base_rank, config.world_size, config.node_rank, config.nnodes) == (2, 4, 1, 2)
-    assert (config.min_nodes, config.max_nodes, config.rdzv_backend) == (2, 2, "static")
+    assert (config.rdzv.min_nodes, config.rdzv.max_nodes, config.rdzv.backend) == (2, 2, "static")
     # torchrun's defaults: node rank 0, port 29500 over several nodes
     default = parse(["--nnodes", "2", "--master-addr", "host0", script])
-    assert (default.rdzv_endpoint, default.node_rank, default.base_rank) == (Endpoint("host0", 29500), 0, 0)
+    assert (default.rdzv.endpoint, default.node_rank, default.base_rank) == (Endpoint("host0", 29500), 0, 0)
     # one node with a port: the workers see that port, as under torchrun
-    assert parse(["--master-port", "29511", script]).rdzv_endpoint == Endpoint("127.0.0.1", 29511)
-    assert parse(["--master-addr", "127.0.0.1", script]).rdzv_endpoint is None
+    assert parse(["--master-port", "29511", script]).rdzv.endpoint == Endpoint("127.0.0.1", 29511)
+    assert parse(["--master-addr", "127.0.0.1", script]).rdzv.endpoint is None
     # an explicit endpoint beats master addr/port
-    assert parse(["--nnodes", "2", "--rdzv-endpoint", "h:7", "--master-port", "9", script]).rdzv_endpoint \
+    assert parse(["--nnodes", "2", "--rdzv-endpoint", "h:7", "--master-port", "9", script]).rdzv.endpoint \
         == Endpoint("h", 7)
 
 
 def test_c10d_on_one_node_and_refusals(script: str) -> None:
     config = parse(["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                     "--rdzv-id", "job7", script])
-    assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("c10d", Endpoint("localhost", 0),
-                                                                          "job7")
+    assert (config.rdzv.backend, config.rdzv.endpoint, config.output.run_id) == (
+        "c10d", Endpoint("localhost", 0), "job7")
     # FlagAI's BMTrain example: a c10d endpoint without a port is torchrun's 29400
-    assert parse(["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost", script]).rdzv_endpoint \
+    assert parse(["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost", script]).rdzv.endpoint \
         == Endpoint("localhost", 29400)
     ipv6 = parse(["--rdzv_backend=c10d", "--rdzv_endpoint=[::1]", script])
-    assert ipv6.rdzv_endpoint == Endpoint("::1", 29400)
+    assert ipv6.rdzv.endpoint == Endpoint("::1", 29400)
     assert "no port" in usage_error(["--rdzv_endpoint=localhost", script])  # static needs one
     assert "c10d" in usage_error(["--rdzv-backend", "etcd-v2", script])
     assert "c10d" in usage_error(["--rdzv-backend", "etcd", script])
@@ -182,9 +184,9 @@ def test_bad_nnodes(script: str, value: str, message: str) -> None:
 
 def test_rdzv_conf(script: str) -> None:
     config = parse(["--rdzv-conf", "join_timeout=30, read_timeout=60,is_host=false", script])
-    assert config.rdzv_conf == {"join_timeout": "30", "read_timeout": "60", "is_host": "false"}
-    assert config.rdzv_timeout == 30.0
-    assert parse(["--rdzv-conf", "join_timeout=30", "--rdzv-timeout", "5", script]).rdzv_timeout == 5.0
+    assert config.rdzv.conf == {"join_timeout": "30", "read_timeout": "60", "is_host": "false"}
+    assert config.rdzv.timeout == 30.0
+    assert parse(["--rdzv-conf", "join_timeout=30", "--rdzv-timeout", "5", script]).rdzv.timeout == 5.0
     assert "--rdzv-conf" in usage_error(["--rdzv-conf", "junk", script])
     assert "--rdzv-conf" in usage_error(["--rdzv-conf", "a=1,=2", script])
     assert "join_timeout" in usage_error(["--rdzv-conf", "join_timeout=soon", script])
@@ -192,21 +194,22 @@ def test_rdzv_conf(script: str) -> None:
 
 
 def test_synonyms_both_work_and_must_agree(script: str) -> None:
-    assert parse(["--shutdown-timeout", "3", script]).grace_period == 3.0
-    assert parse(["--shutdown-timeout", "3", "--grace-period", "3", script]).grace_period == 3.0
+    assert parse(["--shutdown-timeout", "3", script]).supervision.grace_period == 3.0
+    assert parse(["--shutdown-timeout", "3", "--grace-period", "3", script]).supervision.grace_period == 3.0
     assert "disagree" in usage_error(["--shutdown-timeout", "3", "--grace-period", "4", script])
-    assert parse(["--rdzv_id", "abc", script]).run_id == "abc"
+    assert parse(["--rdzv_id", "abc", script]).output.run_id == "abc"
     assert "disagree" in usage_error(["--rdzv-id", "a", "--run-id", "b", script])
     # the command line's value beats the environment's synonym without a conflict
-    assert parse(["--grace-period", "1", script], {"PET_SHUTDOWN_TIMEOUT": "9"}).grace_period == 1.0
+    ours = parse(["--grace-period", "1", script], {"PET_SHUTDOWN_TIMEOUT": "9"})
+    assert ours.supervision.grace_period == 1.0
 
 
 def test_local_ranks_filter_names_local_ranks(script: str) -> None:
     config = parse(["--nproc-per-node", "2", "--local-ranks-filter", "1", script])
-    assert (config.log_ranks, config.local_ranks_filter) == (frozenset({1}), frozenset({1}))
+    assert (config.output.log_ranks, config.output.local_ranks_filter) == (frozenset({1}), frozenset({1}))
     node1 = parse(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h",
                    "--local_ranks_filter=0", "--log-ranks", "2", script])
-    assert node1.log_ranks == frozenset({2})
+    assert node1.output.log_ranks == frozenset({2})
     assert "disagree" in usage_error(["--local-ranks-filter", "0", "--log-ranks", "1", script])
     assert "--local-ranks-filter" in usage_error(["--local-ranks-filter", "x", script])
 
@@ -218,9 +221,9 @@ def test_module_no_python_and_run_path(script: str, tmp_path: Path, monkeypatch:
         config = parse(["--nproc-per-node", "2", flag, "my_mod_x", "--lr", "1"])
         assert (config.module, config.target, config.target_args) == (True, "my_mod_x", ("--lr", "1"))
     config = parse(["--no-python", "echo", "a", "b"])
-    assert (config.run_mode, config.target, config.target_args, config.module) == ("exec", "echo", ("a", "b"),
-                                                                                    False)
-    assert parse(["--run-path", "--no-python", script]).run_mode == "python"
+    assert (config.start.run_mode, config.target, config.target_args, config.module) == (
+        "exec", "echo", ("a", "b"), False)
+    assert parse(["--run-path", "--no-python", script]).start.run_mode == "python"
     assert "cannot be used together" in usage_error(["--no-python", "-m", "my_mod_x"])
     assert "not found or not executable" in usage_error(["--no_python", "no-such-program-xyz"])
     assert "needs a module name" in usage_error(["-m"])
@@ -241,10 +244,11 @@ def test_directory_and_zip_targets(tmp_path: Path) -> None:
 def test_log_options(script: str, tmp_path: Path) -> None:
     config = parse(["--log-dir", str(tmp_path), "-r", "3", "-t1", "--duplicate-stdout-filters", "loss,,x,acc",
                     "--duplicate_stderr_filters=warn", script])
-    assert (config.log_dir, config.redirects, config.tee) == (tmp_path, "3", "1")
-    assert config.duplicate_stdout_filters == ("loss,x", "acc")
-    assert config.duplicate_stderr_filters == ("warn",)
-    assert parse(["--redirects=0:1,1:2", script]).redirects == "0:1,1:2"
+    out = config.output
+    assert (out.log_dir, out.redirects.text, out.tee.text) == (tmp_path, "3", "1")
+    assert config.output.duplicate_stdout_filters == ("loss,x", "acc")
+    assert config.output.duplicate_stderr_filters == ("warn",)
+    assert parse(["--redirects=0:1,1:2", script]).output.redirects.text == "0:1,1:2"
     assert "--redirects" in usage_error(["-r", "4", script])
     assert "--tee" in usage_error(["--tee", "0:x", script])
 
@@ -255,9 +259,9 @@ def test_std_and_comma_list_as_torch_reads_them() -> None:
 
     for text in ("0", "1", "2", "3", "0:1,1:2", "1:3"):
         theirs = to_map(Std.from_str(text), 3)
-        ours = parse_std(text, "-r")
+        ours = StdStreams.parse(text, "-r")
         for rank in range(3):
-            names = ours if isinstance(ours, frozenset) else ours.get(rank, frozenset())
+            names = ours.streams(rank)
             assert ("stdout" in names, "stderr" in names) == (bool(theirs[rank] & Std.OUT),
                                                               bool(theirs[rank] & Std.ERR))
     for text in ("a,b", "a,,b,c", "x"):
@@ -269,7 +273,8 @@ def test_options_torchrun_has_and_we_need_not_are_accepted_and_checked(script: s
     config = parse(["--monitor-interval", "0.5", "--start-method", "fork", "--event-log-handler", "console",
                     "--signals-to-handle", "SIGTERM,SIGUSR1", "--role", "trainer", "--local-addr", "10.0.0.2",
                     "--virtual-local-rank", "--numa-binding", "node", script])
-    assert (config.role, config.local_addr, config.virtual_local_rank, config.numa_binding) == (
+    start = config.start
+    assert (start.role, config.rdzv.local_addr, start.virtual_local_rank, start.numa_binding) == (
         "trainer", "10.0.0.2", True, "node")
     assert "--monitor-interval" in usage_error(["--monitor-interval", "often", script])
     assert "--start-method" in usage_error([script], {"PET_START_METHOD": "thread"})

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from multigpu import devices
-from multigpu.cli import parse_run_args
-from multigpu.numa import AFFINITY_ENV
-from multigpu.specs import build_specs, worker_argv
-from multigpu.supervisor import WorkerSpec
+from multigpu.cli.main import parse_run_args
+from multigpu.cluster import devices
+from multigpu.contract.names import AFFINITY_ENV
+from multigpu.launch.specs import AttemptContext, build_specs, worker_argv
+from multigpu.supervisor.states import WorkerSpec
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +24,9 @@ def specs(argv: list[str], tmp_path: Path, cvd: str | None = None) -> list[Worke
     script = tmp_path / "train.py"
     script.write_text("")
     config, _ = parse_run_args([*argv, str(script)], {})
-    return build_specs(config, run_id="job1", output_dir=tmp_path / "out", attempt=1, master_addr="127.0.0.1",
-                       master_port=1234, store_fd=None, base_env={"PATH": "/bin"}, cuda_visible_devices=cvd,
-                       launcher_pid=4321)
+    context = AttemptContext("job1", tmp_path / "out", 1, "127.0.0.1", 1234, cvd,
+                             launcher_pid=4321)
+    return build_specs(config, context, {"PATH": "/bin"})
 
 
 def test_log_dir_files_where_torchrun_writes_them(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_numa_binding_on_cpu_workers_shares_the_cores(tmp_path: Path) -> None:
 
 def test_worker_argv_per_mode(tmp_path: Path) -> None:
     config, _ = parse_run_args(["--no-python", "echo", "a"], {})
-    assert worker_argv(config) == [sys.executable, "-m", "multigpu.worker", "exec", "echo", "a"]
+    assert worker_argv(config) == [sys.executable, "-m", "multigpu.rank", "exec", "echo", "a"]
     script = tmp_path / "t.py"
     script.write_text("")
     config, _ = parse_run_args(["--run-path", str(script), "x"], {})
@@ -101,7 +101,7 @@ def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path)
     assert by_rank[1]["stdout"].needles == ()  # --local-ranks-filter hides rank 1: nothing copied
     assert by_rank[2]["stderr"].needles == ()  # stderr is not teed (-t 1): nothing copied
     assert by_rank[2]["stdout"].matching([b"loss,acc 0.5", b"loss 0.5"]) == b"[trainer2]:loss,acc 0.5\n"
-    from multigpu.torchrun_specs import RankLogs, line_copies
+    from multigpu.launch.torchrun import RankLogs, line_copies
 
     config = parse_run_args([*argv, str(tmp_path / "train.py")], {})[0]
     teed = RankLogs({"stdout": tmp_path / "o"}, frozenset({"stdout"}))

@@ -7,7 +7,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_PORT = 29500
 _GROUP = re.compile(r"\[([^\]]*)\]")
 
 

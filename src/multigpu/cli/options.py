@@ -1,0 +1,290 @@
+"""The options of ``multigpu run``: torchrun's (torch 2.13 ``torch/distributed/run.py``) and ours.
+
+One table drives the argument splitter, the parser, ``--help`` and the environment look-up, so an option
+is written down once. Values are looked up in this order: the command line, ``MULTIGPU_<DEST>``, then
+``PET_<DEST>`` for torchrun's options (as torchrun's ``argparse_util.env`` reads them), then the default.
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from multigpu.config.endpoint import TORCHRUN_MASTER_PORT
+from multigpu.contract.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Option:
+    flags: tuple[str, ...]
+    """Every spelling; the first is the one ``--help`` shows first."""
+    metavar: str | None
+    """None: a flag that takes no value (torchrun's ``check_env`` flags)."""
+    help: str
+    torchrun: bool = False
+    pet: bool = True
+    """Whether torchrun reads ``PET_<DEST>`` for it (``--logs-specs``/``--numa-binding`` it does not)."""
+    choices: tuple[str, ...] | None = None
+    dest_name: str | None = None
+
+    @property
+    def dest(self) -> str:
+        if self.dest_name is not None:
+            return self.dest_name
+        longest = max((f for f in self.flags if f.startswith("--")), key=len)
+        return longest.lstrip("-").replace("-", "_")
+
+    @property
+    def takes_value(self) -> bool:
+        return self.metavar is not None
+
+    def env_names(self) -> tuple[str, ...]:
+        names = ("MULTIGPU_" + self.dest.upper(),)
+        return (*names, "PET_" + self.dest.upper()) if self.torchrun and self.pet else names
+
+
+def _both(name: str) -> tuple[str, str]:
+    """torchrun's two spellings of one option: dashes and underscores."""
+    return (f"--{name}", f"--{name.replace('-', '_')}")
+
+
+NO_EFFECT = "accepted; no effect here: "
+
+OURS = (
+    Option(("--gpus",), "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)"),
+    Option(("--cpu",), "N", "run N CPU workers (gloo) instead of GPUs"),
+    Option(("--output",), "DIR", "run directory (default: ./multigpu_runs/<run id>)"),
+    Option(("--run-id",), "ID", "job id shared by every node (default: generated, or SLURM_JOB_ID); "
+           "same as --rdzv-id"),
+    Option(("--log-ranks",), "LIST", "global ranks shown on the console, e.g. 0,2 (log files keep every "
+           "rank); --local-ranks-filter names local ranks"),
+    Option(("--rdzv-timeout",), "S", "seconds to wait for peer nodes (default {rdzv_timeout}); "
+           "also --rdzv-conf join_timeout=S"),
+    Option(("--base-rank",), "R", "global rank of this node's first worker (multi-node)"),
+    Option(("--world-size",), "W", "total workers over all nodes (multi-node)"),
+    Option(("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default "
+           "{grace_period}); same as --shutdown-timeout"),
+    Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; "
+           "for ranks that report steps, the ceiling of a timeout learned from their step times"),
+    Option(("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
+           "{hang_factor})"),
+    Option(("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})"),
+    Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
+           choices=("auto", "on", "off")),
+    # -- preemption and requeue
+    Option(("--preempt-signal",), "SIGS", "signal(s) that warn of a preemption or the time limit, e.g. "
+           "USR1 (#SBATCH --signal=USR1@90), or none; ranks see multigpu.preempted() (default under "
+           "SLURM: USR1,USR2)"),
+    Option(("--preempt-grace",), "S", "stop the ranks S seconds after the warning if they still run "
+           "(default: wait for them, or for SLURM's SIGTERM)"),
+    Option(("--requeue",), None, "after a warning, once the ranks exit, 'scontrol requeue' the job and "
+           "exit 75 (default under SLURM with a warning signal)"),
+    Option(("--no-requeue",), None, "never requeue; a warned run still exits 75"),
+    # -- warm worker template
+    Option(("--no-template",), None, "start every rank as a fresh Python process instead of forking it "
+           "from the node's template (which imports torch once per node)"),
+    Option(("--preload",), "MODULES", "modules the template imports besides torch, comma separated"),
+)
+
+TORCHRUN = (
+    Option(("--nnodes",), "N|MIN:MAX", "node count, or an elastic range (MIN:MAX needs --rdzv-backend "
+           "c10d)", torchrun=True),
+    Option(_both("nproc-per-node"), "N|auto|gpu|cpu", "workers per node: N (N GPUs when GPUs are visible, "
+           "else N CPU workers), gpu (every visible GPU), cpu (one CPU worker per usable core), auto (gpu "
+           "if any, else cpu); default: 1 on a line with torchrun-only options, as torchrun, else every "
+           "visible GPU", torchrun=True),
+    Option(_both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused",
+           torchrun=True),
+    Option(_both("rdzv-endpoint"), "HOST:PORT", "where the nodes meet (default: 127.0.0.1, a free port, "
+           "on one node; --master-addr:--master-port for static)", torchrun=True),
+    Option(_both("rdzv-id"), "ID", "same as --run-id", torchrun=True),
+    Option(_both("rdzv-conf"), "K=V,...", "rendezvous settings: join_timeout (as --rdzv-timeout), "
+           "read_timeout, last_call_timeout, close_timeout, is_host, ...", torchrun=True),
+    Option(("--standalone",), None, "one node on a free local port; --rdzv-backend/-endpoint/-id are "
+           "ignored, as under torchrun", torchrun=True),
+    Option(_both("max-restarts"), "K", "restart the whole group up to K times after a failure (default "
+           "{max_restarts})", torchrun=True),
+    Option(_both("monitor-interval"), "S", NO_EFFECT + "a worker's exit is seen at once (process "
+           "descriptors), nothing is polled", torchrun=True),
+    Option(_both("start-method"), "METHOD", NO_EFFECT + "torchrun uses it only for function entry points; "
+           "a script always starts as a fresh process, here too", torchrun=True,
+           choices=("spawn", "fork", "forkserver")),
+    Option(_both("event-log-handler"), "NAME", NO_EFFECT + "the run's events (attempts, failures, "
+           "root cause) are written to run.json", torchrun=True),
+    Option(("--role",), "NAME", "the workers' ROLE_NAME (default {role})", torchrun=True),
+    Option(("-m", "--module"), None, "SCRIPT is a module, run as with python -m", torchrun=True),
+    Option(_both("no-python"), None, "SCRIPT is a program to execute directly, not a Python script",
+           torchrun=True),
+    Option(_both("run-path"), None, "run SCRIPT with runpy.run_path (what multigpu always does for a "
+           "script); beats --no-python", torchrun=True),
+    Option(_both("log-dir"), "DIR", "also write torchrun's files: DIR/<run id>_<random>/attempt_<k>/"
+           "<local rank>/{{stdout,stderr}}.log, error.json (per-rank logs in --output stay)", torchrun=True),
+    Option(("-r", "--redirects"), "STD", "streams written to --log-dir files and not shown: 0 none, 1 "
+           "stdout, 2 stderr, 3 both, or per local rank 0:1,1:2", torchrun=True),
+    Option(("-t", "--tee"), "STD", "streams written to --log-dir files and also shown (as --redirects)",
+           torchrun=True),
+    Option(_both("local-ranks-filter"), "LIST", "local ranks shown on the console (files keep every "
+           "rank); see --log-ranks", torchrun=True),
+    Option(_both("duplicate-stdout-filters"), "WORDS", "copy stdout lines holding any of these words "
+           "(comma separated, ',,' for a comma) to attempt_<k>/filtered_stdout.log in --log-dir",
+           torchrun=True),
+    Option(_both("duplicate-stderr-filters"), "WORDS", "the same for stderr (filtered_stderr.log)",
+           torchrun=True),
+    Option(_both("node-rank"), "I", "this node's index for a static rendezvous, with --nnodes",
+           torchrun=True),
+    Option(_both("master-addr"), "HOST", "static rendezvous host (rank 0's node); with --master-port "
+           "it is --rdzv-endpoint HOST:PORT", torchrun=True),
+    Option(_both("master-port"), "PORT", f"static rendezvous port (default {TORCHRUN_MASTER_PORT} on "
+           "several nodes; one node without it gets a free port)", torchrun=True),
+    Option(_both("local-addr"), "HOST", "the address this node announces in a c10d rendezvous "
+           "(unused by static, as under torchrun)", torchrun=True),
+    Option(_both("logs-specs"), "NAME", "an installed torchrun.logs_specs entry point that decides where "
+           "the -r/-t files and error files go", torchrun=True, pet=False),
+    Option(_both("numa-binding"), "MODE", "bind each rank to the CPUs (and memory) of its GPU's NUMA node "
+           "(CPU workers: an equal share of the usable cores)", torchrun=True, pet=False,
+           choices=("node", "socket", "exclusive", "core-complex")),
+    Option(_both("signals-to-handle"), "SIGS", NO_EFFECT + "multigpu always passes SIGTERM, SIGINT, SIGHUP, "
+           "SIGUSR1 and SIGUSR2 on to every rank's process group (names are checked)", torchrun=True),
+    Option(_both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True),
+    Option(_both("virtual-local-rank"), None, "LOCAL_RANK=0 in every worker; each GPU worker sees only "
+           "its own GPU, as device 0", torchrun=True),
+)
+
+ALL = OURS + TORCHRUN
+BY_FLAG = {flag: opt for opt in ALL for flag in opt.flags}
+SYNONYMS = (("grace_period", "shutdown_timeout"), ("run_id", "rdzv_id"))
+"""Ours and torchrun's names for one setting: both work; two different values are a usage error."""
+
+
+def expand_abbreviation(token: str) -> str:
+    """torchrun (argparse) takes a unique prefix of its long options, e.g. ``--nnode=2``; so do we.
+
+    Only torchrun's options: ours stay whole words, so a script's ``--out`` is never taken for ours.
+    """
+    name, sep, value = token.partition("=")
+    if not name.startswith("--") or name in BY_FLAG:
+        return token
+    matches = {BY_FLAG[f] for opt in TORCHRUN for f in opt.flags if f.startswith(name) and len(name) > 2}
+    return (matches.pop().flags[0] + sep + value) if len(matches) == 1 else token
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Launcher options, then the target and its arguments (passed on untouched).
+
+    The first word that is not an option (or follows ``--``) is the target, as in torchrun. Our old
+    ``-m MODULE`` and ``-mMODULE`` forms still work: ``-m`` is a flag, and the word after it is the target.
+    """
+    ours: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return ours, list(argv[i + 1:])
+        if token.startswith("-m") and len(token) > 2 and not token.startswith("--"):
+            return [*ours, "-m"], [token[2:], *argv[i + 1:]]
+        if not token.startswith("-") or token == "-":
+            return ours, list(argv[i:])
+        token = expand_abbreviation(token)
+        ours.append(token)
+        option = BY_FLAG.get(token)
+        if option is not None and option.takes_value and i + 1 < len(argv):
+            ours.append(argv[i + 1])
+            i += 1
+        i += 1
+    return ours, []
+
+
+def flag_value(raw: str, name: str) -> bool:
+    """A ``PET_``/``MULTIGPU_`` value of a flag: an integer, true when not 0, as torchrun's check_env."""
+    try:
+        return int(raw) != 0
+    except ValueError:
+        raise UsageError(f"{name} must be 0 or 1, got {raw!r}") from None
+
+
+def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, str | None]:
+    """Each option's value as text (a flag as "1"/"0"); synonyms resolved and checked."""
+    levels: list[dict[str, str]] = [{}, {}, {}]
+    for opt in ALL:
+        value = given.get(opt.dest)
+        if value is not None and value is not False:
+            levels[0][opt.dest] = "1" if value is True else str(value)
+        for index, name in zip((1, 2), opt.env_names(), strict=False):
+            raw = env.get(name)
+            if raw:  # an empty variable counts as unset
+                levels[index][opt.dest] = ("1" if flag_value(raw, name) else "0") if not opt.takes_value \
+                    else raw
+    values: dict[str, str | None] = {}
+    for opt in ALL:
+        values[opt.dest] = next((lv[opt.dest] for lv in levels if opt.dest in lv), None)
+    for ours, theirs in SYNONYMS:
+        level = next((lv for lv in levels if ours in lv or theirs in lv), {})
+        a, b = level.get(ours), level.get(theirs)
+        if a is not None and b is not None and a != b:
+            raise UsageError(f"--{ours.replace('_', '-')} {a} and --{theirs.replace('_', '-')} {b} "
+                             "disagree; they are the same setting, give one")
+        values[ours] = values[theirs] = a if a is not None else b
+    return values
+
+
+SHARED = frozenset({"nnodes", "node_rank", "rdzv_endpoint", "max_restarts"})
+"""Options both launchers have always had: using them says nothing about whose line this is."""
+
+
+def is_torchrun_line(values: Mapping[str, str | None]) -> bool:
+    """Whether the options (command line or ``PET_``/``MULTIGPU_`` variables) use one only torchrun has;
+    such a line gets torchrun's defaults where ours differ (one worker per node)."""
+    return any(values.get(opt.dest) not in (None, "0") for opt in TORCHRUN if opt.dest not in SHARED)
+
+
+def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, str | None]:
+    """``--gpus``, ``--cpu`` and ``--nproc-per-node`` all choose the workers: the first source that names
+    any of them decides, and it may name only one."""
+    keys = ("gpus", "cpu", "nproc_per_node")
+    sources: list[tuple[str, dict[str, str]]] = [
+        ("", {k: str(given[k]) for k in keys if given.get(k) is not None}),
+        ("MULTIGPU_", {k: env[f"MULTIGPU_{k.upper()}"] for k in keys if env.get(f"MULTIGPU_{k.upper()}")}),
+        ("PET_", {"nproc_per_node": env["PET_NPROC_PER_NODE"]} if env.get("PET_NPROC_PER_NODE") else {}),
+    ]
+    for prefix, found in sources:
+        if len(found) > 1:
+            names = " and ".join(f"{prefix}{k.upper()}" if prefix else "--" + k.replace("_", "-")
+                                 for k in found)
+            raise UsageError(f"give one of --gpus, --cpu, --nproc-per-node, not {names}")
+        if found:
+            return {k: found.get(k) for k in keys}
+    return dict.fromkeys(keys)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` as torchrun reads it, with a one-line error naming the option."""
+    parts = text.split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}") from None
+    if not 0 < low <= high:
+        raise UsageError(f"--nnodes {text}: need 0 < MIN <= MAX")
+    return low, high
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``key=value,...`` as torch's ``_parse_rendezvous_config``: every key needs a non-empty value."""
+    config: dict[str, str] = {}
+    if not text.strip():
+        return config
+    for item in text.strip().split(","):
+        key, sep, value = item.partition("=")
+        if not key.strip() or not sep or not value.strip():
+            raise UsageError(f"--rdzv-conf {text!r}: write KEY=VALUE,KEY=VALUE (item {item!r})")
+        config[key.strip()] = value.strip()
+    return config
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """torchrun's ``comma_separated_list``: split on ',', with ',,' for a literal comma."""
+    placeholder = "\0"
+    return tuple(item.replace(placeholder, ",") for item in text.replace(",,", placeholder).split(","))

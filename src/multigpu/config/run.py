@@ -1,0 +1,156 @@
+"""The typed run configuration: what the CLI (and function mode) parses into and everything else reads.
+
+Every default is written here once, in the field that holds it; ``--help`` quotes them from here, and
+function mode's caller and the supervisor take theirs from here too. The fields are grouped by concern:
+where the nodes meet (``RendezvousConfig``), how ranks are watched and restarted
+(``SupervisionConfig``), when a rank hangs (``HangConfig``), where output goes (``OutputConfig``),
+preemption on SLURM (``PreemptionConfig``) and how each rank's process is started (``StartConfig``).
+The top level says what runs, on which devices, and where this node sits in the job.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from multigpu.config.endpoint import Endpoint
+from multigpu.config.streams import StdStreams
+from multigpu.contract.environment import node_count
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Where and how the nodes of the job meet (torchrun's ``--rdzv-*`` options)."""
+
+    endpoint: Endpoint | None = None
+    """None: a store on 127.0.0.1, port chosen by the kernel."""
+    timeout: float = 600.0
+    """How long nodes wait for each other (``--rdzv-timeout``; function mode's ``rdzv_timeout``)."""
+    backend: str = "static"
+    conf: dict[str, str] = field(default_factory=dict)
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    local_addr: str | None = None
+
+
+@dataclass(frozen=True)
+class SupervisionConfig:
+    """How the ranks are watched, stopped and restarted."""
+
+    grace_period: float = 5.0
+    """Seconds between the stop signal and SIGKILL."""
+    max_restarts: int = 0
+    template: bool = True
+    """Fork the ranks from a per-node template that imported torch once (``--no-template``: don't)."""
+    preload: tuple[str, ...] = ()
+    """Modules the template imports besides torch (``--preload``)."""
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    """When a rank hangs: ``clamp(factor x its slowest step interval, floor, timeout)``."""
+
+    timeout: float | None = None
+    """``--hang-timeout``: the ceiling, and the timeout before a rank reports its first step."""
+    factor: float = 5.0
+    floor: float = 60.0
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where the run's record and logs go, and what the console shows."""
+
+    dir: Path | None = None
+    """``--output``; None: ``./multigpu_runs/<run id>``."""
+    run_id: str | None = None
+    log_ranks: frozenset[int] | None = None
+    """Global ranks shown on the console (``--log-ranks``); None: all."""
+    status: str = "auto"
+    """``auto`` (a live view on a terminal), ``on`` or ``off``."""
+    log_dir: Path | None = None
+    """torchrun's ``--log-dir``: its per-local-rank files are written there too."""
+    redirects: StdStreams = field(default_factory=StdStreams)
+    tee: StdStreams = field(default_factory=StdStreams)
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    logs_specs: str | None = None
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """A warning signal before the end of an allocation, and SLURM's requeue."""
+
+    signals: tuple[str, ...] = ()
+    """Signal names that warn of a preemption (``SIGUSR1``...); under SLURM USR1 and USR2 by default."""
+    requeue: bool = False
+    """``scontrol requeue`` the job once the ranks have stopped after a warning (SLURM)."""
+    grace: float | None = None
+    """Stop the ranks this many seconds after the warning if they are still running."""
+
+
+@dataclass(frozen=True)
+class StartConfig:
+    """How each rank's process is started (torchrun's per-worker options)."""
+
+    run_mode: str = "python"
+    """``python`` (a script or module), or ``exec`` (``--no-python``: SCRIPT is a program)."""
+    role: str = "default"
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str
+    """A script path, a module name when ``module`` is true, or function mode's pickled payload."""
+    target_args: tuple[str, ...] = ()
+    module: bool = False
+    function: bool = False
+    """``target`` is a pickled payload for ``python -m multigpu.rank function`` (``MultiGPUManager``)."""
+    first_local_rank: int = 0
+    """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
+    device: str = "cpu"
+    """``cpu`` (gloo workers) or ``cuda`` (one GPU per worker)."""
+    nproc: int = 1
+    gpus: tuple[int, ...] = ()
+    """Visible GPU indices, one per local worker, when ``device == "cuda"``."""
+    base_rank: int = 0
+    world_size: int | None = None
+    """None: the local worker count (one node)."""
+    node_rank: int | None = None
+    nnodes: int | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    hang: HangConfig = field(default_factory=HangConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    start: StartConfig = field(default_factory=StartConfig)
+
+    @property
+    def resolved_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else self.nproc
+
+    @property
+    def multi_node(self) -> bool:
+        return self.resolved_world_size > self.nproc
+
+    @property
+    def group_world_size(self) -> int:
+        """Node count: ranks are laid out in equal blocks of ``nproc`` when the layout allows it."""
+        if self.nnodes is not None:
+            return self.nnodes
+        return node_count(self.resolved_world_size, self.nproc)
+
+    @property
+    def group_rank(self) -> int:
+        if self.node_rank is not None:
+            return self.node_rank
+        return self.base_rank // self.nproc

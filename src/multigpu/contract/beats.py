@@ -1,0 +1,97 @@
+"""The beat protocol: the bytes a rank writes on its heartbeat pipe, and the launcher's one reader.
+
+Shared by the rank (``rank/progress.py`` and the bootstrap write beats) and the launcher (the
+supervisor reads them, ``supervisor/hang.py`` decodes them), so it is standard library only. Each
+report is a few bytes; a write under ``PIPE_BUF`` is atomic, so records never interleave::
+
+    .            heartbeat()                      o    the rank wrote output (the bootstrap)
+    S<n>;        heartbeat(step=n)                D    the script finished (the bootstrap)
+    B<name>;     a section begins                 !    the rank is failing (function mode)
+    E<name>=<s>; a section ended after s seconds  F    a flight-recorder dump was written
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED = b".", b"o", b"D", b"!", b"F"
+
+
+STEP, BEGIN, END = "S", "B", "E"
+
+
+_SINGLE = {HEARTBEAT[0]: "beat", OUTPUT[0]: "output", DONE[0]: "done", FAILING[0]: "failing",
+           DUMPED[0]: "dumped"}
+
+
+_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end"}
+
+
+MAX_NAME = 64
+
+
+MAX_RECORD = 128
+"""A record longer than this without its ``;`` is garbage (a rank writing to the wrong descriptor)."""
+
+
+_NAME_BAD = re.compile(r"[;=\x00-\x1f]")
+
+
+def clean_name(name: str) -> str:
+    return _NAME_BAD.sub("_", str(name))[:MAX_NAME] or "_"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One decoded report: ``kind`` is beat, output, done, failing, dumped, step, begin or end."""
+
+    kind: str
+    name: str = ""
+    value: float = 0.0
+
+
+class BeatDecoder:
+    """Turns the bytes read from one rank's pipe into ``Beat`` records; a record cut by a read waits
+    for the rest. Anything it cannot parse is skipped: a rank cannot break the launcher."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def feed(self, data: bytes) -> list[Beat]:
+        buf = self._pending + data
+        beats: list[Beat] = []
+        i = 0
+        while i < len(buf):
+            byte = buf[i]
+            if byte in _SINGLE:
+                beats.append(Beat(_SINGLE[byte]))
+                i += 1
+                continue
+            if byte not in _RECORD:
+                i += 1
+                continue
+            end = buf.find(b";", i, i + MAX_RECORD)
+            if end < 0:
+                if len(buf) - i >= MAX_RECORD:  # no record is this long: skip the byte, read on
+                    i += 1
+                    continue
+                break
+            beat = _record(_RECORD[byte], bytes(buf[i + 1:end]).decode(errors="replace"))
+            if beat is not None:
+                beats.append(beat)
+            i = end + 1
+        self._pending = bytearray(buf[i:])
+        return beats
+
+
+def _record(kind: str, body: str) -> Beat | None:
+    try:
+        if kind == "step":
+            return Beat("step", value=float(int(body)))
+        if kind == "end":
+            name, _, seconds = body.rpartition("=")
+            return Beat("end", name, max(0.0, float(seconds)))
+        return Beat("begin", body)
+    except ValueError:
+        return None

@@ -1,0 +1,202 @@
+"""Typed errors: a usage mistake, a rendezvous problem, or workers that failed.
+
+``WorkerFailure`` is also the one error record: a rank's bootstrap writes it (``write``), the
+supervisor reads it back (``read``, which also understands torch elastic's ``@record`` files), and the
+nodes of a job share it through the store (``to_dict``/``from_dict``). One type, one format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time as _time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from multigpu.contract.signals import signal_name
+
+HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "Hang", "NodeLost", "StoreLost", "MembershipChange"
+"""The kinds of failure the launcher names itself (``WorkerFailure.error_type``); a rank that raised has
+its exception's type name there instead."""
+NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE})
+"""No exception was raised, even when a stack dump is attached."""
+LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST})
+"""Known from a peer's or the store's silence: nothing to publish, nothing to ask the store."""
+
+
+class MultiGPUError(Exception):
+    """Base of every error multigpu raises on purpose."""
+
+
+class UsageError(MultiGPUError, ValueError):
+    """Bad input from the user; the CLI prints it as one line and exits 2. Never retried."""
+
+
+class RendezvousError(MultiGPUError):
+    """The group could not be formed: a port is taken, peers never came, or layouts disagree."""
+
+
+@dataclass
+class WorkerFailure:
+    """Why one rank ended badly; enough to debug it without opening another file."""
+
+    rank: int
+    local_rank: int
+    pid: int | None
+    exit_code: int | None = None
+    signal: str | None = None
+    node: int = 0
+    error_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    time: float | None = None
+    log_tail: list[str] = field(default_factory=list)
+    log_path: str | None = None
+
+    @property
+    def launcher_exit_code(self) -> int:
+        """The launcher's exit code for this root cause: the rank's own, or 128 + N for signal N."""
+        if self.signal is not None:
+            try:
+                return 128 + int(signal.Signals[self.signal])
+            except KeyError:
+                return 1
+        return self.exit_code if self.exit_code else 1
+
+    def describe(self) -> str:
+        how = f"was killed by {self.signal}" if self.signal else f"exited with code {self.exit_code}"
+        what = f": {self.error_type}: {self.message}" if self.error_type else ""
+        return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
+
+    def to_dict(self, log_tail_lines: int | None = None) -> dict[str, Any]:
+        data = asdict(self)
+        if log_tail_lines is not None:
+            data["log_tail"] = data["log_tail"][-log_tail_lines:] if log_tail_lines else []
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerFailure:
+        """Tolerant of missing keys and of the bootstrap's older ``type`` key: records cross versions."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("error_type") is None and isinstance(data.get("type"), str):
+            values["error_type"] = data["type"]
+        for key in ("rank", "local_rank"):
+            values[key] = _int_or(values.get(key), -1)
+        values["node"] = _int_or(values.get("node"), 0)
+        values["pid"] = _int_or(values.get("pid"), None)
+        values["log_tail"] = [str(line) for line in values.get("log_tail") or []]
+        return cls(**values)
+
+    @classmethod
+    def from_exit(cls, rank: int, local_rank: int, node: int, pid: int | None, returncode: int | None,
+                  record: WorkerFailure | None = None, *, log_path: str | None = None,
+                  log_tail: list[str] | None = None) -> WorkerFailure:
+        """The one constructor for a rank that ended badly: its exit status (``returncode`` < 0: killed by
+        signal -returncode, as ``Popen`` says) and what its own error record says, if it wrote one
+        (``read``), as torch's ``ProcessFailure`` reads its error file."""
+        killed = returncode is not None and returncode < 0
+        return cls(
+            rank=rank, local_rank=local_rank, node=node, pid=pid,
+            exit_code=None if killed else returncode,
+            signal=signal_name(-returncode) if killed and returncode is not None else None,
+            error_type=record.error_type if record else None, message=record.message if record else None,
+            traceback=record.traceback if record else None, time=record.time if record else None,
+            log_tail=list(log_tail or []), log_path=log_path)
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, env: dict[str, str] | None = None) -> WorkerFailure:
+        """What a rank records about its own uncaught exception (exit code and signal come later)."""
+        import traceback  # here, not at import: every rank's start-up imports this module
+
+        env = dict(os.environ) if env is None else env
+        return cls(
+            rank=_int_or(env.get("RANK"), -1), local_rank=_int_or(env.get("LOCAL_RANK"), -1),
+            pid=os.getpid(), node=_int_or(env.get("GROUP_RANK"), 0), error_type=type(exc).__name__,
+            message=str(exc), time=_time.time(),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+    def write(self, path: str | Path) -> None:
+        """Atomic (a half-written record never shows); a rank that cannot write it still fails normally."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(_json().dumps(self.to_dict()))
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    @classmethod
+    def read(cls, path: str | Path | None) -> WorkerFailure | None:
+        """A rank's record, or torch elastic's ``@record`` file; None when there is none or it is garbled."""
+        if path is None:
+            return None
+        try:
+            data = _json().loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("message"), dict):  # torch.distributed.elastic @record
+            info = data["message"]
+            extra = info.get("extraInfo") or {}
+            return cls(rank=-1, local_rank=-1, pid=None, message=info.get("message"),
+                       traceback=extra.get("py_callstack"),
+                       time=float(extra.get("timestamp", 0) or 0) or None)
+        return cls.from_dict(data)
+
+
+def _json() -> Any:
+    import json  # only where a record is written or read, not in every rank's start-up
+
+    return json
+
+
+def _int_or(value: Any, default: int | None) -> Any:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+class WorkerFailedError(MultiGPUError):
+    """One or more ranks failed; ``root_cause`` is the first failure in time.
+
+    In function mode it is also raised asynchronously in the thread that called
+    ``setup_multi_gpu_train``, like KeyboardInterrupt, but unlike KeyboardInterrupt it is an
+    ``Exception``: it is the same type ``finalize()`` raises, and ``except MultiGPUError`` /
+    ``except WorkerFailedError`` must catch both. A broad ``except Exception:`` therefore catches it
+    too; swallowing it loses nothing, because the process group has already been aborted (the next
+    collective fails at once) and ``finalize()`` raises the same error again.
+    """
+
+    def __init__(self, root_cause: WorkerFailure, others: list[WorkerFailure] | None = None) -> None:
+        self.root_cause = root_cause
+        self.others = others or []
+        text = root_cause.describe()
+        if root_cause.traceback:
+            text += "\n" + root_cause.traceback.rstrip()
+        super().__init__(text)
+
+    @property
+    def rank(self) -> int:
+        return self.root_cause.rank
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.root_cause.exit_code
+
+    @property
+    def signal(self) -> str | None:
+        return self.root_cause.signal
+
+    @property
+    def traceback(self) -> str | None:
+        return self.root_cause.traceback
+
+
+for _public in (MultiGPUError, UsageError, RendezvousError, WorkerFailedError, WorkerFailure):
+    _public.__module__ = "multigpu"  # a traceback names them as users import them: multigpu.UsageError

@@ -1,0 +1,71 @@
+"""Which frames of a stack or traceback are multigpu's own: one rule, by module.
+
+A frame is ours when the module it runs in is part of the ``multigpu`` package. The rank's bootstrap
+drops our leading frames (and the standard library's that start the user's code) from a traceback,
+the crash-loop policy looks for the innermost frame that is neither ours nor a library's, and
+function mode does not interrupt our own code (``function/delivery.py``, which names the shipped
+applications it may interrupt). Text tracebacks carry file names only: ``module_of_file`` maps them
+to modules. Standard library only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import FrameType
+
+PACKAGE = "multigpu"
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTERS = frozenset({"runpy", "multiprocessing.spawn"})
+"""Standard-library modules that start the user's code for the bootstrap (script, module, function)."""
+
+
+def own_module(name: str | None) -> bool:
+    return bool(name) and (name == PACKAGE or str(name).startswith(PACKAGE + "."))
+
+
+def module_of(frame: FrameType) -> str | None:
+    name = frame.f_globals.get("__name__")
+    return name if isinstance(name, str) else None
+
+
+def own_frame(frame: FrameType) -> bool:
+    return own_module(module_of(frame))
+
+
+def starter_frame(frame: FrameType) -> bool:
+    """A frame of ours or of the standard library's code that runs the user's target."""
+    return own_frame(frame) or module_of(frame) in STARTERS
+
+
+def module_of_file(filename: str) -> str | None:
+    """The ``multigpu`` module a traceback's file name belongs to, or None."""
+    path = os.path.abspath(filename)
+    if not path.startswith(PACKAGE_DIR + os.sep):
+        return None
+    relative = os.path.relpath(path, os.path.dirname(PACKAGE_DIR))
+    parts = os.path.splitext(relative)[0].split(os.sep)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def own_file(filename: str) -> bool:
+    return own_module(module_of_file(filename))
+
+
+def library_file(filename: str) -> bool:
+    """Not the user's: ours, the standard library's or an installed package's (traceback text)."""
+    if filename.startswith("<") or "site-packages" in filename or "dist-packages" in filename:
+        return True
+    return own_file(filename) or os.path.abspath(filename).startswith(_library_roots())
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """The standard library's and the installed packages' folders (asked once, when first needed)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {paths.get(name, "") for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(sorted(r for r in roots if r))

@@ -1,0 +1,49 @@
+"""The names of multigpu's own environment variables between the launcher and its ranks, and the one
+format one of them needs (a cpulist).
+
+Read by the rank (its bootstrap, ``multigpu.heartbeat``, the preemption API), written by the
+launcher's environment builder (``environment.py``) and by function mode's caller. Standard library
+only, and cheap to import: every fresh rank imports it before the user's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# multigpu's own variables, between the launcher (or the caller, in function mode) and its ranks.
+RUN_ID_ENV = "MULTIGPU_RUN_ID"
+OUTPUT_DIR_ENV = "MULTIGPU_OUTPUT_DIR"
+LAUNCHER_PID_ENV = "MULTIGPU_LAUNCHER_PID"
+"""The process whose death ends the rank (``rank/guard.py``)."""
+ERROR_FILE_ENV = "MULTIGPU_ERROR_FILE"
+"""Where the rank's bootstrap writes its ``WorkerFailure`` record."""
+HEARTBEAT_FD_ENV = "MULTIGPU_HEARTBEAT_FD"
+"""The rank's end of its beat pipe (``contract/beats.py``)."""
+DEVICE_ENV = "MULTIGPU_DEVICE"
+NODE_RANK_ENV = "MULTIGPU_NODE_RANK"
+ATTEMPT_ENV = "MULTIGPU_ATTEMPT"
+ANNOUNCE_ENV = "MULTIGPU_ANNOUNCE_FAILURE"
+"""Function mode: a failing rank says so on its beat pipe at once ("1")."""
+FR_DUMP_ENV = "MULTIGPU_FR_DUMP"
+"""Where a rank writes its flight record when the launcher asks (``FR_SIGNAL``)."""
+AFFINITY_ENV = "MULTIGPU_CPU_AFFINITY"
+"""``--numa-binding``: the CPUs the bootstrap binds the rank to (a cpulist, ``0-3,8``)."""
+WARNING_SIGNALS_ENV = "MULTIGPU_WARNING_SIGNALS"
+"""Comma-separated signal names the launcher treats as a preemption warning, e.g. ``SIGUSR1,SIGUSR2``."""
+RESUMED_ENV = "MULTIGPU_RESUMED"
+PREVIOUS_OUTPUT_ENV = "MULTIGPU_PREVIOUS_OUTPUT"
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """The kernel's ``0-3,8,10-11`` format."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def format_cpulist(cpus: Sequence[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))

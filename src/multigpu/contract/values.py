@@ -1,0 +1,64 @@
+"""The one parser of each kind of value a user types: seconds, integers and signal lists.
+
+Shared by every process (the command line, function mode's arguments, and the rank, which reads the
+warning signals from its environment), so it needs the standard library only. Each raises
+``UsageError`` (a ``ValueError``) with a message that names the option, so the CLI prints it as one line.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multigpu.contract.errors import UsageError
+
+
+
+def seconds(value: str, flag: str, *, positive: bool = False) -> float:
+    """A number of seconds; at least 0, or more than 0 with ``positive``."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise _usage(f"{flag} must be a number of seconds, got {value!r}") from None
+    if math.isnan(number) or number < 0 or (positive and number == 0):
+        raise _usage(f"{flag} must be {'more than' if positive else 'at least'} 0, got {value}")
+    return number
+
+
+def integer(value: str, flag: str, minimum: int) -> int:
+    """An integer of at least ``minimum``."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise _usage(f"{flag} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise _usage(f"{flag} must be at least {minimum}, got {number}")
+    return number
+
+
+def signal_numbers(text: str, flag: str) -> tuple[int, ...]:
+    """``SIGUSR1,USR2`` -> signal numbers, in order and without repeats; a bad name is named."""
+    found: list[int] = []
+    for item in (part.strip().upper() for part in text.split(",")):
+        if not item:
+            continue
+        name = item if item.startswith("SIG") else "SIG" + item
+        try:
+            number = int(signal.Signals[name])
+        except KeyError:
+            raise _usage(f"{flag}: {item!r} is not a signal name like USR1") from None
+        if number not in found:
+            found.append(number)
+    return tuple(found)
+
+
+def signal_names(numbers: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(signal.Signals(n).name for n in numbers)
+
+
+def _usage(message: str) -> UsageError:
+    from multigpu.contract.errors import UsageError  # only for a mistake: the rank's start-up stays lean
+
+    return UsageError(message)

@@ -1,0 +1,97 @@
+"""What makes a process join the job as a rank in function mode: its environment, its device, its
+process group.
+
+Runs in the caller (which becomes local rank 0 in place) and in every child the manager starts (the
+payload calls ``child_entry``, then the manager's ``run_child_process``, then ``run_child``). This is
+the one place that writes ``os.environ``: the caller itself becomes a rank, and ``restore_environ``
+undoes it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from multigpu.config.endpoint import parse_endpoint
+from multigpu.contract.environment import CONTRACT_KEYS, JobContext, RankPlacement, rank_env
+from multigpu.contract.names import DEVICE_ENV, OUTPUT_DIR_ENV, RUN_ID_ENV
+from multigpu.function.argv import remove_option, set_arguments_to_argv
+from multigpu.function.prepare import GROUP_SOCKETS, TIMEOUT_ENV
+from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
+
+
+def become_rank_environ(run_id: str, out: Path, device: str, timeout: float) -> dict[str, str | None]:
+    """The job's keys in this process's environment; returns what to restore."""
+    saved = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
+    os.environ.setdefault(TIMEOUT_ENV, str(timeout))
+    os.environ.update({RUN_ID_ENV: run_id, "TORCHELASTIC_RUN_ID": run_id, OUTPUT_DIR_ENV: str(out),
+                       DEVICE_ENV: device})
+    return saved
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    """Undo what made this process a rank, so a later manager in it (HPO, say) starts afresh."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int) -> bool:
+    """Set this process's rank environment, pick its device, and init the default process group.
+
+    Returns True when it created the group (False when one already existed).
+    """
+    endpoint = parse_endpoint(rdzv_endpoint)
+    import torch
+    import torch.distributed as dist
+
+    device = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    placement = RankPlacement.on_node(rank, local_rank, world_size, len(gpu_ids))
+    job = JobContext(master_addr=endpoint.bind_host, master_port=endpoint.port, device=device,
+                     run_id=os.environ.get("TORCHELASTIC_RUN_ID", "multigpu"),
+                     output_dir=os.environ.get(OUTPUT_DIR_ENV))
+    os.environ.update(rank_env(placement, job))  # the one place: this process becomes the rank
+    if device == "cuda":
+        torch.cuda.set_device(gpu_ids[local_rank])
+    if dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    try:
+        with GROUP_SOCKETS.recording(store_port=endpoint.port):
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+    except BaseException:
+        if not dist.is_initialized():
+            # A failed init leaves torch's group counter advanced, so a later group in this process
+            # would be named differently from its fresh peers' and never meet them. Destroying the
+            # world resets it; with no world to destroy, reset it the same way.
+            dist.distributed_c10d._world.group_count = 0
+        raise
+    return True
+
+
+def run_child(train_func: Callable[..., Any], output_path: str, rdzv_endpoint: str, rank: int,
+              local_rank: int, gpu_ids: list[int], world_size: int) -> None:
+    """What each spawned rank runs: fix its argv the OTX way, join the group, call ``train_func``."""
+    sys.argv = remove_option(sys.argv, "--gpus")
+    sys.argv = remove_option(sys.argv, "--enable-hpo", takes_value=False)
+    set_arguments_to_argv(["--output", "-o"], output_path)
+    set_arguments_to_argv("--rdzv-endpoint", rdzv_endpoint)
+    join_group(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
+    train_func()
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # only after success: a failing rank's bootstrap announces first
+        dist.destroy_process_group()
+
+
+def child_entry(run_child_process: Callable[..., None], train_func: Callable[..., Any], output_path: str,
+                rdzv_endpoint: str, gpu_ids: list[int], world_size: int) -> None:
+    """The payload's call: one payload for every child, each reading its own rank from its environment."""
+    run_child_process(train_func, output_path, rdzv_endpoint, int(os.environ["RANK"]),
+                      int(os.environ["LOCAL_RANK"]), gpu_ids, world_size)

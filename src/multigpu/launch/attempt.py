@@ -1,0 +1,110 @@
+"""One attempt of ``multigpu run`` on this node: its supervisor, its console, its fate shared with the
+other nodes, and its result. Runs in the launcher; the attempts loop (``attempts.py``) and the elastic
+round loop (``elastic.py``) both run every attempt through here.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import ExitStack
+
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import MEMBERSHIP_CHANGE
+from multigpu.contract.signals import signal_name
+from multigpu.launch.preemption import PreemptWatch
+from multigpu.launch.record import RunRecord
+from multigpu.launch.report import plain_summary
+from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure
+from multigpu.rendezvous.job import JobStore
+from multigpu.supervisor.console import PrefixedConsole, active_writer, say
+from multigpu.supervisor.hang import progress_book
+from multigpu.supervisor.loop import Supervisor
+from multigpu.supervisor.options import Hooks, SupervisorOptions
+from multigpu.supervisor.signals import capture_signals
+from multigpu.supervisor.spawning import Spawner
+from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
+
+
+def exit_code(result: RunResult) -> int:
+    """The launcher's exit code for an attempt's result (``contract/exitcodes.py`` lists them)."""
+    if result.status is RunStatus.SUCCEEDED:
+        return 0
+    if result.status is RunStatus.INTERRUPTED:
+        return 128 + (result.signal or signal.SIGTERM)
+    root = result.root_cause
+    return root.launcher_exit_code if root is not None else 1
+
+
+def _use_live_view(config: RunConfig) -> bool:
+    if config.output.status == "on":
+        return True
+    writer = active_writer()
+    ttys = writer.ttys if writer is not None else {1: sys.stdout.isatty(), 2: sys.stderr.isatty()}
+    return config.output.status == "auto" and ttys.get(1, False) and ttys.get(2, False)
+
+
+def _membership_change(result: RunResult) -> bool:
+    """An elastic round ended for a joining node: nothing failed, so there are no stacks to dump."""
+    return result.root_cause is not None and result.root_cause.error_type == MEMBERSHIP_CHANGE
+
+
+def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
+         job: JobStore | None) -> RunResult:
+    """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
+    if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
+        result = share_failure(job, result)
+    if result.status is RunStatus.INTERRUPTED:
+        sig = result.signal or signal.SIGTERM
+        say(f"{signal_name(sig)} received: stopping every rank "
+            f"(grace {config.supervision.grace_period:g}s; Ctrl-C again to kill now)")
+        supervisor.close(sig=sig)
+    else:
+        supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
+    result = supervisor.final_result(result)
+    for loss in supervisor.output_losses():
+        say(f"output lost: {loss}")
+    record.note_losses(supervisor.output_losses())
+    if job is not None:
+        result = settle_root(job, result)
+    if job is not None and result.status is RunStatus.SUCCEEDED:
+        mark_done(job)
+    return result
+
+
+def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
+                attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
+                spawner: Spawner | None = None) -> tuple[RunResult, list[Worker]]:
+    """One attempt on this node, from its ranks' start to their end; its result and its ranks' records."""
+    console = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=active_writer())
+    live = None
+    if _use_live_view(config):
+        from multigpu.launch.status import LiveStatus
+
+        live = LiveStatus(f"multigpu attempt {attempt}", console, active_writer())
+    with ExitStack() as stack:
+        options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
+        hooks = Hooks(listener=record, tick=live.refresh if live else None)
+        supervisor = Supervisor(specs, sink=live or console, options=options, hooks=hooks,
+                                progress=progress_book(config, record.path.parent, specs), spawner=spawner)
+        stack.callback(supervisor.close)
+        if live is not None:
+            live.workers = supervisor.workers
+            stack.enter_context(live)
+        stack.enter_context(capture_signals(preempt.attach(stack, supervisor) if preempt is not None
+                                            else supervisor.request_signal))
+        supervisor.start()
+        if job is not None:
+            monitor = FateMonitor(job, supervisor.abort)
+            monitor.start()
+            stack.callback(monitor.stop)
+        result = supervisor.wait()
+        assert result is not None
+        result = _end(supervisor, result, config, record, job)
+    if live is not None:
+        from multigpu.launch.status import print_summary_table
+
+        print_summary_table(supervisor.workers, active_writer())
+    else:
+        say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
+    return result, supervisor.workers

@@ -1,0 +1,161 @@
+"""The run record, ``<output>/run.json``: written atomically and kept current as states change.
+
+It always ends true: ``succeeded``, ``failed`` or ``interrupted`` (with the signal), and the exit
+code, whatever ended the run. A full disk does not stop the run: when the atomic write (a temporary
+file, then a rename) finds no space, the record is rewritten in place, which needs no more room than
+it already has; when even that fails, the console says once that run.json is stale, and
+``output_lost`` lists the log files that could not be written in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import UsageError
+from multigpu.contract.signals import signal_name
+from multigpu.supervisor.console import say
+from multigpu.supervisor.states import RunResult, RunStatus, Worker
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, default=str) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if not path.exists():
+            raise
+        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has
+            f.write(text)
+            f.truncate()
+
+
+def _config_dict(config: RunConfig) -> dict[str, Any]:
+    """The configuration, grouped as ``RunConfig`` is, in JSON's types."""
+    data = asdict(config)
+    out = config.output
+    data["output"].update(
+        log_ranks=sorted(out.log_ranks) if out.log_ranks is not None else None,
+        local_ranks_filter=sorted(out.local_ranks_filter) if out.local_ranks_filter is not None else None,
+        redirects=out.redirects.text, tee=out.tee.text)
+    data["rdzv"]["endpoint"] = str(config.rdzv.endpoint) if config.rdzv.endpoint else None
+    data.pop("extra_env", None)
+    return data
+
+
+class RunRecord:
+    """Listens to the supervisor and rewrites run.json on every state change."""
+
+    def __init__(self, path: Path, config: RunConfig, run_id: str, devices: list[str],
+                 command: list[str] | None = None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "run_id": run_id,
+            "command": command if command is not None else ["multigpu", *sys.argv[1:]],
+            "config": _config_dict(config),
+            "devices": devices,
+            "status": "starting",
+            "start_time": time.time(),
+            "end_time": None,
+            "exit_code": None,
+            "attempts": [],
+        }
+        self._write_error: str | None = None
+        self._created = False
+        self.stop_signal: int | None = None
+        self.write()
+        self._created = True
+
+    @classmethod
+    def create(cls, path: Path, config: RunConfig, run_id: str, devices: list[str]) -> RunRecord:
+        """A new record, or one line (exit 2) when its folder cannot take it: before any worker runs."""
+        try:
+            return cls(path, config, run_id, devices)
+        except OSError as exc:
+            raise UsageError(f"output folder {path.parent}: cannot write {path.name}: "
+                             f"{exc.strerror or exc}") from None
+
+    def begin_attempt(self, attempt: int, master_addr: str, master_port: int) -> None:
+        self.data["status"] = "running"
+        self.data["attempts"].append({"attempt": attempt, "master_addr": master_addr,
+                                      "master_port": master_port, "status": "running", "ranks": {},
+                                      "root_cause": None, "failures": []})
+        self.write()
+
+    def on_worker_change(self, worker: Worker) -> None:
+        rc = worker.returncode
+        self.data["attempts"][-1]["ranks"][str(worker.rank)] = {
+            "rank": worker.rank,
+            "local_rank": worker.spec.local_rank,
+            "node": worker.spec.node,
+            "pid": worker.pid,
+            "device": worker.spec.device,
+            "state": worker.state.value,
+            "start_time": worker.start_time,
+            "end_time": worker.end_time,
+            "exit_code": rc if rc is not None and rc >= 0 else None,
+            "signal": signal_name(-rc) if rc is not None and rc < 0 else None,
+            "log": str(worker.spec.log_path) if worker.spec.log_path else None,
+        }
+        if worker.late_death is not None:  # its script had finished: a warning, not a failure
+            self.data["attempts"][-1]["ranks"][str(worker.rank)]["died_after_finishing"] = worker.late_death
+        if worker.unkillable:
+            self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
+        self.write()
+
+    def on_progress(self, progress: dict[str, dict[str, Any]]) -> None:
+        """Every rank's step times (``hang.ProgressBook.snapshot``): last step, median and slowest
+        step interval, section times, the hang timeout in force, a straggler warning."""
+        if self.data["attempts"]:
+            self.data["attempts"][-1]["progress"] = progress
+            self.write()
+
+    def end_attempt(self, result: RunResult) -> None:
+        attempt = self.data["attempts"][-1]
+        attempt["status"] = result.status.value
+        if result.status is RunStatus.INTERRUPTED:
+            self.stop_signal = result.signal
+            attempt["signal"] = signal_name(result.signal) if result.signal else None
+        attempt["failures"] = [f.to_dict() for f in result.failures]
+        attempt["root_cause"] = result.root_cause.to_dict() if result.root_cause else None
+        self.write()
+
+    def note_losses(self, losses: list[str]) -> None:
+        if losses:
+            self.data.setdefault("output_lost", []).extend(losses)
+
+    def finish(self, status: str, exit_code: int) -> None:
+        """The end record; a run whose last attempt was interrupted says so, with the signal."""
+        attempts = self.data["attempts"]
+        if attempts and attempts[-1]["status"] in ("running", "interrupted") and status != "succeeded":
+            status = "interrupted" if attempts[-1]["status"] == "interrupted" else status
+            if attempts[-1]["status"] == "running":
+                attempts[-1]["status"] = status
+        self.data.update(status=status, exit_code=exit_code, end_time=time.time())
+        if self.stop_signal is not None:
+            self.data["signal"] = signal_name(self.stop_signal)
+        self.write()
+
+    def write(self) -> None:
+        try:
+            atomic_write_json(self.path, self.data)
+        except OSError as exc:
+            if not self._created:
+                raise  # the first write, before any worker: the caller turns it into one line
+            if self._write_error is None:
+                self._write_error = exc.strerror or str(exc)
+                say(f"cannot update {self.path}: {self._write_error}; it stays as last written "
+                    f"until a write succeeds")
+            return
+        self._write_error = None

@@ -1,0 +1,72 @@
+"""The end-of-run report: the root cause first (the first failure in time), then everyone else."""
+
+from __future__ import annotations
+
+import time
+
+from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.signals import signal_name
+from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
+
+
+def _indent(text: str, by: str = "    ") -> str:
+    return "\n".join(by + line for line in text.rstrip().splitlines())
+
+
+def format_failure(failure: WorkerFailure, *, tail_lines: int = 10) -> str:
+    parts = [failure.describe()]
+    if failure.traceback:
+        parts.append(_indent(failure.traceback))
+    tail = failure.log_tail
+    if failure.traceback:  # the traceback is printed above: show what the rank said before it
+        starts = [i for i, line in enumerate(tail) if "Traceback (most recent call last)" in line]
+        tail = tail[: starts[-1]] if starts else tail
+    if tail:
+        where = f" ({failure.log_path})" if failure.log_path else ""
+        parts.append(f"  last lines of its log{where}:")
+        parts.append(_indent("\n".join(tail[-tail_lines:])))
+    return "\n".join(parts)
+
+
+def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0) -> str:
+    """A multi-line report for a run that did not succeed."""
+    if result.status is RunStatus.INTERRUPTED:
+        head = f"attempt {attempt} interrupted by {signal_name(result.signal or 0)}"
+    elif result.status is RunStatus.HUNG:
+        culprit = result.root_cause.message if result.root_cause and result.root_cause.message else None
+        head = f"attempt {attempt} hung: {culprit}" if culprit else f"attempt {attempt} hung"
+        head += "\nstack dumps of every rank follow, the rank that stopped first first"
+    else:
+        head = f"attempt {attempt} failed"
+    lines = [head]
+    root = result.root_cause
+    if root is not None and result.status is not RunStatus.HUNG:
+        lines.append("root cause: " + format_failure(root))
+    elif root is not None:
+        for failure in result.failures:
+            lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
+            lines.append(_indent(failure.traceback or "(no stack dump arrived)"))
+    failed = {f.rank for f in result.failures}
+    for w in workers:
+        if w.rank in failed:
+            continue
+        if w.unkillable:
+            lines.append(f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
+                         f"e.g. a driver call); it was left running")
+        elif w.state is WorkerState.STOPPED:
+            how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
+            lines.append(f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})")
+        elif w.state is WorkerState.FAILED and w.failure is not None:
+            lines.append(f"also failed: {w.failure.describe()}")
+    return "\n".join(lines)
+
+
+def plain_summary(workers: list[Worker]) -> str:
+    rows = []
+    for w in workers:
+        rc = w.returncode
+        end = signal_name(-rc) if rc is not None and rc < 0 else f"exit {rc}"
+        took = (w.end_time or time.time()) - (w.start_time or time.time())
+        rows.append(f"  rank {w.rank:<3} pid {w.pid!s:<8} {w.spec.device:<8} {w.state.value:<10} "
+                    f"{end:<10} {took:6.1f}s")
+    return "\n".join(["multigpu: summary", *rows])

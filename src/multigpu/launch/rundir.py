@@ -1,0 +1,115 @@
+"""The run's output folder: a run id that is a name, a folder this run can write, and owns alone.
+
+Everything here runs before the first worker starts, so a problem is one line and exit 2 (a
+``UsageError``), never a traceback and never a half-started run.
+
+* A run id names a folder under the output root: it must be a single path component, whether the
+  user gave it, the environment did (SLURM) or another node's launcher did (adopted at rendezvous).
+* Two live runs never write into the same folder: the first takes an exclusive lock on
+  ``<folder>/.multigpu.lock`` (``.multigpu-node<N>.lock`` on a multi-node run, whose nodes share
+  the folder) for its whole life; a second one refuses, naming the first. A folder reused by a later
+  run is that run's: its logs and records are replaced.
+* The launcher's open-file limit is raised to its hard limit; when even that is too low for the ranks
+  asked for, one line says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import resource
+import shutil
+from pathlib import Path
+
+from multigpu.contract.errors import UsageError
+
+MIN_FREE_BYTES = 64 << 10
+FDS_PER_RANK = 6
+"""Launcher descriptors per local rank: stdout, stderr, heartbeat, pidfd, log file, one spare."""
+FDS_BASE = 32
+
+
+def check_run_id(run_id: str, source: str = "--run-id") -> str:
+    """``run_id`` if it is a plain name; a UsageError naming ``source`` otherwise."""
+    bad = None
+    if not run_id:
+        bad = "is empty"
+    elif run_id in (".", "..") or "/" in run_id or "\\" in run_id:
+        bad = "is a path, not a name (no '/', '..')"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in run_id):
+        bad = "contains control characters"
+    elif len(run_id) > 200:
+        bad = "is longer than 200 characters"
+    if bad is not None:
+        raise UsageError(f"{source} {run_id!r} {bad}; use letters, digits, '-', '_' or '.'")
+    return run_id
+
+
+def _describe(exc: OSError) -> str:
+    if exc.errno == errno.EROFS:
+        return "it is on a read-only file system"
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return "it (or a folder above it) is a file, not a folder"
+    if exc.errno == errno.ENOSPC:
+        return "no space left on its device"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    return exc.strerror or str(exc)
+
+
+class RunFolder:
+    """The checked, locked output folder of one run (one node); ``release()`` unlocks it."""
+
+    def __init__(self, path: Path, lock_fd: int) -> None:
+        self.path = path
+        self._lock_fd: int | None = lock_fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
+    """Create ``path``, prove it writable with room to spare, and lock it for this run."""
+    name = ".multigpu.lock" if node is None else f".multigpu-node{node}.lock"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            raise OSError(errno.ENOTDIR, "not a folder")
+        fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise UsageError(f"output folder {path}: {_describe(exc)}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another run"
+        os.close(fd)
+        raise UsageError(f"output folder {path} is in use by {holder}; give this run its own "
+                         f"--output (or wait for that run to end)") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"run {run_id} (launcher pid {os.getpid()})\n".encode(), 0)
+        if shutil.disk_usage(path).free < MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, "no space")
+    except OSError as exc:
+        os.close(fd)
+        raise UsageError(f"output folder {path}: {_describe(exc)}") from None
+    return RunFolder(path, fd)
+
+
+def raise_open_file_limit(nproc: int) -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one; a UsageError when that is still too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    need = FDS_BASE + FDS_PER_RANK * nproc
+    if soft < need:
+        raise UsageError(f"{nproc} rank(s) need about {need} open files in the launcher, but the limit "
+                         f"is {soft} (hard limit {hard}); raise it, e.g. 'ulimit -n {need}'")

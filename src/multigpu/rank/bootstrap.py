@@ -1,0 +1,133 @@
+"""The rank bootstrap: ``python -m multigpu.rank {script|module|function|exec} TARGET [ARGS...]``.
+
+Runs in every rank, fresh (``rank/__main__.py``) or forked from the template (``template/child.py``).
+Before any user code runs it (1) ties the rank's fate to its launcher (``guard``), (2) registers
+faulthandler for crashes and the launcher's stack-dump and flight-record requests (``dumps``), (3)
+takes the heartbeat descriptor out of the environment and beats whenever the rank itself writes to
+stdout or stderr (``streams``), and then runs the target, recording an uncaught exception in the
+rank's error file (``WorkerFailure``). No decorator needed. How the rank then leaves is ``exiting``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import runpy
+import sys
+import warnings
+from types import TracebackType
+
+from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
+from multigpu.rank.dumps import arm_flight_recorder, register_stack_dumps
+from multigpu.rank.exiting import announce_failure, exit_failed, finish_like_exit
+from multigpu.rank.guard import guard_parent
+from multigpu.rank.preemption import install as record_preemption_warnings
+from multigpu.rank.progress import heartbeat
+from multigpu.rank.streams import take_heartbeat
+
+
+def user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Drop the frames that started the user's code (ours, runpy's) from the front of a traceback."""
+    from multigpu.contract.frames import starter_frame  # only on a failure: start-up stays lean
+
+    start = tb
+    while start is not None and starter_frame(start.tb_frame):
+        start = start.tb_next
+    return start or tb
+
+
+def write_error_file(path: str, exc: BaseException) -> None:
+    """Record an uncaught exception for the launcher's report, in the one record format (errors.py).
+
+    In function mode the parent is told at once: the record is all it needs to raise the typed error.
+    """
+    from multigpu.contract.errors import WorkerFailure
+
+    WorkerFailure.from_exception(exc).write(path)
+    announce_failure()
+
+
+def run_script(path: str, args: list[str]) -> None:
+    sys.argv = [path, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_module(name: str, args: list[str]) -> None:
+    sys.argv = [name, *args]
+    runpy.run_module(name, run_name="__main__", alter_sys=True)
+
+
+def run_function(payload_path: str) -> None:
+    """Function mode: spawn semantics (the parent's ``__main__`` re-imported as ``__mp_main__``)."""
+    from multiprocessing import spawn
+
+    with open(payload_path, "rb") as f:
+        preparation = pickle.load(f)
+        spawn.prepare(preparation)
+        func, args = pickle.load(f)
+    func(*args)
+
+
+def run_target(mode: str, target: str, args: list[str]) -> None:
+    if mode == "exec":
+        from multigpu.rank.program import run_program
+
+        run_program(target, args)
+    elif mode == "script":
+        run_script(target, args)
+    elif mode == "module":
+        run_module(target, args)
+    elif mode == "function":
+        run_function(target)
+    else:
+        raise SystemExit(f"multigpu.rank: unknown mode {mode!r}")
+
+
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def apply_affinity(env: dict[str, str] | None = None) -> None:
+    """Bind this process to the CPUs the launcher chose (``--numa-binding``), if it chose any."""
+    text = (os.environ if env is None else env).get(AFFINITY_ENV)
+    if text:
+        os.sched_setaffinity(0, parse_cpulist(text))
+
+
+def quiet_numpy_warning() -> None:
+    """torch installs without numpy and then warns "Failed to initialize NumPy" at import, once per
+    rank. Nothing is lost by hiding exactly that warning, for every script: code that uses numpy
+    fails at its own ``import numpy`` or gets torch's explicit "Numpy is not available" error."""
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m multigpu.rank {script|module|function|exec} TARGET [ARGS...]")
+    mode, target, *args = argv
+    if mode != "exec":
+        arm_flight_recorder()  # first: the signal must be blocked before any thread starts
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    guard_parent(int(launcher) if launcher else None)
+    apply_affinity()  # --numa-binding: before user code, so its threads inherit it
+    register_stack_dumps()
+    record_preemption_warnings()  # SLURM's warning signal: recorded for the loop, no longer fatal
+    take_heartbeat()
+    quiet_numpy_warning()
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    try:
+        heartbeat()  # start-up is not a hang
+        run_target(mode, target, args)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            finish_like_exit()
+        raise
+    except BaseException as exc:
+        exc.__traceback__ = user_frames(exc.__traceback__)
+        if error_file:
+            write_error_file(error_file, exc)
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        exit_failed(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    else:
+        finish_like_exit()

@@ -1,0 +1,135 @@
+"""The rank's fate tied to its launcher's: when the launcher dies, the rank's whole process group goes.
+
+Runs in the rank, started by the bootstrap before any user code. A pidfd wakes a thread the moment
+the launcher exits; a sentinel process watches too, for a rank that is stopped or holds the GIL; and
+across ``exec`` the kernel's parent-death signal takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+
+def end_own_group() -> None:
+    """SIGKILL this worker's process group: the worker and everything it started."""
+    try:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_parent(pidfd: int | None, parent: int) -> None:
+    if pidfd is not None:
+        select.select([pidfd], [], [])
+    else:
+        while os.getppid() == parent:
+            time.sleep(0.1)
+    end_own_group()
+
+
+def guard_parent(expected_parent: int | None) -> None:
+    """End the worker's whole group within moments of the launcher's death, whatever the worker is doing.
+
+    A pidfd wakes a daemon thread the instant the launcher exits; checking the parent PID after opening
+    it closes the race with a launcher that died while this process was starting. The thread, not a
+    parent-death signal, does the killing, so the worker's own children go too: a SIGKILL from the
+    kernel would end the worker before it could end them. Only across ``exec``, where the thread is
+    gone, does the kernel's parent-death SIGKILL take over (``arm_pdeathsig_on_exec``).
+
+    The thread cannot run in a rank that is stopped (SIGSTOP) or holds the GIL in a long C call, so a
+    sentinel process (``start_sentinel``) watches too: it needs neither the rank's GIL nor its
+    scheduling, and ends the same group.
+    """
+    global _guarded
+    if expected_parent is None or _guarded:
+        return
+    _guarded = True
+    arm_pdeathsig_on_exec(expected_parent)
+    try:
+        pidfd: int | None = os.pidfd_open(expected_parent)
+    except (AttributeError, OSError):
+        pidfd = None
+    if os.getppid() != expected_parent:
+        end_own_group()
+    if pidfd is not None:
+        start_sentinel(pidfd)
+    threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
+                     daemon=True).start()
+
+
+_guarded = False
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def start_sentinel(launcher_pidfd: int) -> None:
+    """Fork (twice, so the rank never has to reap it) a process that SIGKILLs the rank's group when
+    the launcher dies, and leaves quietly when the rank ends. Done before any thread or user code.
+
+    It keeps only the two pidfds (no copy of the rank's pipes, so it never holds the launcher's
+    output open) and runs nothing but select and kill.
+    """
+    try:
+        rank_pidfd = os.pidfd_open(os.getpid())
+        middle = os.fork()
+    except OSError:
+        return
+    if middle:
+        os.close(rank_pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(middle, 0)
+        return
+    try:  # the middle process: fork the sentinel and leave at once
+        if os.fork():
+            os._exit(0)
+        keep = {launcher_pidfd, rank_pidfd}
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2 and fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        ready, _, _ = select.select([launcher_pidfd, rank_pidfd], [], [])
+        if launcher_pidfd in ready and rank_pidfd not in ready:
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def set_pdeathsig(sig: int) -> bool:
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+PLAIN_EXECVE = os.execve
+"""``os.execve`` as it was before ``arm_pdeathsig_on_exec`` wrapped it: the ``--no-python`` shim's child
+execs with it (``program.py``), since the wrapper's parent check would take the shim for an orphan.
+Taken when this module is imported, which the bootstrap does before it arms anything."""
+
+
+def arm_pdeathsig_on_exec(expected_parent: int) -> None:
+    """Wrap ``os.execv``/``os.execve`` so a worker that replaces itself keeps a parent-death signal."""
+    def wrap(exec_function: Any) -> Any:
+        def arming_exec(*args: Any) -> Any:
+            set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != expected_parent:  # the launcher died just now: do not start the program
+                end_own_group()
+            return exec_function(*args)
+
+        return arming_exec
+
+    os.execv = wrap(os.execv)
+    os.execve = wrap(os.execve)

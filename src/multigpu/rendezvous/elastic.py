@@ -1,0 +1,356 @@
+"""Elastic membership (``--nnodes MIN:MAX --rdzv-backend c10d``) on torch's own dynamic rendezvous.
+
+Membership, node ranks and rounds are torch's: ``DynamicRendezvousHandler`` over a
+``C10dRendezvousBackend`` on the job's c10d TCPStore, so a torchrun node and its rules (MIN nodes and
+a closed join window start a round, a waiting node triggers the next one) are the same here. What we
+add sits on that store: run-id protection, fate sharing per round (heartbeats and one abort record,
+``fate.py``) and a job-wide restart count. Two defects of torch 2.13's handler are worked around on
+the store, not by a new protocol (see ``ElasticHandler`` and ``Liveness``).
+
+Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from multigpu.config.endpoint import Endpoint
+from multigpu.config.run import RendezvousConfig, RunConfig
+from multigpu.contract.errors import RendezvousError, UsageError
+from multigpu.contract.values import integer, seconds
+from multigpu.rendezvous.fate import BEAT_S
+from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
+
+WAITING_POLL_S = 0.5
+EVICT_AFTER_S = 3.0
+"""A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
+WATCHER_KEY = "multigpu/watcher"
+
+
+def is_elastic(config: RunConfig) -> bool:
+    return config.rdzv.backend == "c10d" and (config.rdzv.max_nodes or 0) > 1
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    """torchrun's ``--rdzv-conf`` keys for the c10d backend, with torch's defaults (seconds)."""
+
+    join_timeout: float = RendezvousConfig.timeout
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+    read_timeout: float = 60.0
+    is_host: bool | None = None
+
+
+_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+            "keep_alive_interval", "read_timeout")
+OTHER_SECONDS = ("timeout", "heartbeat")
+"""Keys torchrun's other rendezvous backends read as seconds: checked, not used by c10d."""
+TRUTHY, FALSY = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
+
+
+def settings_from(conf: Mapping[str, str]) -> ElasticSettings:
+    """The one reader of ``--rdzv-conf`` values: the settings, or a UsageError naming the key. Unknown
+    keys are kept by torchrun too: ignored."""
+    values: dict[str, Any] = {}
+    for key in (*_SECONDS, *OTHER_SECONDS):
+        if key in conf:
+            number = seconds(conf[key], f"--rdzv-conf {key}", positive=True)
+            if key in _SECONDS:
+                values[key] = number
+    if "keep_alive_max_attempt" in conf:
+        values["keep_alive_max_attempt"] = integer(conf["keep_alive_max_attempt"],
+                                                   "--rdzv-conf keep_alive_max_attempt", 1)
+    if "is_host" in conf:
+        flag = conf["is_host"].strip().lower()
+        if flag not in TRUTHY + FALSY:
+            raise UsageError(f"--rdzv-conf is_host must be true or false, got {conf['is_host']!r}")
+        values["is_host"] = flag in TRUTHY
+    return ElasticSettings(**values)
+
+
+def local_address(endpoint: Endpoint) -> str:
+    """The address peers reach this node at: the one it uses towards the rendezvous host (a UDP
+    connect sends nothing). A loopback endpoint means every node is on this machine."""
+    if endpoint.is_loopback:
+        return "127.0.0.1"
+    family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((endpoint.host, endpoint.port))
+            return str(probe.getsockname()[0])
+        except OSError:
+            return socket.getfqdn()
+
+
+def open_store(endpoint: Endpoint, settings: ElasticSettings) -> tuple[Any, bool]:
+    """The job's c10d store and whether this launcher serves it. torchrun's rule: a launcher on the
+    endpoint's machine (or ``is_host=true``) tries to serve it; if the port is taken, it is a client."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    is_host = settings.is_host if settings.is_host is not None else _matches_machine_hostname(endpoint.host)
+    if is_host:
+        try:
+            sock = bind_store_socket(endpoint)
+        except RendezvousError:
+            if settings.is_host:
+                raise
+        else:
+            return serve_store_on(sock, endpoint.bind_host, timeout_s=settings.read_timeout), True
+    return connect_store(endpoint.host, endpoint.port, settings.join_timeout), False
+
+
+def settle_run_id(store: Any, wanted: str | None, fresh: str) -> str:
+    """The job's run id: the first launcher publishes its own (or a fresh one); a launcher asking for
+    another one is refused and writes nothing the live job reads."""
+    current = str(store.compare_set(JobStore.RUN_ID_KEY, "", wanted or fresh).decode())
+    if wanted is not None and current != wanted:
+        raise RendezvousError(f"another job (run id {current!r}) already uses this rendezvous store; "
+                              "pick another --rdzv-endpoint or the same --rdzv-id")
+    return current
+
+
+@dataclass(frozen=True)
+class Round:
+    """One completed rendezvous round, as this node sees it."""
+
+    group_rank: int
+    group_world_size: int
+    base_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    job: ElasticJobStore
+
+
+class ElasticJobStore(JobStore):
+    """The round's fate-sharing keys (in torch's per-round prefix store), plus: a node waiting to join
+    is a membership change that ends the round on every node (the watcher asks, and publishes it)."""
+
+    def __init__(self, store: Any, rdzv: ElasticRendezvous, **layout: int) -> None:
+        super().__init__(store, **layout)
+        self._rdzv = rdzv
+        self._next_poll = 0.0
+
+    def membership_change(self) -> str | None:
+        now = time.monotonic()
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + WAITING_POLL_S
+        waiting = self._rdzv.num_nodes_waiting()
+        if waiting:
+            return f"{waiting} node(s) asked to join: a new rendezvous round"
+        return None
+
+
+def _handler_class() -> Any:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class ElasticHandler(DynamicRendezvousHandler):  # type: ignore[misc]
+        """torch's handler, with the workers' store made per round and on our own socket.
+
+        torch 2.13 keeps the bootstrap store info (MASTER_ADDR/PORT) of the first round it saw for
+        good: a node that joins a later round as group rank > 0 waits for keys that round's rank 0
+        never writes (``read_timeout``, 60 s, then the job fails), and the workers of every round
+        would share one store, where torch's workers add no per-round prefix (gloo could read the
+        last round's addresses). Forgetting it before each round makes rank 0 publish a fresh store;
+        its server binds the node's own address, never every interface.
+        """
+
+        worker_store: Any = None
+
+        def next_rendezvous(self) -> Any:
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            self.worker_store = None
+            return super().next_rendezvous()
+
+        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+            self.worker_store = serve_store_on(bind_store_socket(Endpoint(master_addr, 0)), master_addr)
+            return self.worker_store
+
+    return ElasticHandler
+
+
+class ElasticRendezvous:
+    """torch's dynamic rendezvous for this node, and the rank layout of each round."""
+
+    RESTARTS_KEY = "multigpu/restart_count"
+
+    def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
+                 hosted: bool) -> None:
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+        rdzv = config.rdzv
+        assert rdzv.min_nodes is not None and rdzv.max_nodes is not None and rdzv.endpoint
+        self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
+        self.hosted = hosted
+        """Whether this launcher serves the job's store: then it leaves last."""
+        self.addr = local_address(rdzv.endpoint)
+        self.backend = C10dRendezvousBackend(store, run_id)
+        timeout = RendezvousTimeout(
+            join=timedelta(seconds=settings.join_timeout),
+            last_call=timedelta(seconds=settings.last_call_timeout),
+            close=timedelta(seconds=settings.close_timeout),
+            heartbeat=timedelta(seconds=settings.heartbeat_timeout))
+        self.handler = _handler_class().from_backend(
+            run_id, store, self.backend, config.rdzv.min_nodes, config.rdzv.max_nodes, local_addr=self.addr,
+            timeout=timeout, keep_alive_interval=settings.keep_alive_interval,
+            keep_alive_max_attempt=settings.keep_alive_max_attempt)
+        store.compare_set(self.RESTARTS_KEY, "", "0")
+        self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=hosted)
+        self.liveness.start()
+
+    def next_round(self) -> Round:
+        """Join the next round (torch's rules) and agree on ranks, master and restart count."""
+        info = self._next_rendezvous()
+        try:
+            return self._layout(info)
+        except RuntimeError as exc:  # a store call timed out: a node of the round vanished meanwhile
+            within = f"read_timeout={self.settings.read_timeout:g}s"
+            raise RendezvousError(f"the nodes of the new round did not all report within {within} "
+                                  f"({type(exc).__name__})") from None
+
+    def _next_rendezvous(self) -> Any:
+        from torch.distributed.elastic.rendezvous import api
+
+        where = self.config.rdzv.endpoint
+        try:
+            return self.handler.next_rendezvous()
+        except api.RendezvousTimeoutError:
+            raise RendezvousError(f"fewer than {self.config.rdzv.min_nodes} node(s) joined the rendezvous at "
+                                  f"{where} within join_timeout={self.settings.join_timeout:g}s") from None
+        except (api.RendezvousClosedError, api.RendezvousGracefulExitError):
+            raise RendezvousError(f"the job at {where} has already ended (its rendezvous is closed); "
+                                  "start a new one with another --rdzv-id") from None
+        except (api.RendezvousError, RuntimeError, ValueError) as exc:
+            raise RendezvousError(f"the rendezvous at {where} failed ({type(exc).__name__}); the launcher "
+                                  "that serves it may be gone") from None
+
+    def _layout(self, info: Any) -> Round:
+        """Consecutive ranks by node rank, as torchrun lays them out; every rank claimed (the round's
+        barrier) in the round's own keys."""
+        group_rank, group_world, rstore = info.rank, info.world_size, info.store
+        if group_rank == 0:
+            rstore.set("multigpu/restart_count", self.store.get(self.RESTARTS_KEY))
+        if self.hosted:  # before our nproc key: whoever has read every nproc key sees it
+            rstore.set(WATCHER_KEY, str(group_rank))
+        rstore.set(f"multigpu/nproc/{group_rank}", str(self.config.nproc))
+        keys = ["multigpu/restart_count", *(f"multigpu/nproc/{g}" for g in range(group_world))]
+        rstore.wait(keys, timedelta(seconds=self.settings.read_timeout))
+        nprocs = [int(rstore.get(f"multigpu/nproc/{g}")) for g in range(group_world)]
+        base_rank, world_size = sum(nprocs[:group_rank]), sum(nprocs)
+        job = ElasticJobStore(rstore, self, node=group_rank, base_rank=base_rank, nproc=self.config.nproc,
+                              world_size=world_size)
+        job.run_id = self.run_id
+        # The launcher that serves the store watches the round; if it is not in it, group rank 0 does,
+        # and every other node watches that one's counter (its death is not the store's).
+        hosted = int(rstore.get(WATCHER_KEY)) if rstore.check([WATCHER_KEY]) else None
+        job.watcher_base = sum(nprocs[:hosted]) if hosted is not None else 0
+        job.watcher_hosts_store = hosted is not None
+        job.join(self.settings.read_timeout)
+        store_info = info.bootstrap_store_info
+        return Round(group_rank, group_world, base_rank, world_size, store_info.master_addr,
+                     store_info.master_port, int(rstore.get("multigpu/restart_count")), job)
+
+    def num_nodes_waiting(self) -> int:
+        return int(self.handler.num_nodes_waiting())
+
+    def count_restart(self, seen: int) -> int:
+        """The job-wide restart count after a failed round: every node of the round moves it from
+        ``seen`` to ``seen + 1`` (compare-and-set, so it moves once)."""
+        self.store.compare_set(self.RESTARTS_KEY, str(seen), str(seen + 1))
+        return seen + 1
+
+    def shutdown(self, *, close: bool) -> None:
+        """Stop beating; with ``close``, the job is over: a node that comes now is told so."""
+        self.liveness.stop()
+        if close:
+            with contextlib.suppress(Exception):
+                self.handler.shutdown()
+
+
+class Liveness:
+    """Our launchers' own beats on the store, and the eviction of silent ones from torch's state.
+
+    torch drops a participant only after ``keep_alive_interval * keep_alive_max_attempt`` (15 s by
+    default) without its keep-alive, and until then the survivors of a lost node wait in the next
+    round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
+    nodes); only the launcher that serves the store (``evicts``) reads the others' counters, with one
+    ``multi_get``, and ages the keep-alive of one silent for ``lost_after_s`` on the store, so torch's
+    own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
+    torch's rule.
+    """
+
+    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
+                 beat_s: float = BEAT_S, lost_after_s: float = EVICT_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.backend, self.run_id = store, backend, run_id
+        self.me, self.evicts = me, evicts
+        self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)
+
+    def key(self, node: Any) -> str:
+        return f"multigpu/{self.run_id}/alive/{node.addr}|{node.pid}|{node.local_id}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.beat_s * 2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
+                self.store.add(self.key(self.me), 1)
+                if self.evicts:
+                    self.evict_silent()
+
+    def _counts(self, nodes: list[Any]) -> dict[Any, int]:
+        """The beat counters of the nodes that have one (a key seen once stays), in one read."""
+        beating = [node for node in nodes
+                   if self.key(node) in self._seen or self.store.check([self.key(node)])]
+        values = self.store.multi_get([self.key(node) for node in beating]) if beating else []
+        return {node: int(value) for node, value in zip(beating, values, strict=True)}
+
+    def evict_silent(self) -> None:
+        current = self.backend.get_state()
+        if current is None:
+            return
+        state = pickle.loads(current[0])
+        now = self._clock()
+        silent = []
+        for node, count in self._counts([n for n in state.last_heartbeats if n != self.me]).items():
+            key = self.key(node)
+            last, since = self._seen.get(key, (-1, now))
+            if count != last:
+                self._seen[key] = (count, now)
+            elif now - since > self.lost_after_s:
+                silent.append(node)
+        if silent:
+            for node in silent:
+                state.last_heartbeats[node] = datetime.fromtimestamp(0, timezone.utc)
+            self.backend.set_state(pickle.dumps(state), current[1])  # lost a race: next time
+
+
+def node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"

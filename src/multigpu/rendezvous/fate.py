@@ -1,0 +1,271 @@
+"""Fate sharing across nodes: beat counters, one watcher and one abort record in the job's c10d store.
+
+A node's cost is constant in the number of nodes. Every launcher adds 1 to its own beat counter per
+``BEAT_S`` (a counter, so clocks need not agree) and blocks in one ``wait`` on its own wake key, which
+the store's server answers the moment the key is set: learning of an abort costs no polling. One
+launcher watches: the one that serves the store (node 0 of a static job, the hosting launcher of an
+elastic round) reads every counter with one ``multi_get`` per beat and publishes a node whose counter
+stopped. The first failure anywhere is written once (compare-and-set, earliest wins) and every waiter
+is woken with one ``multi_set``; every node tears down and reports that root cause. The store's own
+loss is noticed from outside the blocked call (a deadman), after a silence relative to the store's
+measured round trips (``latency.Latency``), not a fixed one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from multigpu.contract.errors import (
+    LEARNED_FROM_SILENCE,
+    MEMBERSHIP_CHANGE,
+    NODE_LOST,
+    STORE_LOST,
+    WorkerFailure,
+)
+from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.latency import BeatWatch, Latency
+from multigpu.supervisor.states import RunResult, RunStatus
+
+BEAT_S = 0.2
+T = TypeVar("T")
+
+
+def failure_record(failure: WorkerFailure) -> dict[str, Any]:
+    return failure.to_dict(log_tail_lines=10)
+
+
+def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
+    if "reason" in record:  # an inconsistent layout refused at the rendezvous
+        return node_lost(int(record.get("node", -1)), str(record["reason"]))
+    return WorkerFailure.from_dict(record)
+
+
+def node_lost(node: int, why: str, kind: str = NODE_LOST, at: float | None = None) -> WorkerFailure:
+    return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type=kind, message=why,
+                         time=time.time() if at is None else at)
+
+
+def store_lost(why: str) -> WorkerFailure:
+    """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone."""
+    return node_lost(0, why, STORE_LOST)
+
+
+class FateMonitor:
+    """Beats for this node, waits for the job's abort, watches beats if this node is the watcher, and
+    calls ``on_remote_failure`` once when the job dies. Three daemon threads: the beat (and watch)
+    loop, the waiter blocked on the wake key, and the deadman that notices a store call that never
+    returns (a cut link has no time-out)."""
+
+    def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
+                 beat_s: float = BEAT_S, watcher: bool | None = None, latency: Latency | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.job = job
+        self.watcher = job.is_watcher if watcher is None else watcher
+        self.latency = latency or Latency()
+        self._on_failure = on_remote_failure
+        self._beat_s, self._clock = beat_s, clock
+        self._stop = threading.Event()
+        self._fired = self._store_gone = False
+        self._lock = threading.Lock()
+        self._watch = BeatWatch(clock)
+        self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
+        self._in_call: float | None = None  # when the store call in flight began
+        self._threads = [threading.Thread(target=target, name=f"multigpu-fate-{name}", daemon=True)
+                         for name, target in (("beat", self._beat_loop), ("wait", self._wait_loop),
+                                              ("deadman", self._deadman))]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and release the waiter. A thread stuck in a store call over a dead link is
+        left behind (daemon); nothing is asked of a store known to be gone."""
+        self._stop.set()
+        waiter = self._threads[1]
+        if waiter.is_alive() and waiter is not threading.current_thread() and not self._store_gone:
+            _bounded(self.job.wake_self)
+            waiter.join(PUBLISH_TIMEOUT_S)
+            if not waiter.is_alive():
+                _bounded(self.job.clear_wake)
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(self._beat_s)
+
+    def _fire(self, failure: WorkerFailure) -> None:
+        with self._lock:
+            if self._fired or self._stop.is_set():
+                return
+            self._fired = True
+            self._store_gone = failure.error_type == STORE_LOST
+        self._on_failure(failure)
+
+    def _lost_store(self, exc: BaseException) -> None:
+        self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
+                              "the launcher that serves it, or the network, is down"))
+
+    def _deadman(self) -> None:
+        """A store call over a cut link blocks without a time-out; notice that from outside the call.
+
+        Only a call in flight counts, and a tick that overslept (this process stalled: GC, a busy
+        GIL, a stopped VM) checks nothing, so our own stall is never taken for the store's silence."""
+        tick = self._beat_s / 2
+        last = self._clock()
+        while not self._stop.wait(tick):
+            now = self._clock()
+            overslept, last = now - last - tick, now
+            began, allowed = self._in_call, self.latency.threshold()
+            if began is None or overslept > allowed / 2 or now - began <= allowed:
+                continue
+            self._fire(store_lost(f"the rendezvous store stopped answering for {now - began:.1f}s "
+                                  f"(allowed {allowed:.1f}s from its measured latency; the launcher "
+                                  "that serves it, or the network, is down)"))
+            return
+
+    def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
+        """A store call, watched by the deadman and (``measure``: one round trip) timed for the
+        loss threshold."""
+        self._in_call = began = self._clock()
+        answer = call()
+        self._in_call = None
+        if measure:
+            self.latency.record(self._clock() - began)
+        return answer
+
+    def _wait_loop(self) -> None:
+        """Read the abort record, then block until woken; the writer of a record wakes every node after
+        writing it, so a record written before our wait is read here first, and none is missed."""
+        try:
+            own = self.job.with_own_client()
+            while not self._stop.is_set():
+                record = own.read_abort()
+                if record is not None:
+                    self._fire(failure_from_record(record))
+                    return
+                own.wait_woken()
+                if not self._stop.is_set() and own.read_abort() is None:
+                    self._stop.wait(self._beat_s)  # woken with no record: our key was left set
+        except Exception as exc:  # the store is gone: its host died or the network did
+            if not self._stop.is_set():
+                self._lost_store(exc)
+
+    def _beat_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.beat_once():
+                    return
+                self._stop.wait(self._beat_s)
+        except Exception as exc:
+            if not self._stop.is_set():
+                self._lost_store(exc)
+
+    def beat_once(self) -> bool:
+        """One interval's store calls: our beat; on the watcher, one read of every counter (and the
+        elastic membership); on a node watching a watcher that does not serve the store, one read of
+        that counter. True once this found the job dead (then it has published and fired)."""
+        self._timed(self.job.beat)
+        if self._watched is None:
+            self._watched = self._timed(self._to_watch, measure=False)
+        if self.watcher:
+            change = self._timed(self.job.membership_change, measure=False)  # mostly no call at all
+            if change is not None:  # published, so a peer whose ranks fail first restarts too
+                return self._publish(node_lost(-1, change, MEMBERSHIP_CHANGE))
+        if not self._watched:
+            return False
+        watched = list(self._watched)
+        counts = self._timed(lambda: self.job.beat_counts(watched))
+        silent = self._watch.silent(counts, self._beat_s + self.latency.threshold())
+        if silent is None:
+            return False
+        base, seconds = silent
+        node = self._watched[base]
+        why = f"node {node}'s launcher stopped beating for {seconds:.1f}s (killed, or its network is down)"
+        return self._publish(node_lost(node, why, at=time.time() - seconds))
+
+    def _to_watch(self) -> dict[int, int]:
+        members = self.job.members()
+        me = self.job.base_rank
+        if self.watcher:
+            return {base: node for base, node in members.items() if base != me}
+        if self.job.watcher_hosts_store or self.job.watcher_base == me:
+            return {}
+        return {base: node for base, node in members.items() if base == self.job.watcher_base}
+
+    def _publish(self, failure: WorkerFailure) -> bool:
+        """Publish a failure this node found (first failure anywhere wins) and act on the standing one."""
+        standing = self._timed(lambda: self.job.publish_abort(failure_record(failure)), measure=False)
+        self._fire(failure_from_record(standing))
+        return True
+
+
+PUBLISH_TIMEOUT_S = 1.0
+
+
+def share_failure(job: JobStore, result: RunResult) -> RunResult:
+    """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
+    root = result.root_cause
+    assert root is not None
+    if root.error_type in LEARNED_FROM_SILENCE:
+        return result  # learned from the store (or its silence): nothing new to tell it
+    return _with_root(result, _bounded(lambda: job.publish_abort(failure_record(root))))
+
+
+def settle_root(job: JobStore, result: RunResult) -> RunResult:
+    """After teardown, read the job's abort record once more: a peer may have failed earlier than us
+    but published later."""
+    root = result.root_cause
+    if result.status not in (RunStatus.FAILED, RunStatus.HUNG) or root is None:
+        return result
+    if root.error_type in LEARNED_FROM_SILENCE:
+        return result  # a lost node or store: asking the store again would only wait
+    return _with_root(result, _bounded(job.read_abort))
+
+
+def _bounded(call: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A store call over a cut link blocks with no time-out, so it gets a thread and a bound."""
+    answer: list[dict[str, Any] | None] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the store is gone too: what we know locally stands
+            answer.append(call())
+
+    thread = threading.Thread(target=run, name="multigpu-store-call", daemon=True)
+    thread.start()
+    thread.join(PUBLISH_TIMEOUT_S)
+    return answer[0] if answer else None
+
+
+def _with_root(result: RunResult, record: dict[str, Any] | None) -> RunResult:
+    """``result`` with the job-wide first failure first, when the store's record is earlier than ours."""
+    root = result.root_cause
+    if record is None or "reason" in record or root is None:
+        return result
+    winner = failure_from_record(record)
+    if (winner.node, winner.rank) == (root.node, root.rank):
+        return result
+    if root.time is not None and winner.time is not None and winner.time > root.time:
+        return result
+    return RunResult(result.status, [winner, *result.failures], result.signal)
+
+
+def mark_done(job: JobStore) -> None:
+    """Say this node finished well, before its monitor stops beating, so no peer takes it for lost."""
+    with contextlib.suppress(Exception):  # a store that is gone cannot miss us
+        job.mark_done()
+
+
+def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:
+    """The store's host keeps serving until every node is done or the job died, and watches the nodes
+    still running meanwhile (it is the watcher now, whoever watched during the attempt)."""
+    lost: list[WorkerFailure] = []
+    monitor = FateMonitor(job, lost.append, watcher=True)
+    monitor.start()
+    try:
+        while not lost and not job.all_done() and job.read_abort() is None:
+            time.sleep(poll_s)
+    finally:
+        monitor.stop()

@@ -1,0 +1,218 @@
+"""The launchers' shared view of one multi-node job, kept in torch's c10d store (``JobStore``).
+
+Runs in every launcher of a job of several nodes (and in function mode's caller): membership, the run
+id they agree on, heartbeat counters, the wake keys and the one abort record. The store itself is
+``store.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+from multigpu.contract.errors import RendezvousError
+
+DONE = 1 << 50
+"""Added to a node's beat counter when it finished well: one read tells beating, silent and done apart."""
+
+
+WAKE_WAIT = timedelta(days=1)
+"""A waiter blocks this long per call; it is woken by its key, never by a time-out (c10d logs those)."""
+
+
+class JobStore:
+    """The launchers' shared view of one multi-node job, kept in torch's c10d store.
+
+    Keys live under ``multigpu/<run id>/``: a launcher with another run id reads only the published
+    run id, is refused, and writes nothing the live job reads.
+    """
+
+    RUN_ID_KEY = "multigpu/run_id"
+
+    def __init__(self, store: Any, *, node: int, base_rank: int, nproc: int, world_size: int) -> None:
+        self.store = store
+        self.node, self.base_rank, self.nproc, self.world_size = node, base_rank, nproc, world_size
+        self.run_id = ""
+        self.scope: tuple[str, ...] = ()
+        self.watcher_base = 0
+        """The base rank of the node that watches every node's beats (node 0 here)."""
+        self.watcher_hosts_store = True
+        """Whether the watcher serves the store: then its death is the store's, and nobody watches it."""
+        self.waiter_store: Any = None
+        """A second connection, for the one blocking wait (see ``with_own_client``)."""
+
+    @property
+    def is_watcher(self) -> bool:
+        return self.base_rank == self.watcher_base
+
+    def key(self, *parts: object) -> str:
+        return "/".join(["multigpu", self.run_id, *self.scope, *map(str, parts)])
+
+    def for_attempt(self, attempt: int) -> JobStore:
+        """This node in a later attempt of the same job: fresh rank claims, beats and abort record."""
+        job = JobStore(self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
+                       world_size=self.world_size)
+        job.run_id, job.scope = self.run_id, (f"attempt_{attempt}",)
+        job.waiter_store = self.waiter_store
+        return job
+
+    def with_own_client(self) -> JobStore:
+        """The same keys over a second connection: a blocking wait holds its connection (c10d
+        serializes the calls of one client), so the beats go on over the first one. The connection
+        is opened at join, on the caller's thread: c10d's connect holds the GIL (a slow reverse DNS
+        lookup there would freeze every thread of the launcher, the beats included)."""
+        if self.waiter_store is None:
+            self.waiter_store = self.store.clone()
+        job = JobStore(self.waiter_store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
+                       world_size=self.world_size)
+        job.run_id, job.scope = self.run_id, self.scope
+        return job
+
+    def settle_run_id(self, wanted: str | None) -> str:
+        """The job's run id: node 0 publishes its own; the others adopt it, or are refused on a mismatch."""
+        if self.base_rank == 0:
+            assert wanted is not None
+            current = self.store.compare_set(self.RUN_ID_KEY, "", wanted).decode()
+            if current != wanted:
+                raise RendezvousError(f"another job (run id {current!r}) already uses this rendezvous "
+                                      "store; pick another --rdzv-endpoint")
+            self.run_id = wanted
+            return wanted
+        self.store.wait([self.RUN_ID_KEY])
+        current = str(self.store.get(self.RUN_ID_KEY).decode())
+        if wanted is not None and wanted != current:
+            raise RendezvousError(f"run id {wanted!r} does not match the live job's run id {current!r} "
+                                  "at this endpoint; refusing to join it")
+        self.run_id = current
+        return current
+
+    def join(self, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Claim this node's ranks, check the world size, and wait until every rank is claimed."""
+        # The token makes every launcher distinct: the same command started twice is refused too.
+        me = (f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
+              f"{socket.gethostname()} pid {os.getpid()})")
+        world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
+        if world != str(self.world_size):
+            self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
+        # A member before claiming ranks: once every rank is claimed, every node is a member (the
+        # watcher reads the members once), and its beat counter exists (a read never waits for it).
+        self.with_own_client()
+        self.store.add(self.key("beat", self.base_rank), 0)
+        self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
+        for rank in range(self.base_rank, self.base_rank + self.nproc):
+            owner = self.store.compare_set(self.key("rank", rank), "", me).decode()
+            if owner != me:
+                self._refuse(f"rank {rank} is claimed by both {owner} and {me}")
+        self._wait_for_all(timeout_s, poll_s)
+
+    def membership_change(self) -> str | None:
+        """Why the current round must end for a new membership; a static job's never changes."""
+        return None
+
+    def members(self) -> dict[int, int]:
+        """Every joined node, as base rank -> node index (none yet: empty, without waiting)."""
+        if not self.store.check([self.key("members")]):
+            return {}
+        raw = self.store.get(self.key("members")).decode()
+        pairs = (item.split(":") for item in raw.split(",") if item)
+        return {int(base): int(node) for base, node in pairs}
+
+    def beat(self) -> int:
+        return int(self.store.add(self.key("beat", self.base_rank), 1))
+
+    def beats_of(self, base_rank: int) -> int:
+        return int(self.store.add(self.key("beat", base_rank), 0))
+
+    def beat_counts(self, bases: list[int]) -> dict[int, int]:
+        """Every listed node's beat counter in one call (``DONE`` or more: it finished)."""
+        if not bases:
+            return {}
+        values = self.store.multi_get([self.key("beat", base) for base in bases])
+        return {base: int(value) for base, value in zip(bases, values, strict=True)}
+
+    def mark_done(self) -> None:
+        self.store.add(self.key("beat", self.base_rank), DONE)
+
+    def is_done(self, base_rank: int) -> bool:
+        return self.beats_of(base_rank) >= DONE
+
+    def all_done(self) -> bool:
+        return all(count >= DONE for count in self.beat_counts(sorted(self.members())).values())
+
+    def wake_all(self) -> None:
+        """Wake every node's waiter (one call): the abort record is written, read it."""
+        keys = [self.key("wake", base) for base in sorted(self.members())]
+        self.store.multi_set(keys, ["1"] * len(keys))
+
+    def wake_self(self) -> None:
+        self.store.set(self.key("wake", self.base_rank), "1")
+
+    def clear_wake(self) -> None:
+        """Unset our wake key, so the next waiter (of the same attempt) blocks again."""
+        self.store.delete_key(self.key("wake", self.base_rank))
+
+    def wait_woken(self) -> None:
+        """Block until our wake key is set (the store's server answers when it is)."""
+        self.store.wait([self.key("wake", self.base_rank)], WAKE_WAIT)
+
+    def _wait_for_all(self, timeout_s: float, poll_s: float) -> None:
+
+        keys = [self.key("rank", r) for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_abort()
+            if self.store.check(keys):  # one call per poll, however many ranks
+                return
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise RendezvousError(f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "
+                                      "check that every node started with the same --rdzv-endpoint and "
+                                      "--world-size")
+            time.sleep(poll_s)
+
+    def _refuse(self, reason: str) -> None:
+        """An inconsistent layout fails the whole job, so every node reports the same clear error."""
+        self.store.compare_set(self.key("abort"), "", json.dumps({"reason": reason, "node": self.node}))
+        self.wake_all()
+        raise RendezvousError(f"inconsistent layout: {reason}")
+
+    def check_abort(self) -> None:
+        record = self.read_abort()
+        if record is not None and "reason" in record:
+            raise RendezvousError(f"inconsistent layout: {record['reason']}")
+
+    def read_abort(self) -> dict[str, Any] | None:
+        key = self.key("abort")
+        if not self.store.check([key]):
+            return None
+        value = self.store.get(key).decode()
+        return json.loads(value) if value else None
+
+    def publish_abort(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Make the abort record the earliest failure in time (compare-and-set, so concurrent writers
+        from several nodes agree), then wake every node's waiter; return the record that stands.
+        Waking even when an earlier record stands covers a writer that died between its two calls."""
+        standing = self._settle_abort(record)
+        self.wake_all()
+        return standing
+
+    def _settle_abort(self, record: dict[str, Any]) -> dict[str, Any]:
+        key, ours = self.key("abort"), json.dumps(record)
+        current = self.store.compare_set(key, "", ours).decode()
+        while current != ours:
+            existing = dict(json.loads(current))
+            never = float("inf")
+            if "reason" in existing or (existing.get("time") or never) <= (record.get("time") or never):
+                return existing
+            current = self.store.compare_set(key, current, ours).decode()
+        return record
+
+
+def _ranges(ranks: list[int]) -> str:
+    if len(ranks) <= 4:
+        return ", ".join(map(str, ranks))
+    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"

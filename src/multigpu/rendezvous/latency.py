@@ -1,0 +1,74 @@
+"""The measured latency of the job's store, and the silence of a watched beat counter.
+
+A fixed loss threshold is either too short for a loaded store (a healthy job aborted) or too long for an
+idle one (a dead node found late). Every threshold here is ``max(floor, factor x p99)`` of the store
+round trips this launcher has measured, so it follows the store: a slow store gets more time, a fast
+one is declared lost soon after it stops answering.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from multigpu.rendezvous.job import DONE
+
+LOSS_FLOOR_S = 1.0
+"""Never declare the store or a node lost after less silence than this (scheduling hiccups, GC)."""
+LOSS_FACTOR = 10.0
+LOSS_CAP_S = 30.0
+"""However slow the store was, a store or node silent this long is lost."""
+FIRST_BEAT_GRACE_S = 5.0
+"""A node that has not beaten yet may still be starting its workers: it gets this long at least."""
+
+
+class Latency:
+    """Recent round trips to the store, and the loss threshold they give. Thread-safe."""
+
+    def __init__(self, *, floor_s: float = LOSS_FLOOR_S, factor: float = LOSS_FACTOR,
+                 cap_s: float = LOSS_CAP_S, window: int = 256) -> None:
+        self.floor_s, self.factor, self.cap_s = floor_s, factor, cap_s
+        self._samples: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def record(self, seconds: float) -> None:
+        with self._lock:
+            self._samples.append(max(0.0, seconds))
+
+    def p99(self) -> float:
+        with self._lock:
+            samples = sorted(self._samples)
+        if not samples:
+            return 0.0
+        return samples[max(0, math.ceil(0.99 * len(samples)) - 1)]
+
+    def threshold(self) -> float:
+        """How long the store may stay silent before it counts as lost."""
+        return min(self.cap_s, max(self.floor_s, self.factor * self.p99()))
+
+
+class BeatWatch:
+    """Which of the watched nodes' beat counters stopped moving (a node that finished never does)."""
+
+    def __init__(self, clock: Callable[[], float], *, first_beat_grace_s: float = FIRST_BEAT_GRACE_S) -> None:
+        self._clock = clock
+        self._grace = first_beat_grace_s
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def silent(self, counts: Mapping[int, int], threshold: float) -> tuple[int, float] | None:
+        """(base rank, seconds of silence) of the first node whose counter has not moved for longer
+        than ``threshold`` (``first_beat_grace_s`` before its first beat), or None."""
+        now = self._clock()
+        for base, count in counts.items():
+            if count >= DONE:
+                continue
+            last, since = self._seen.get(base, (-1, now))
+            if count != last:
+                self._seen[base] = (count, now)
+                continue
+            limit = threshold if count > 0 else max(threshold, self._grace)
+            if now - since > limit:
+                return base, now - since
+        return None

@@ -1,0 +1,52 @@
+"""What a rank's exit means: success, a failure with its own record, or the end the launcher asked for.
+
+Runs in the launcher (and function mode's caller), on the supervisor's loop. A rank whose bootstrap
+said "done" (its script returned, threads and atexit handlers finished) has succeeded even if the
+process then dies in torch's exit-time teardown; that is a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.signals import signal_name
+from multigpu.supervisor.output import WorkerOutput
+from multigpu.supervisor.states import Worker, WorkerState
+
+
+def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,
+           notify: Callable[[str], None]) -> WorkerFailure | None:
+    """Set ``worker.state`` from its exit status; its failure when the exit counts as one.
+
+    ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
+    its doing, unless the rank wrote its own error record: then it failed on its own, perhaps first.
+    """
+    if rc != 0 and worker.finished:
+        how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
+        worker.late_death = how
+        notify(f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had finished "
+               f"(an exit-time crash, e.g. in torch's C++ teardown); its work is done, so it counts as a "
+               f"success")
+        rc = 0
+    if rc == 0:
+        worker.state = WorkerState.SUCCEEDED
+        return None
+    if ending and (interrupted or worker.own_record() is None):
+        worker.state = WorkerState.STOPPED
+        return None
+    worker.state = WorkerState.FAILED
+    worker.failure = failure_of(worker, rc, ending, output)
+    return worker.failure
+
+
+def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput) -> WorkerFailure:
+    # Read what the pipes hold now, so the tail and the traceback are complete; not a moment more: a
+    # DataLoader-style child may keep them open long after the rank itself has gone.
+    output.drain(output.of(worker))
+    record = worker.own_record()
+    if record is not None and rc < 0 and ending:
+        rc = 1  # it raised, then our teardown cut its exit short: the exception is what it did
+    failure = worker.ended_with(rc, record)
+    return failure if failure.time else dataclasses.replace(failure, time=worker.end_time)

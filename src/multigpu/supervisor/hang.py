@@ -1,0 +1,390 @@
+"""Per-rank progress and the hang decision: timeouts learned from step times, the culprit named.
+
+The supervisor feeds every rank's reports (``contract/beats.Beat``) into a ``ProgressBook`` and asks it,
+once per loop turn, whether the run hangs. Everything here is pure bookkeeping on an injected
+clock, so the rules are unit-tested without processes.
+
+The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor):
+
+* A rank that reports steps (``multigpu.heartbeat(step=N)``) gets ``clamp(F x slowest step interval,
+  L, C)`` once its step time is known: after ``warmup`` intervals in this attempt, or at once from
+  numbers an earlier attempt of the same output folder learned (``hang_timeouts.json``, so a restart
+  or a requeue does not wait at the ceiling). Before its first step (start-up), inside a section
+  never seen to end (``multigpu.section("checkpoint")``), and once any rank has finished (the loop is
+  over), the timeout is C. Inside a known section it is ``clamp(F x slowest time of that section, L, C)``.
+* Progress of such a rank is a step, a section boundary or ``multigpu.heartbeat()``; not its output.
+* A rank that never reported a step is judged as before: the run hangs when no rank has shown any
+  progress, output included, for C.
+
+On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from multigpu.config.run import HangConfig
+from multigpu.contract.beats import Beat
+from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.supervisor.states import WINDOW, RankProgress, rounded
+
+if TYPE_CHECKING:
+    from multigpu.config.run import RunConfig
+    from multigpu.supervisor.flight_record import Finding
+    from multigpu.supervisor.states import Worker, WorkerSpec
+
+LEARNED_FILE = "hang_timeouts.json"
+SAVE_EVERY_S = 2.0
+TIE_S = 0.01
+"""Ranks whose last progress at the same step is this close are named together: no one is first."""
+STRAGGLER_EVERY_S = 1.0
+STRAGGLER_MIN_GAP_S = 0.005
+"""A straggler must also be this much slower in absolute terms: microsecond jitter is not a story."""
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    ceiling: float | None = None
+    """``--hang-timeout``; None: no hang detection (step times are still recorded)."""
+    factor: float = HangConfig.factor
+    floor: float = HangConfig.floor
+    warmup: int = 2
+    """Step intervals seen in this attempt before its own numbers are trusted."""
+    straggler_ratio: float = 1.5
+    straggler_window: int = 20
+
+    def clamp(self, seconds: float) -> float:
+        value = max(self.floor, self.factor * seconds)
+        return value if self.ceiling is None else min(self.ceiling, value)
+
+
+@dataclass
+class Learned:
+    """The slowest step interval and section times seen, kept across attempts in the output folder."""
+
+    slowest_step: float | None = None
+    sections: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path | None) -> Learned:
+        try:
+            data = json.loads(path.read_text()) if path is not None else {}
+            step = data.get("slowest_step_s")
+            sections = {str(k): float(v) for k, v in dict(data.get("sections_s", {})).items()}
+            return cls(float(step) if step is not None else None, sections)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        data = {"slowest_step_s": self.slowest_step, "sections_s": self.sections,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError:  # a full disk costs the reuse after a restart, never the run
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def note_step(self, interval: float) -> bool:
+        if self.slowest_step is None or interval > self.slowest_step:
+            self.slowest_step = interval
+            return True
+        return False
+
+    def note_section(self, name: str, seconds: float) -> bool:
+        if seconds > self.sections.get(name, -1.0):
+            self.sections[name] = seconds
+            return True
+        return False
+
+
+@dataclass(frozen=True)
+class Timeout:
+    seconds: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A hang decision: the ranks that stopped first, in order, and the line that says so."""
+
+    culprits: list[int]
+    line: str
+    quiet: dict[int, float]
+    """Seconds since each running rank's last progress, when the hang was called."""
+
+
+class ProgressBook:
+    """Every rank's progress for one attempt; see the module docstring for the rules."""
+
+    def __init__(self, policy: HangPolicy, ranks: Iterable[int], *, store: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 notify: Callable[[str], None] | None = None) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._wall_offset = wall() - clock()
+        self._notify = notify or (lambda _msg: None)
+        self._store = store
+        self.learned = Learned.load(store)
+        self._inherited = self.learned.slowest_step is not None
+        now = clock()
+        self.ranks = {r: RankProgress(r, now, now) for r in ranks}
+        self.last_finish = -math.inf
+        self._dirty = False
+        self._saved_at = -math.inf
+        self._straggler_at = -math.inf
+        self.stragglers: dict[int, str] = {}
+
+    # ---- feeding -----------------------------------------------------------------------------------
+
+    def started(self, rank: int, now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        self.ranks[rank] = RankProgress(rank, now, now)
+
+    def output(self, rank: int, now: float | None = None) -> None:
+        """The rank's pipes had output: progress for ranks without our bootstrap (they never beat)."""
+        p = self.ranks[rank]
+        p.last_output = self._clock() if now is None else now
+        if not p.beats:
+            p.last_progress = p.last_output
+
+    def finished(self, rank: int, now: float | None = None) -> None:
+        """The rank exited successfully: progress for the others (they may have waited on it)."""
+        self.last_finish = self._clock() if now is None else now
+
+    def feed(self, rank: int, beats: list[Beat], now: float | None = None) -> None:
+        now = self._clock() if now is None else now
+        p = self.ranks[rank]
+        if beats:
+            p.beats = True
+        for beat in beats:
+            if beat.kind == "output":
+                if not p.reports_steps:
+                    p.last_progress = now
+            elif beat.kind == "beat":
+                p.last_progress = now
+            elif beat.kind == "step":
+                self._step(p, int(beat.value), now)
+            elif beat.kind == "begin":
+                p.section, p.last_progress = beat.name, now
+            elif beat.kind == "end":
+                self._section_end(p, beat.name, beat.value, now)
+            elif beat.kind == "done":
+                p.finished = True
+
+    def _step(self, p: RankProgress, step: int, now: float) -> None:
+        if p.step_at is not None and (p.step is None or step > p.step):
+            p.intervals.append(now - p.step_at)
+            if len(p.intervals) >= self.policy.warmup or self._inherited:
+                self._dirty |= self.learned.note_step(max(p.intervals))
+        p.step, p.step_at, p.last_progress = step, now, now
+
+    def _section_end(self, p: RankProgress, name: str, seconds: float, now: float) -> None:
+        p.section_times.setdefault(name, deque(maxlen=WINDOW)).append(seconds)
+        self._dirty |= self.learned.note_section(name, seconds)
+        if p.section == name:
+            p.section = None
+        p.last_progress = now
+
+    # ---- deciding ----------------------------------------------------------------------------------
+
+    def timeout(self, rank: int) -> Timeout | None:
+        """This rank's hang timeout now, and why; None without a ceiling (no hang detection)."""
+        policy, p = self.policy, self.ranks[rank]
+        ceiling = policy.ceiling
+        if ceiling is None:
+            return None
+        if not p.reports_steps:
+            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: no step reported yet")
+        if self.last_finish > -math.inf:
+            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: a rank has finished")
+        if p.section is not None:
+            known = self.learned.sections.get(p.section)
+            if known is None:
+                why = f"section {p.section!r} never seen to end"
+                return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: {why}")
+            return Timeout(policy.clamp(known), self._explain(f"section {p.section!r}", known))
+        slowest = self.learned.slowest_step
+        trusted = self._inherited or len(p.intervals) >= policy.warmup
+        if slowest is None or not trusted:
+            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: step time not learned yet")
+        return Timeout(policy.clamp(slowest), self._explain("step", slowest))
+
+    def _explain(self, what: str, slowest: float) -> str:
+        p = self.policy
+        return (f"learned: {p.factor:g} x slowest {what} {slowest:.3g}s, floor {p.floor:g}s, "
+                f"ceiling {p.ceiling:g}s")
+
+    def check(self, running: list[int], now: float | None = None) -> Hang | None:
+        """A ``Hang`` when a rank that reports steps is past its timeout, or when no rank at all has
+        shown progress for the ceiling; None otherwise (and always without a ceiling)."""
+        now = self._clock() if now is None else now
+        self.maybe_save(now)
+        self._check_stragglers(running, now)
+        ceiling = self.policy.ceiling
+        if ceiling is None or not running:
+            return None
+        quiet = {r: now - self.ranks[r].last_progress for r in running}
+        late = []
+        for r in running:
+            limit = self.timeout(r)
+            if self.ranks[r].reports_steps and limit is not None and quiet[r] >= limit.seconds:
+                late.append((r, limit))
+        if late:
+            # A rank that reports no steps and has been quiet at least as long is as suspect.
+            since = min(quiet[r] for r, _ in late)
+            suspects = {r for r, _ in late} | {r for r in running
+                                                if not self.ranks[r].reports_steps and quiet[r] >= since}
+            return self._hang(running, quiet, late[0][1], suspects)
+        silent = now - max(self.last_finish, *(self.ranks[r].last_progress for r in running))
+        if silent >= ceiling:
+            why = f"no rank has shown progress for {silent:.1f}s, --hang-timeout {ceiling:g}s"
+            return self._hang(running, quiet, Timeout(ceiling, why), set(running))
+        return None
+
+    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, late: set[int]) -> Hang:
+        culprits = self.order(running, late)
+        first = culprits[0]
+        p = self.ranks[first]
+        window = min(TIE_S, 0.05 * quiet[first])
+        tied = [r for r in culprits if r in late and self.ranks[r].step == p.step
+                and self.ranks[r].last_progress - p.last_progress <= window]
+        where = f"at step {p.step}" if p.step is not None else "before any step"
+        if p.section is not None:
+            where += f" in section {p.section!r}"
+        names = ", ".join(str(r) for r in tied)
+        who = f"rank {names}" if len(tied) == 1 else f"ranks {names}"
+        others = [r for r in culprits if r not in tied]
+        rest = "; ".join(f"rank {r} {self._at(r)}, {quiet[r]:.1f}s ago" for r in others[:4])
+        why = limit.why if limit.why.startswith("no rank") else f"timeout {limit.seconds:.3g}s, {limit.why}"
+        line = (f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} "
+                f"({why})" + (f"; {rest}" if rest else ""))
+        return Hang(tied + others, line, quiet)
+
+    def shortest_timeout(self) -> float | None:
+        """The shortest timeout any rank has now: how often the loop must look."""
+        limits = [t.seconds for r in self.ranks if (t := self.timeout(r)) is not None]
+        return min(limits, default=None)
+
+    def _at(self, rank: int) -> str:
+        step = self.ranks[rank].step
+        return "before any step" if step is None else f"at step {step}"
+
+    def order(self, ranks: Iterable[int], late: set[int] | None = None) -> list[int]:
+        """Who stopped first: the ranks past their timeout (``late``), then the lowest step (no step
+        at all lowest), then the earliest last progress."""
+        def key(r: int) -> tuple[bool, float, float]:
+            p = self.ranks[r]
+            return (late is not None and r not in late, -math.inf if p.step is None else p.step,
+                    p.last_progress)
+        return sorted(ranks, key=key)
+
+    # ---- stragglers, persistence, stats -------------------------------------------------------------
+
+    def _check_stragglers(self, running: list[int], now: float) -> None:
+        if now - self._straggler_at < STRAGGLER_EVERY_S or len(running) < 2:
+            return
+        self._straggler_at = now
+        for rank, line in find_stragglers(self.ranks, self.policy).items():
+            if rank not in self.stragglers:
+                self.stragglers[rank] = line
+                self._notify(line)
+
+    def maybe_save(self, now: float, force: bool = False) -> None:
+        if self._store is None or not self._dirty:
+            return
+        if force or now - self._saved_at >= SAVE_EVERY_S:
+            self.learned.save(self._store)
+            self._dirty, self._saved_at = False, now
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every rank's step times, for run.json and the live view."""
+        out = {}
+        for r, p in self.ranks.items():
+            data = p.stats(self._wall_offset)
+            limit = self.timeout(r) if p.reports_steps else None
+            data["hang_timeout_s"] = rounded(limit.seconds) if limit is not None else None
+            if r in self.stragglers:
+                data["straggler"] = self.stragglers[r]
+            out[str(r)] = data
+        return out
+
+
+def find_stragglers(ranks: dict[int, RankProgress], policy: HangPolicy) -> dict[int, str]:
+    """Ranks whose median section time (or step interval) over the last ``straggler_window`` is more
+    than ``straggler_ratio`` times the median of the other ranks' medians, with the numbers."""
+    n = policy.straggler_window
+    series: dict[str, dict[int, list[float]]] = {}
+    for r, p in ranks.items():
+        for name, times in p.section_times.items():
+            if len(times) >= n:
+                series.setdefault(f"section {name!r}", {})[r] = list(times)[-n:]
+        if len(p.intervals) >= n:
+            series.setdefault("step interval", {})[r] = list(p.intervals)[-n:]
+    found: dict[int, str] = {}
+    for what, per_rank in series.items():
+        if len(per_rank) < 2:
+            continue
+        medians = {r: statistics.median(v) for r, v in per_rank.items()}
+        for r, mine in medians.items():
+            others = statistics.median([m for q, m in medians.items() if q != r])
+            if mine > policy.straggler_ratio * others and mine - others >= STRAGGLER_MIN_GAP_S \
+                    and r not in found:
+                ratio = mine / others if others > 0 else math.inf
+                found[r] = (f"rank {r} is a straggler: its {what} takes {mine:.3g}s (median of the last "
+                            f"{n}) against {others:.3g}s on the other ranks ({ratio:.1f}x)")
+    return found
+
+
+def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
+                  wall_now: float) -> list[WorkerFailure]:
+    """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
+    cause); its message is the report's first line: the flight recorder's findings when there are
+    any (which rank is missing from which collective; those ranks go first), then who stopped
+    progressing first."""
+    blamed = [r for f in flight for r in f.ranks]
+    culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + hang.culprits)]
+    order = {r: i for i, r in enumerate(culprits)}
+    first = "; ".join([*(f.line for f in flight), hang.line])
+    failures = []
+    base = wall_now - max(hang.quiet.values(), default=0.0)  # the earliest last progress, roughly
+    for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
+        quiet = hang.quiet.get(w.rank, 0.0)
+        message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
+        failures.append(dataclasses.replace(
+            w.ended_with(None), error_type=HANG, message=message, traceback="\n".join(w.dump) or None,
+            time=base + order.get(w.rank, len(order)) * 1e-3))  # sorted later: keeps the culprits' order
+    return failures
+
+
+def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpec],
+                  notify: Callable[[str], None] | None = None) -> ProgressBook:
+    """The book for one attempt of a run: its policy from the command line, its learned numbers in
+    the output folder (shared by every attempt and every requeue that writes there)."""
+    from multigpu.supervisor.console import say
+
+    policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor)
+    return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
+                        notify=notify or say)
+
+
+def feed_beats(book: ProgressBook, worker: Worker, data: bytes, now: float) -> set[str]:
+    """Decode a rank's beats into the book and the rank's record; the kinds of beat that came."""
+    beats = worker.decoder.feed(data)
+    book.feed(worker.rank, beats, now)
+    kinds = {b.kind for b in beats}
+    worker.finished |= "done" in kinds
+    worker.recorded |= "dumped" in kinds
+    return kinds

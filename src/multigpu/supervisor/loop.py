@@ -1,0 +1,328 @@
+"""The supervisor: the one object that owns worker lifetimes.
+
+``start()`` spawns every worker in its own session (so its process group holds everything it starts),
+``wait()`` runs one event loop over process descriptors, output pipes, heartbeats and a wake-up pipe
+until all ranks succeed, one fails, a hang is seen or a stop is requested, and ``close()`` tears the
+group down: optional stack dumps, the stop signal to every group (exited ranks' included), one shared
+deadline, SIGKILL for what is left, a bounded reap. ``close()`` is safe to call twice; ``start()``
+twice raises. What the workers write is ``output.WorkerOutput``'s business: the loop hands it ready
+pipes and never waits on a console.
+
+Progress and the hang decision are ``hang.ProgressBook``'s: the loop feeds it every rank's beats
+(``contract/beats.BeatDecoder``) and asks it each turn; ``dumps`` collects stacks and flight records.
+A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
+succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
+Worker states and the other types are in ``states.py``; an exit's meaning in ``exits.py``, the
+teardown in ``teardown.py``, the event sources in ``events.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.signals import STOP_SIGNALS
+from multigpu.supervisor import exits, hang, reaping, spawning, teardown
+from multigpu.supervisor.dumps import DumpRequest, flight_record
+from multigpu.supervisor.events import Events, read_ready
+from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
+from multigpu.supervisor.options import Hooks, SupervisorOptions
+from multigpu.supervisor.output import OutputSink, Stream, WorkerOutput
+from multigpu.supervisor.spawning import PopenSpawner, Spawner
+from multigpu.supervisor.states import (
+    RunResult,
+    RunStatus,
+    Worker,
+    WorkerSpec,
+    WorkerState,
+)
+
+PROGRESS_EVERY_S = 5.0
+"""How often step times go to the listener (run.json), besides the end of the attempt."""
+
+
+class Supervisor:
+    """Owns a set of worker processes from start to reaped; see the module docstring."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], *, sink: OutputSink | None = None,
+                 options: SupervisorOptions | None = None, hooks: Hooks | None = None,
+                 progress: ProgressBook | None = None, spawner: Spawner | None = None) -> None:
+        self.options = options = options or SupervisorOptions()
+        self.hooks = hooks = hooks or Hooks()
+        self._spawner: Spawner = spawner or PopenSpawner()
+        self.workers = [Worker(spec) for spec in specs]
+        self._clock = options.clock
+        self._notify = hooks.notify
+        self.progress = progress or ProgressBook(HangPolicy(ceiling=options.hang_timeout),
+                                                 (w.rank for w in self.workers), clock=self._clock,
+                                                 notify=self._notify)
+        self._output = WorkerOutput(sink, self._notify, self._clock)
+        self._events = Events()
+        self._signals: deque[int] = deque()
+        self._external: deque[WorkerFailure] = deque()
+        self._lock = threading.Lock()
+        self._started = self._closed = self._closing = self._hung = self._kill_now = False
+        self._stop_signal: int | None = None
+        self._failures: list[WorkerFailure] = []
+        self._last_tick = 0.0
+        self._published = float("-inf")
+
+    # ---- start -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError("Supervisor.start() called twice; make a new Supervisor per attempt")
+        self._started = True
+        now = self._clock()
+        try:
+            self._spawner.prepare([w.spec for w in self.workers])
+            for worker in self.workers:
+                spawning.bring_up(worker, self._spawner, self._output, self._events, now)
+                self.changed(worker)
+                self.progress.started(worker.rank, now)
+                worker.progress = self.progress.ranks[worker.rank]
+        except BaseException:
+            self.close(grace_period=0)
+            raise
+
+    # ---- signals and stop requests (safe from a signal handler or another thread) ---------------------
+
+    def request_signal(self, signum: int) -> None:
+        """Record a signal for the loop to act on; does nothing else, so it is safe in a handler."""
+        self._signals.append(signum)
+        self._events.wake()
+
+    def request_stop(self) -> None:
+        self.request_signal(signal.SIGTERM)
+
+    def abort(self, failure: WorkerFailure) -> None:
+        """End the run as failed for a cause outside this group (another node failed). Thread-safe."""
+        self._external.append(failure)
+        self._events.wake()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+
+    def poll(self) -> RunResult | None:
+        """Handle what is ready now, without blocking; a result once the run has an outcome."""
+        self.turn(0)
+        return self._outcome()
+
+    def wait(self, timeout: float | None = None) -> RunResult | None:
+        """Run the loop until the run has an outcome (or ``timeout`` seconds pass: then None)."""
+        if not self._started:
+            raise RuntimeError("Supervisor.wait() before start()")
+        deadline = None if timeout is None else self._clock() + timeout
+        while True:
+            outcome = self._outcome()
+            if outcome is not None:
+                return outcome
+            remaining = None if deadline is None else deadline - self._clock()
+            if remaining is not None and remaining <= 0:
+                return None
+            self.turn(_period(self.options, self.progress, self._output, self.workers, remaining))
+
+    def _outcome(self) -> RunResult | None:
+        if self._stop_signal is not None:
+            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), self._stop_signal)
+        if self._failures:
+            status = RunStatus.HUNG if self._hung else RunStatus.FAILED
+            return RunResult(status, self._sorted_failures())
+        if all(w.state is WorkerState.SUCCEEDED for w in self.workers):
+            return RunResult(RunStatus.SUCCEEDED)
+        return None
+
+    def final_result(self, result: RunResult) -> RunResult:
+        """``result`` again after ``close()``: ranks that failed during teardown may have failed first."""
+        if result.status in (RunStatus.FAILED, RunStatus.HUNG):
+            return RunResult(result.status, self._sorted_failures(), result.signal)
+        return result
+
+    def _sorted_failures(self) -> list[WorkerFailure]:
+        return by_time(self._failures)
+
+    def turn(self, timeout: float | None) -> None:
+        """One turn of the loop: what is ready within ``timeout``, then signals, hangs and the tick."""
+        for kind, obj in self._events.ready(timeout):
+            if kind == "out":
+                self._read_stream(obj)
+                self.progress.output(obj.worker.rank, obj.worker.last_output)
+            elif kind == "exit":
+                self.reap(obj)
+            else:
+                self._read_beats(obj)
+        for worker in self.workers:
+            if worker.pidfd is None and worker.alive and worker.popen and worker.popen.poll() is not None:
+                self.reap(worker)
+        self._output.show_partials()
+        if any(w.group_open and w.returncode is not None for w in self.workers):
+            reaping.open_groups(self.workers)
+        self._handle_signals()
+        self._check_hang()
+        self._maybe_tick()
+
+    def _maybe_tick(self) -> None:
+        now = self._clock()
+        if now - self._published >= PROGRESS_EVERY_S:
+            self.publish_progress()
+        if self.hooks.tick is not None and now - self._last_tick >= self.options.tick_period:
+            self._last_tick = now
+            self.hooks.tick()
+
+    def publish_progress(self) -> None:
+        """Hand every rank's step times to the listener (run.json), and keep the learned timeouts."""
+        self._published = self._clock()
+        self.progress.maybe_save(self._published, force=self._closing)
+        on_progress = getattr(self.hooks.listener, "on_progress", None)
+        if on_progress is not None:
+            on_progress(self.progress.snapshot())
+
+    def _read_beats(self, worker: Worker) -> None:
+        fd = worker.heartbeat_read_fd
+        data = b"" if fd is None else read_ready(fd)
+        if data is None or fd is None:
+            return
+        if not data:
+            self._events.forget(fd, close=True)
+            worker.heartbeat_read_fd = None
+        else:
+            kinds = hang.feed_beats(self.progress, worker, data, self._clock())
+            if "failing" in kinds and self.hooks.on_failing is not None:
+                self.hooks.on_failing(worker)
+
+    def _read_stream(self, stream: Stream) -> None:
+        if not self._output.read(stream):
+            self._events.forget(stream.fd)
+
+    def reap(self, worker: Worker) -> None:
+        """Collect a rank that exited and judge its exit (``exits.settle``)."""
+        if worker.returncode is not None or worker.popen is None:
+            return
+        rc = worker.returncode = worker.popen.wait()
+        worker.end_time = time.time()
+        if worker.pidfd is not None:
+            self._events.forget(worker.pidfd, close=True)
+            worker.pidfd = None
+        self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
+        ending = self._closing or self._stop_signal is not None
+        failure = exits.settle(worker, rc, ending=ending, interrupted=self._stop_signal is not None,
+                               output=self._output, notify=self._notify)
+        if failure is not None:
+            self._failures.append(failure)
+        elif worker.state is WorkerState.SUCCEEDED and not ending:
+            self.progress.finished(worker.rank, self._clock())
+        self.changed(worker)
+
+    def output_losses(self) -> list[str]:
+        """Log files that could not be written in full (a full disk), one line each."""
+        return self._output.losses()
+
+    def changed(self, worker: Worker) -> None:
+        if self.hooks.listener is not None:
+            self.hooks.listener.on_worker_change(worker)
+
+    def _handle_signals(self) -> None:
+        while self._external:
+            self._failures.append(self._external.popleft())
+        while self._signals:
+            signum = self._signals.popleft()
+            if signum in STOP_SIGNALS:
+                if self._stop_signal is not None or self._closing:
+                    if signum == signal.SIGINT:
+                        self._kill_now = True  # a second Ctrl-C: no more grace
+                    continue
+                self._stop_signal = signum
+            else:
+                reaping.forward(self.workers, signum)
+
+    def _check_hang(self) -> None:
+        if self._failures or self._closing or self._hung:
+            return
+        running = [w for w in self.workers if w.alive]
+        hang = self.progress.check([w.rank for w in running], self._clock())
+        if hang is None:
+            return
+        self._notify(f"hang: {hang.line}; dumping every rank's stacks and stopping the run")
+        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
+        request = self.dump_stacks(running)
+        since = request.wall_start if request is not None else time.time()
+        flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
+        self._failures.extend(hang_failures(hang, running, flight, time.time()))
+
+    # ---- teardown ----------------------------------------------------------------------------------
+
+    def dump_stacks(self, workers: Sequence[Worker] | None = None) -> DumpRequest | None:
+        """Ask live ranks for their Python stacks (to their logs) and flight records; wait briefly."""
+        targets = [w for w in (workers or self.workers) if w.alive and w.pid is not None]
+        if not targets:
+            return None
+        request = DumpRequest(targets, self._clock, self.options.dump_wait)
+        while not request.done():
+            self.turn(0.02)
+        request.finish()
+        return request
+
+    def close(self, sig: int = signal.SIGTERM, grace_period: float | None = None,
+              dump_stacks: bool = False) -> None:
+        """Stop every group: ``sig``, one shared deadline, SIGKILL the rest, reap. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        grace = self.options.grace_period if grace_period is None else grace_period
+        try:
+            if self._started:
+                self._closing = True  # from here on, an exit is the launcher's doing
+                if dump_stacks:
+                    self.dump_stacks()
+                teardown.stop_groups(self.workers, sig, grace, self, self.options, self._spawner.spared,
+                                     self._notify)
+                for w in self.workers:
+                    self._output.drain(self._output.of(w))
+                self.publish_progress()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._output.close()
+        for w in self.workers:
+            for fd in (w.heartbeat_read_fd, w.pidfd):
+                if fd is not None:
+                    self._events.forget(fd, close=True)
+            w.heartbeat_read_fd = w.pidfd = None
+        self._events.close()
+
+    @property
+    def kill_now(self) -> bool:
+        """A second Ctrl-C came: the teardown's grace is over."""
+        return self._kill_now
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOutput,
+            workers: Sequence[Worker], remaining: float | None) -> float:
+    """How long one turn may wait: the tick, a quarter of the shortest hang timeout, the next partial
+    line due on the console, or a short poll where no pidfd tells a rank's exit."""
+    period = options.tick_period
+    shortest = progress.shortest_timeout()
+    if shortest is not None:
+        period = min(period, max(0.01, shortest / 4))
+    due = output.due_in()
+    if due is not None:
+        period = min(period, max(0.01, due))
+    if any(w.pidfd is None and w.alive for w in workers):
+        period = min(period, 0.05)
+    return period if remaining is None else max(0.0, min(period, remaining))
+
+
+def by_time(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
+    """The first failure in time first: the root cause (a failure of unknown time last)."""
+    return sorted(failures, key=lambda f: f.time if f.time is not None else float("inf"))

@@ -1,0 +1,40 @@
+"""How a supervisor is set up: its timing (``SupervisorOptions``) and what it calls back (``Hooks``).
+
+Runs in the launcher and in function mode's caller, wherever a ``Supervisor`` is built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from multigpu.config.run import SupervisionConfig
+from multigpu.supervisor.console import say
+from multigpu.supervisor.states import SupervisorListener, Worker
+
+
+@dataclass(frozen=True)
+class SupervisorOptions:
+    """How the supervisor times its work; tests shorten these, the launcher takes the run's config."""
+
+    grace_period: float = SupervisionConfig.grace_period
+    hang_timeout: float | None = None
+    """The ceiling of a default ``ProgressBook`` (a given book has its own policy)."""
+    tick_period: float = 0.5
+    dump_wait: float = 0.5
+    """How long a stack-dump request waits for the ranks' answers."""
+    clock: Callable[[], float] = time.monotonic
+    reap_orphans: bool = False
+    """The launcher is a child subreaper: end and reap descendants that left their group."""
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the supervisor calls back, all optional: called on the loop's thread, never in a handler."""
+
+    listener: SupervisorListener | None = None
+    tick: Callable[[], None] | None = None
+    notify: Callable[[str], None] = say
+    on_failing: Callable[[Worker], None] | None = None
+    """Function mode: a rank said it is failing (its record is written), before it exits."""

@@ -1,0 +1,270 @@
+"""The output path: the workers' pipes, split into lines, into their log files and onto the console.
+
+The supervisor owns process lifetimes; this module owns every byte the workers write. Two rules shape it:
+
+* The supervisor's loop never waits on output. Reads are non-blocking; the console is written by
+  ``console.ConsoleWriter``, a bounded buffer drained by its own thread, so a paused pager, a
+  closed descriptor or a hung-up terminal costs console lines (counted, and said once), never failure
+  detection or teardown.
+* Log files get exactly the bytes the rank wrote. The rank's combined log receives whole lines (its
+  stdout and stderr are interleaved line by line, never mid-line); the per-stream files of
+  ``WorkerSpec.stream_files`` (torchrun's ``--log-dir`` files) receive each read as it arrives. A full
+  disk loses bytes, never the run: the loss is counted per file and said once.
+
+Carriage-return progress bars (tqdm) have no newline until they end; the last ``\\r`` segment of an
+unfinished line goes to the sink as a *partial* line at most every ``PARTIAL_INTERVAL`` seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from multigpu.supervisor.states import Worker
+
+READ_SIZE = 1 << 16
+MAX_PENDING = 64 << 20
+"""An unfinished line longer than this is passed on as a line: memory stays bounded, the log exact."""
+TAIL_LINE_CHARS = 4000
+"""A tail line (for the report) is cut to this many characters; the log keeps the whole line."""
+PARTIAL_INTERVAL = 0.1
+
+
+class OutputSink(Protocol):
+    """Where whole lines from the workers go besides their log files (the console, a status view)."""
+
+    def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None: ...
+
+
+class PartialSink(Protocol):
+    """A sink that can also show an unfinished line (a progress bar), replacing the previous one."""
+
+    def write_partial(self, worker: Worker, stream: str, text: bytes) -> None: ...
+
+
+def display_text(line: bytes) -> bytes:
+    """What a terminal would leave of ``line``: its last non-empty carriage-return segment."""
+    if b"\r" not in line:
+        return line
+    for segment in reversed(line.split(b"\r")):
+        if segment:
+            return segment
+    return b""
+
+
+class LogFile:
+    """One log file that keeps working when the disk does not: a failed write is counted, not raised."""
+
+    def __init__(self, path: Path, notify: Callable[[str], None]) -> None:
+        self.path = path
+        self._notify = notify
+        self.lost = 0
+        self.error: str | None = None
+        self._file: IO[bytes] | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+        except OSError as exc:
+            self._fail(exc)
+
+    def write(self, data: bytes) -> None:
+        if self._file is not None and self.error is None:
+            try:
+                written = self._file.write(data) or 0
+            except OSError as exc:
+                written = 0
+                self._fail(exc)
+            if written == len(data):
+                return
+            data = data[written:]
+            if self.error is None:
+                self._fail(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        self.lost += len(data)
+
+    def _fail(self, exc: OSError) -> None:
+        self.error = exc.strerror or str(exc)
+        self._notify(f"cannot write {self.path}: {self.error}; the rest of its output is lost "
+                     f"(the run goes on)")
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                if self.error is None:
+                    self._fail(exc)
+            self._file = None
+
+    def loss(self) -> str | None:
+        """One line for the run record, or None when the file is complete."""
+        if self.error is None:
+            return None
+        return f"{self.path}: {self.error}; {self.lost} byte(s) not written"
+
+
+class Stream:
+    """One pipe of one worker: the unfinished line, the files that take its bytes, its progress bar."""
+
+    __slots__ = ("fd", "files", "name", "partial_due", "partial_shown", "pending", "pipe", "worker")
+
+    def __init__(self, worker: Worker, name: str, pipe: IO[bytes], files: list[LogFile]) -> None:
+        self.worker, self.name, self.pipe = worker, name, pipe
+        self.fd = pipe.fileno()
+        self.files = files
+        self.pending = bytearray()
+        self.partial_shown = b""
+        self.partial_due: float | None = None
+
+
+class WorkerOutput:
+    """Every worker's output for one supervisor: opened before spawn, read by the loop, closed at the end."""
+
+    def __init__(self, sink: OutputSink | None, notify: Callable[[str], None],
+                 clock: Callable[[], float]) -> None:
+        self._sink = sink
+        self._notify = notify
+        self._clock = clock
+        self._logs: dict[int, LogFile] = {}
+        self._stream_files: dict[tuple[int, str], LogFile] = {}
+        self._shared: dict[Path, LogFile] = {}
+        self.streams: dict[int, Stream] = {}
+
+    def open(self, worker: Worker) -> None:
+        """Create the worker's log files (truncated: a reused output folder gets this run's bytes)."""
+        spec = worker.spec
+        if spec.log_path is not None:
+            self._logs[worker.rank] = LogFile(spec.log_path, self._notify)
+        for name, path in spec.stream_files.items():
+            self._stream_files[(worker.rank, name)] = LogFile(Path(path), self._notify)
+        for copy in spec.line_copies:
+            if copy.path not in self._shared:
+                self._shared[copy.path] = LogFile(copy.path, self._notify)
+
+    def attach(self, worker: Worker, pipes: Iterable[tuple[str, IO[bytes] | None]]) -> list[Stream]:
+        """Take the worker's pipes; the caller registers the returned streams with its selector."""
+        streams = []
+        for name, pipe in pipes:
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+            extra = self._stream_files.get((worker.rank, name))
+            stream = Stream(worker, name, pipe, [extra] if extra else [])
+            self.streams[stream.fd] = stream
+            worker.open_streams += 1
+            streams.append(stream)
+        return streams
+
+    def read(self, stream: Stream) -> bool:
+        """Read what is there now; False once the pipe is at its end (the stream is then closed)."""
+        return self._read_once(stream) >= 0
+
+    def drain(self, streams: Iterable[Stream]) -> None:
+        """Read what the pipes hold right now, without waiting (a grandchild may keep them open)."""
+        for stream in list(streams):
+            while stream.fd in self.streams and self._read_once(stream) > 0:
+                pass
+
+    def _read_once(self, stream: Stream) -> int:
+        """Bytes read: 0 when nothing is there now, -1 at the end of the pipe."""
+        try:
+            data = os.read(stream.fd, READ_SIZE)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            data = b""
+        if not data:
+            self.end(stream)
+            return -1
+        stream.worker.last_output = self._clock()
+        for f in stream.files:
+            f.write(data)
+        stream.pending += data
+        cut = stream.pending.rfind(b"\n")
+        if cut >= 0:
+            chunk = bytes(stream.pending[: cut + 1])
+            del stream.pending[: cut + 1]
+            self._emit(stream, chunk)
+        elif len(stream.pending) >= MAX_PENDING:
+            chunk = bytes(stream.pending)
+            stream.pending.clear()
+            self._emit(stream, chunk + b"\n", logged=chunk)
+        if stream.pending and b"\r" in stream.pending and stream.partial_due is None:
+            stream.partial_due = self._clock()
+        self.show_partials()
+        return len(data)
+
+    def of(self, worker: Worker) -> list[Stream]:
+        return [s for s in self.streams.values() if s.worker is worker]
+
+    def end(self, stream: Stream) -> None:
+        """The pipe is done: pass on an unfinished last line, close the pipe."""
+        if stream.pending:
+            chunk = bytes(stream.pending)
+            stream.pending.clear()
+            self._emit(stream, chunk + b"\n", logged=chunk)
+        self.streams.pop(stream.fd, None)
+        stream.pipe.close()
+        stream.worker.open_streams -= 1
+
+    def due_in(self) -> float | None:
+        """Seconds until a progress bar is due on the console, for the loop's select timeout."""
+        dues = [s.partial_due for s in self.streams.values() if s.partial_due is not None]
+        return None if not dues else max(0.0, min(dues) - self._clock())
+
+    def show_partials(self) -> None:
+        """Hand the latest state of each unfinished progress line to the sink, rate-limited."""
+        now = self._clock()
+        for stream in self.streams.values():
+            if stream.partial_due is None or stream.partial_due > now:
+                continue
+            stream.partial_due = None
+            text = display_text(bytes(stream.pending))
+            if text and text != stream.partial_shown:
+                stream.partial_shown = text
+                # a PartialSink (the console, the live view) shows it; another sink gets whole lines only
+                show = getattr(self._sink, "write_partial", None) if self._shows(stream) else None
+                if show is not None:
+                    show(stream.worker, stream.name, text)
+                stream.partial_due = now + PARTIAL_INTERVAL  # the next update waits its turn
+
+    def _shows(self, stream: Stream) -> bool:
+        return self._sink is not None and stream.name in stream.worker.spec.console_streams
+
+    def _emit(self, stream: Stream, chunk: bytes, logged: bytes | None = None) -> None:
+        """``chunk`` holds whole lines; the log gets ``logged`` (the bytes as written), then the sink."""
+        worker = stream.worker
+        log = self._logs.get(worker.rank)
+        if log is not None:
+            log.write(chunk if logged is None else logged)
+        lines = chunk.split(b"\n")[:-1]
+        for copy in worker.spec.line_copies:
+            if copy.stream == stream.name and (matched := copy.matching(lines)):
+                self._shared[copy.path].write(matched)
+        keep = worker.tail.maxlen or len(lines)
+        worker.tail.extend(_tail_line(line) for line in lines[-keep:])
+        if worker.capture is not None:
+            worker.capture.extend(line.decode(errors="replace") for line in lines)
+        stream.partial_shown = b""
+        if self._shows(stream):
+            assert self._sink is not None
+            self._sink.write_lines(worker, stream.name, [display_text(line) for line in lines])
+
+    def losses(self) -> list[str]:
+        files = [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]
+        return [loss for f in files if (loss := f.loss()) is not None]
+
+    def close(self) -> None:
+        for stream in list(self.streams.values()):
+            self.end(stream)
+        for f in [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]:
+            f.close()
+
+
+def _tail_line(line: bytes) -> str:
+    text = display_text(line).decode(errors="replace")
+    if len(text) > TAIL_LINE_CHARS:
+        return f"{text[:TAIL_LINE_CHARS]}... ({len(text) - TAIL_LINE_CHARS} more characters in the log)"
+    return text

@@ -1,0 +1,118 @@
+"""Process groups at teardown: which groups may still be signalled, the SIGKILL wait, and orphans.
+
+Each rank leads its own process group (its pid is the group id), so a signal to the group reaches
+everything the rank started. These helpers hold the rules that keep that safe: a group whose members
+are all gone is never signalled again (its id may be reused), the wait after SIGKILL is bounded (a
+rank in uninterruptible sleep is named and left), and, as a child subreaper, the launcher ends and
+reaps descendants that left their group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multigpu.supervisor.states import Worker
+
+KILL_WAIT_S = 5.0
+"""How long a rank may take to vanish after SIGKILL; longer means uninterruptible sleep (a driver)."""
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def forward(workers: Sequence[Worker], signum: int) -> None:
+    """Pass a signal on to every live rank's group (SIGHUP, SIGUSR1/2: the ranks decide what it means)."""
+    for worker in workers:
+        if worker.alive and worker.pid is not None:
+            signal_group(worker.pid, signum)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def proc_state(pid: int | None) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def open_groups(workers: Sequence[Worker]) -> list[int]:
+    """Process groups that still have members. Once a group is empty its id (the rank's pid) may be
+    reused by an unrelated process, so it is never signalled again."""
+    for w in workers:
+        if w.group_open and (w.pid is None or (w.returncode is not None and not group_alive(w.pid))):
+            w.group_open = False
+    return [w.pid for w in workers if w.group_open and w.pid is not None]
+
+
+def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> list[Worker]:
+    """Wait for every rank after SIGKILL, all within KILL_WAIT_S; returns the ranks that ended or
+    were given up on. One that survives (uninterruptible sleep) is marked, named, and left."""
+    from multigpu.supervisor.states import WorkerState
+
+    deadline = time.monotonic() + KILL_WAIT_S
+    done = []
+    for w in workers:
+        if w.popen is None or w.returncode is not None:
+            continue
+        try:
+            w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.unkillable = True
+            w.state = WorkerState.STOPPED
+            w.returncode = None
+            notify(f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
+                   f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
+                   f"leaving it behind")
+        done.append(w)
+    return done
+
+
+def kill_escaped(workers: Sequence[Worker], spared: frozenset[int] = frozenset()) -> None:
+    """As a subreaper, also end descendants that left their worker's process group (setsid); the
+    ``spared`` ones (the node's template, which outlives attempts) and their children are left alone."""
+    import psutil
+
+    pids = {w.pid for w in workers}
+    for child in psutil.Process().children(recursive=True):
+        if child.pid not in pids and child.pid not in spared and not _child_of(child, spared):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+
+def _child_of(process: Any, parents: frozenset[int]) -> bool:
+    import psutil
+
+    try:
+        return bool(parents) and process.ppid() in parents
+    except psutil.Error:
+        return False
+
+
+def reap_adopted(workers: Sequence[Worker]) -> None:
+    """Reap orphans re-parented to this launcher (it is a child subreaper in CLI mode)."""
+    import psutil
+
+    pids = {w.pid for w in workers if w.returncode is None}
+    for child in psutil.Process().children():
+        if child.pid in pids:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(child.pid, os.WNOHANG)

@@ -1,0 +1,213 @@
+"""The supervisor's vocabulary: worker and run states, the spec a rank starts from, a rank's live
+record (``Worker``, the launcher's record of one rank) and an attempt's result.
+
+The bottom of ``supervisor/``: it imports none of the modules that use it, only ``contract``. Runs
+in the launcher and in function mode's caller.
+
+Worker states::
+
+    PENDING -> RUNNING -> SUCCEEDED | FAILED      (the rank's own exit)
+                       -> STOPPED                 (ended by the launcher's teardown)
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from multigpu.contract.beats import BeatDecoder
+from multigpu.contract.errors import WorkerFailure
+
+LOG_TAIL_LINES = 20
+
+
+class WorkerState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class RunStatus(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    HUNG = "hung"
+    INTERRUPTED = "interrupted"
+
+
+class ProcessHandle(Protocol):
+    """The part of ``subprocess.Popen`` the supervisor uses."""
+
+    pid: int
+    returncode: int | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+@dataclass(frozen=True)
+class LineCopy:
+    """torchrun's ``--duplicate-std{out,err}-filters``: a rank's lines of ``stream`` that contain any of
+    ``needles`` also go, after ``header``, to ``path``, one file shared by every rank of the attempt."""
+
+    stream: str
+    path: Path
+    needles: tuple[bytes, ...]
+    header: bytes
+
+    def matching(self, lines: Iterable[bytes]) -> bytes:
+        return b"".join(self.header + line + b"\n" for line in lines
+                        if any(needle in line for needle in self.needles))
+
+
+WINDOW = 100
+"""Step intervals and section times kept per rank (medians, stragglers)."""
+
+
+@dataclass
+class RankProgress:
+    """What one rank has reported in this attempt."""
+
+    rank: int
+    last_progress: float
+    last_output: float
+    beats: bool = False
+    step: int | None = None
+    step_at: float | None = None
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    section: str | None = None
+    section_times: dict[str, deque[float]] = field(default_factory=dict)
+    finished: bool = False
+
+    @property
+    def reports_steps(self) -> bool:
+        return self.step is not None
+
+    def median_interval(self) -> float | None:
+        return statistics.median(self.intervals) if self.intervals else None
+
+    def stats(self, wall_offset: float) -> dict[str, Any]:
+        """Per-rank step times for run.json; times are wall-clock (``wall_offset`` + clock)."""
+        step_at = None if self.step_at is None else self.step_at + wall_offset
+        data: dict[str, Any] = {"step": self.step, "last_step_time": step_at,
+                                "last_progress_time": self.last_progress + wall_offset,
+                                "median_step_s": rounded(self.median_interval()),
+                                "slowest_step_s": rounded(max(self.intervals, default=None))}
+        if self.section_times:
+            data["sections"] = {name: {"median_s": rounded(statistics.median(times)),
+                                       "slowest_s": rounded(max(times)), "count": len(times)}
+                                for name, times in self.section_times.items() if times}
+        return data
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one rank; built by the launcher, never changed by the supervisor."""
+
+    rank: int
+    local_rank: int
+    argv: list[str]
+    env: dict[str, str]
+    device: str = "cpu"
+    node: int = 0
+    log_path: Path | None = None
+    error_file: Path | None = None
+    cwd: str | None = None
+    stream_files: Mapping[str, Path] = field(default_factory=dict)
+    """"stdout"/"stderr" -> a file that gets exactly that stream's bytes (torchrun's --log-dir files)."""
+    console_streams: frozenset[str] = frozenset({"stdout", "stderr"})
+    """The streams shown on the console (torchrun's --redirects without --tee hides one)."""
+    line_copies: tuple[LineCopy, ...] = ()
+    """Matching lines copied to a file the attempt's ranks share (torchrun's --duplicate-*-filters)."""
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    state: WorkerState = WorkerState.PENDING
+    popen: ProcessHandle | None = None
+    pidfd: int | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    returncode: int | None = None
+    last_output: float = 0.0
+    failure: WorkerFailure | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    open_streams: int = 0
+    heartbeat_read_fd: int | None = None
+    capture: list[str] | None = None
+    group_open: bool = True
+    dump: list[str] = field(default_factory=list)
+    progress: RankProgress | None = None
+    """Its steps and sections (``hang.ProgressBook``), for the live view."""
+    decoder: BeatDecoder = field(default_factory=BeatDecoder)
+    recorded: bool = False
+    """It wrote its flight-recorder dump after the last request."""
+    finished: bool = False
+    """The bootstrap said its script returned and everything it left to do at exit is done."""
+    late_death: str | None = None
+    """How a finished rank's process ended badly anyway (torch's exit-time abort), for the report."""
+    unkillable: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.state is WorkerState.RUNNING and self.returncode is None
+
+    def own_record(self) -> WorkerFailure | None:
+        """The error record this very process wrote (never an earlier run's file at the same path)."""
+        path = self.spec.error_file
+        record = WorkerFailure.read(path)
+        if record is None or path is None:
+            return None
+        if record.pid is not None:
+            return record if record.pid == self.pid else None
+        try:  # torch's @record format carries no pid: it must at least be newer than the process
+            fresh = path.stat().st_mtime >= (self.start_time or 0) - 1.0
+        except OSError:
+            return None
+        return record if fresh else None
+
+    def ended_with(self, returncode: int | None, record: WorkerFailure | None = None, *,
+                   with_tail: bool = True) -> WorkerFailure:
+        """This rank's failure from its exit status and its record (``WorkerFailure.from_exit``), with
+        the last lines it wrote unless another thread may be adding to them (``with_tail=False``)."""
+        spec = self.spec
+        return WorkerFailure.from_exit(spec.rank, spec.local_rank, spec.node, self.pid, returncode, record,
+                                       log_path=str(spec.log_path) if spec.log_path else None,
+                                       log_tail=list(self.tail) if with_tail else [])
+
+
+@dataclass
+class RunResult:
+    status: RunStatus
+    failures: list[WorkerFailure] = field(default_factory=list)
+    signal: int | None = None
+
+    @property
+    def root_cause(self) -> WorkerFailure | None:
+        return self.failures[0] if self.failures else None
+
+
+class SupervisorListener(Protocol):
+    def on_worker_change(self, worker: Worker) -> None: ...

@@ -1,0 +1,186 @@
+"""The warm worker template: ``python -m multigpu.template``, one per node, forks every rank.
+
+A fresh rank pays a Python start and an ``import torch`` (1.3-2.2 s of CPU here; on a GPU node eight
+ranks importing at once from a shared file system is a start-up storm), and every restart pays it
+again. The template pays it once: the launcher starts it before the first attempt with the
+environment its ranks share, it imports torch (and ``--preload`` modules) before any CUDA or
+process-group state exists, and then forks each rank on request, for every attempt of the run.
+
+It also hosts the job's c10d store, so the store lives as long as the attempt, not as long as rank 0.
+The store's server runs threads, and a process with threads must not fork, so the store lives in a
+child forked right after the imports, and again for each attempt (``{"op": "store"}``): torch's ranks
+put no per-attempt prefix on their keys (with an agent store it expects a new store per attempt), so
+every attempt gets a fresh store on the same listening socket. Without a template (``--no-template``,
+``--no-python``) the same program, never asked to fork a rank, is the node's store process.
+
+The protocol, on a ``SOCK_SEQPACKET`` socket pair whose other end the launcher holds (the pattern of
+Python's multiprocessing forkserver): the template says ``{"ready": ...}`` once; each request is a
+JSON ``{"argv", "env", "cwd", "fds"}`` carrying descriptors (SCM_RIGHTS) that the rank gets at the
+numbers ``fds`` names; the answer is ``{"pid": N}`` or ``{"error": TEXT}``. The rank is forked twice
+(template -> middle -> rank) and the middle exits at once, so the rank is re-parented to the launcher,
+a child subreaper, which waits for it, signals its group and reads its exit status as for any child.
+The rank itself is made indistinguishable from a fresh one in ``child.py``; the channel is ``wire.py``.
+The template ends when the control socket closes, and with the launcher (parent-death signal),
+taking the store with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from multigpu.template.child import become_rank
+from multigpu.template.wire import receive, send
+
+
+def set_pdeathsig() -> None:
+    from multigpu.rank.guard import set_pdeathsig as arm
+
+    arm(signal.SIGKILL)
+
+
+def warm_up(preload: list[str]) -> None:
+    """The imports every rank would do: torch, and what ``--preload`` names."""
+    from multigpu.rank.bootstrap import quiet_numpy_warning
+
+    quiet_numpy_warning()
+    import torch
+    import torch.distributed  # noqa: F401
+
+    for name in preload:
+        importlib.import_module(name)
+
+
+def start_store(listen_fd: int, host: str, port: int) -> int:
+    """Fork a process that serves a fresh store on the launcher's listening socket; its pid.
+
+    One per attempt: torch's ranks add no per-attempt prefix to their keys (with an agent store it
+    expects a new store per attempt), so the last attempt's keys must not be there for the next.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        set_pdeathsig()  # it goes with the template, which goes with the launcher
+        serve_forever(listen_fd, host, port)
+    finally:
+        os._exit(0)
+
+
+def serve_forever(listen_fd: int, host: str, port: int) -> None:
+    from multigpu.rendezvous.store import serve_store
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    store = serve_store(listen_fd, host, port)
+    while store is not None:
+        signal.pause()
+
+
+def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -> dict[str, Any]:
+    """Fork the rank (twice: it ends up the launcher's child); the answer for the launcher."""
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        return {"error": "the template has threads; forking it would not be safe"}
+    pid_r, pid_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the middle process: fork the rank, say its pid, leave
+        try:
+            os.close(pid_r)
+            rank = os.fork()
+            if rank == 0:
+                os.close(pid_w)
+                become_rank(request, fds, control)  # never returns
+            os.write(pid_w, str(rank).encode())
+        finally:
+            os._exit(0)
+    os.close(pid_w)
+    for fd in fds:
+        os.close(fd)
+    with os.fdopen(pid_r, "rb") as pipe:
+        text = pipe.read()
+    os.waitpid(middle, 0)  # once it is gone, the rank is the launcher's child
+    return {"pid": int(text)} if text else {"error": "the fork failed"}
+
+
+class Store:
+    """The attempt's store process, when the template hosts the job's store."""
+
+    def __init__(self, listen_fd: int | None, host: str, port: int) -> None:
+        self.listen_fd, self.host, self.port = listen_fd, host, port
+        self.pid: int | None = None
+
+    def renew(self) -> dict[str, Any]:
+        end_store(self.pid)
+        self.pid = None
+        if self.listen_fd is not None:
+            self.pid = start_store(self.listen_fd, self.host, self.port)
+        return {"store_pid": self.pid}
+
+
+def serve_requests(control: socket.socket, store: Store) -> None:
+    while True:
+        request, fds = receive(control)
+        if request is None:
+            return
+        try:
+            answer = store.renew() if request.get("op") == "store" else fork_rank(request, fds, control)
+        except OSError as exc:
+            answer = {"error": f"{request.get('op', 'fork')} failed: {exc}"}
+        send(control, answer)
+
+
+def end_store(pid: int | None) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        time.sleep(0.01)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m multigpu.template")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--launcher-pid", type=int, required=True)
+    parser.add_argument("--store-fd", type=int)
+    parser.add_argument("--store-host", default="127.0.0.1")
+    parser.add_argument("--store-port", type=int, default=0)
+    parser.add_argument("--preload", default="")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    set_pdeathsig()
+    if os.getppid() != args.launcher_pid:
+        return  # the launcher is already gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when the template ends
+    control = socket.socket(fileno=args.control_fd)
+    store = Store(args.store_fd, args.store_host, args.store_port)
+    try:
+        try:
+            warm_up([m for m in args.preload.split(",") if m])
+            store.renew()
+        except Exception as exc:  # the launcher falls back to plain processes and says why
+            send(control, {"error": f"{type(exc).__name__}: {exc}"})
+            return
+        send(control, {"ready": True, "pid": os.getpid(), "store_pid": store.pid})
+        serve_requests(control, store)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the launcher closed the channel before we answered: it needs us no more
+    finally:
+        end_store(store.pid)

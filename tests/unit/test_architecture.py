@@ -1,0 +1,196 @@
+"""The package's architecture, checked: imports run one way, and each process's code stays in its room.
+
+The layers, lowest first; a module may import its own subpackage and the layers below it, never one
+above. ``contract`` is the vocabulary every process shares (standard library only); ``rank`` runs
+inside a training process; the launcher's side (``supervisor`` up to ``cli``) sits above both. A circle
+between modules, even through an import inside a function, fails too. The README's map of the folders
+is checked against the tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import multigpu
+
+PACKAGE = Path(multigpu.__file__).parent
+README = PACKAGE.parent.parent / "README.md"
+LAYERS = ("contract", "rank", "config", "cluster", "supervisor", "rendezvous", "template", "launch",
+          "function", "cli")
+"""Lowest first: the order the README's map lists them in."""
+
+IN_A_RANK_OR_THE_TEMPLATE = ("multigpu.rank", "multigpu.template.child", "multigpu.template.server",
+                             "multigpu.template.__main__")
+"""Code that runs inside a training process or the node's template process."""
+IN_THE_LAUNCHER = ("multigpu.supervisor", "multigpu.rendezvous.job", "multigpu.rendezvous.elastic",
+                   "multigpu.rendezvous.fate", "multigpu.rendezvous.latency", "multigpu.launch",
+                   "multigpu.cluster", "multigpu.config", "multigpu.template.client", "multigpu.cli.main",
+                   "multigpu.cli.options", "multigpu.cli.torchrun", "multigpu.cli.layout",
+                   "multigpu.cli.preemption")
+"""Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank
+as well). Shared by both sides, and so in neither list: ``contract``, the store (``rendezvous.store``),
+the template's channel (``template.wire``)."""
+
+Graph = Mapping[str, set[str]]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(source: str, name: str, is_package: bool = False) -> set[str]:
+    """Every ``multigpu`` module ``source`` imports, wherever the import statement stands."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("multigpu"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base.split(".")[0] != "multigpu":
+                continue
+            for alias in node.names:  # ``from multigpu.x import y``: y may be a module itself
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in MODULES else base)
+    found.discard(name)
+    return found
+
+
+GRAPH: dict[str, set[str]] = {
+    name: imports_of(path.read_text(), name, path.name == "__init__.py") for name, path in MODULES.items()}
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return len(LAYERS)  # the facade and the command's entry sit on top
+    if parts[1] == "_version":
+        return -1
+    return LAYERS.index(parts[1])
+
+
+def upward(graph: Graph) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if layer(d) > layer(m) and m != "multigpu")
+
+
+def crossings(graph: Graph, sources: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(sources)
+                  for d in deps if d.startswith(targets))
+
+
+def circle(graph: Graph) -> list[str] | None:
+    """One import circle, as the modules along it, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep):], dep]
+            if dep not in state and (found := visit(dep)) is not None:
+                return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)) is not None:
+            return found
+    return None
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    missing = [m for m in MODULES if len(m.split(".")) > 2 and m.split(".")[1] not in LAYERS]
+    assert not missing, f"subpackages missing from LAYERS: {missing}"
+
+
+def test_no_import_goes_up() -> None:
+    assert not upward(GRAPH), "imports that go up a layer:\n" + "\n".join(upward(GRAPH))
+
+
+def test_no_import_circle() -> None:
+    found = circle(GRAPH)
+    assert found is None, "import circle: " + " -> ".join(found or [])
+
+
+def test_code_of_a_rank_or_the_template_imports_no_launcher_code() -> None:
+    bad = crossings(GRAPH, IN_A_RANK_OR_THE_TEMPLATE, IN_THE_LAUNCHER)
+    assert not bad, "\n".join(bad)
+
+
+def test_launcher_code_imports_no_code_of_a_rank_or_the_template() -> None:
+    bad = crossings(GRAPH, IN_THE_LAUNCHER, IN_A_RANK_OR_THE_TEMPLATE)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contract_uses_the_standard_library_only() -> None:
+    allowed = set(sys.stdlib_module_names) | {"multigpu"}
+    for name, path in MODULES.items():
+        if not name.startswith("multigpu.contract"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad = [r for r in roots if r.split(".")[0] not in allowed]
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_the_checks_find_what_they_look_for() -> None:
+    """The checks above can fail: planted violations in a small graph are each found."""
+    planted = imports_of("from multigpu.cli.main import main\nimport multigpu.launch.attempts\n",
+                         "multigpu.contract.planted")
+    assert planted == {"multigpu.cli.main", "multigpu.launch.attempts"}
+    graph = {"multigpu.contract.planted": planted, "multigpu.cli.main": set(),
+             "multigpu.launch.attempts": {"multigpu.launch.attempt"},
+             "multigpu.launch.attempt": {"multigpu.launch.attempts"},
+             "multigpu.rank.bootstrap": {"multigpu.supervisor.loop"}}
+    assert upward(graph) == ["multigpu.contract.planted -> multigpu.cli.main",
+                             "multigpu.contract.planted -> multigpu.launch.attempts",
+                             "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
+    assert circle(graph) == ["multigpu.launch.attempts", "multigpu.launch.attempt",
+                             "multigpu.launch.attempts"]
+    assert crossings(graph, IN_A_RANK_OR_THE_TEMPLATE, IN_THE_LAUNCHER) == [
+        "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
+
+
+def _readme_map() -> dict[str, str]:
+    text = README.read_text()
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w/.]+)` \| (.+) \|$", section, re.M)}
+
+
+def test_the_readme_map_names_every_folder_and_only_real_modules() -> None:
+    rows = _readme_map()
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    named = sorted(key.rstrip("/") for key in rows if key.endswith("/"))
+    assert named == folders, f"the README's map lists {named}; the package has {folders}"
+    in_order = [k.rstrip("/") for k in rows if k.endswith("/")]
+    assert in_order == list(LAYERS), "the map lists the layers lowest first"
+    for key, text in rows.items():
+        named_here = set(re.findall(r"`([\w]+)`", text))
+        for module in named_here:
+            if not (PACKAGE / key / f"{module}.py").exists():
+                raise AssertionError(f"the README's map names {key}{module}, which does not exist")
+        modules = {p.stem for p in (PACKAGE / key).glob("*.py")} - {"__init__", "__main__"}
+        assert modules <= named_here, f"the README's map leaves out {key}{sorted(modules - named_here)}"
+
+
+def test_every_subpackage_says_where_it_runs() -> None:
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc) > 80 and re.search(r"\bruns? (in|inside)\b", doc, re.I), \
+            f"{init.parent.name}/__init__.py says in a paragraph which process it runs in"

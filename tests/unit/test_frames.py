@@ -1,0 +1,53 @@
+"""Which frames are multigpu's own: one rule, by module, for the bootstrap, function mode and restarts."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import multigpu.launch.restarts
+from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.frames import library_file, module_of_file, own_file, own_frame, own_module
+from multigpu.launch.restarts import signature
+from multigpu.rank.bootstrap import user_frames
+
+
+def test_own_modules_are_the_package() -> None:
+    assert own_module("multigpu") and own_module("multigpu.supervisor.loop")
+    assert own_module("multigpu.cli.demo")
+    assert not own_module("multigpugadget") and not own_module("__main__") and not own_module(None)
+
+
+def test_a_file_is_named_by_its_module() -> None:
+    assert module_of_file(multigpu.launch.restarts.__file__) == "multigpu.launch.restarts"
+    assert module_of_file(os.path.join(os.path.dirname(multigpu.__file__), "__init__.py")) == "multigpu"
+    assert module_of_file(__file__) is None
+    assert own_file(multigpu.launch.restarts.__file__) and not own_file(__file__)
+    assert library_file(os.__file__) and library_file("<frozen runpy>") and not library_file(__file__)
+
+
+def test_frames_are_ours_by_the_module_they_run_in() -> None:
+    frame = sys._getframe()
+    assert not own_frame(frame)
+    namespace: dict[str, object] = {"__name__": "multigpu.launch.attempt"}
+    exec("import sys\nf = sys._getframe()", namespace)
+    assert own_frame(namespace["f"])  # type: ignore[arg-type]
+
+
+def test_the_bootstrap_and_the_restart_policy_skip_the_same_frames() -> None:
+    def user() -> None:
+        raise ValueError("boom")
+
+    namespace: dict[str, object] = {"__name__": "multigpu.rank.bootstrap", "user": user}
+    try:
+        exec("def start():\n    user()\nstart()", namespace)
+    except ValueError as exc:
+        tb = exc.__traceback__
+        assert tb is not None
+        kept = user_frames(tb.tb_next)  # from the exec'd "bootstrap" frame on
+        assert kept is not None and kept.tb_frame.f_code.co_name == "user"
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    failure = WorkerFailure(rank=0, local_rank=0, pid=1, error_type="ValueError", traceback=text)
+    found = signature(failure)
+    assert found is not None and found.where.startswith(__file__ + ":")
