@@ -69,7 +69,18 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "load_average_at_start": os.getloadavg()}
+            "load_average_at_start": os.getloadavg(), "commit": _commit()}
+
+
+def _commit() -> str:
+    """The commit measured, with ``+dirty`` when the tree had uncommitted changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
+
+    dirty = "+dirty" if git("status", "--porcelain") else ""
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
 
 
 def multigpu_version() -> str:
@@ -126,7 +137,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = ["# multigpu vs torchrun", "",
              f"Machine: {m['nproc']} cores ({m['usable_cpus']} usable), {m['memory_gib']} GiB, "
              f"{m['platform']}; Python {m['python']}, torch {m['torch']}, multigpu "
-             f"{results.get('multigpu', '?')}; {m['date']}; load average at start "
+             f"{results.get('multigpu', '?')} at commit {m.get('commit', '?')}; {m['date']}; "
+             "load average at start "
              f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.",
              "", f"Mode: {results['mode']}, {results['runs']} run(s) per figure, launchers alternated run by "
              "run. Cells are median [min-max] over the runs; 'never' counts runs that hit the bound. "
