@@ -298,6 +298,66 @@ def test_launcher_sigkill_takes_everything_down(tmp_path: Path, launched: list[s
     assert proc.returncode == -signal.SIGKILL
 
 
+# ---- descendants that left the rank's process group ------------------------------------------------------
+
+ESCAPEES = """
+def escape(kind):
+    \"\"\"A descendant that is not in the rank's process group, its pid in esc_<kind> before it sleeps.\"\"\"
+    if kind == "setsid":  # a child in a session of its own (start_new_session)
+        child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        pathlib.Path("esc_setsid").write_text(str(child.pid))
+        return
+    middle = os.fork()
+    if middle:
+        os.waitpid(middle, 0)
+        return
+    if kind == "daemon":  # fork, setsid, fork: the classic daemon
+        os.setsid()
+    if os.fork():
+        os._exit(0)  # the grandchild is orphaned
+    pathlib.Path(f"esc_{kind}.tmp").write_text(str(os.getpid()))
+    os.rename(f"esc_{kind}.tmp", f"esc_{kind}")
+    os.execvp("sleep", ["sleep", "60"])
+
+if RANK == 1:
+    pathlib.Path("rank_pgid").write_text(str(os.getpgrp()))
+    for kind in KINDS:
+        escape(kind)
+"""
+KINDS = ("setsid", "double_fork", "daemon")
+
+
+def escapee_pids(tmp_path: Path) -> list[int]:
+    """The three escapees' PIDs, once each is running; the setsid child and the daemon are checked to
+    have left the rank's process group (a signal to the group cannot reach them)."""
+    wait_files(tmp_path, [f"esc_{kind}" for kind in KINDS])
+    pids = dict(zip(KINDS, (int((tmp_path / f"esc_{kind}").read_text()) for kind in KINDS), strict=True))
+    rank_group = int((tmp_path / "rank_pgid").read_text())
+    assert {kind: os.getpgid(pid) != rank_group for kind, pid in pids.items()} == {
+        "setsid": True, "double_fork": False, "daemon": True}
+    return list(pids.values())
+
+
+@pytest.mark.parametrize("end", ["launcher-sigkill", "normal-end", "failure"])
+def test_descendants_that_left_the_group_go_with_the_run(
+        tmp_path: Path, launched: list[subprocess.Popen[str]], end: str) -> None:
+    """setsid, a double fork and a daemon started by rank 1 are gone after any end of the run: the rank
+    is a child subreaper, so they stay in its tree for the guard (launcher SIGKILL) and the launcher."""
+    tail = {"launcher-sigkill": "ready()\ntime.sleep(60)\n", "normal-end": "",
+            "failure": "if RANK == 1:\n    raise ValueError('after the escape')\n"}[end]
+    job = script(tmp_path, f"KINDS = {KINDS!r}\n" + ESCAPEES + tail)
+    out = tmp_path / "out"
+    proc = start_cli(run_args(out, str(job)), cwd=tmp_path)
+    launched.append(proc)
+    pids = escapee_pids(tmp_path)
+    if end == "launcher-sigkill":
+        wait_files(tmp_path, ["ready_0", "ready_1"])
+        os.kill(proc.pid, signal.SIGKILL)
+    code, _, err = finish(proc)
+    assert code == {"launcher-sigkill": -signal.SIGKILL, "normal-end": 0, "failure": 1}[end], err
+    assert_gone(pids + rank_pids(out), timeout=5.0)
+
+
 # After a Ctrl-C the launcher dies of SIGINT itself (so a shell loop stops); other stop signals exit
 # 128 + N, SIGQUIT included (handled like SIGTERM, as torchrun does). SIGHUP is forwarded (below).
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 143),

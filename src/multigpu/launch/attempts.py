@@ -16,6 +16,7 @@ from multigpu.config.run import RunConfig
 from multigpu.contract.errors import LEARNED_FROM_SILENCE
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
+from multigpu.contract.prctl import set_child_subreaper
 from multigpu.launch.attempt import exit_code, run_attempt
 from multigpu.launch.meeting import LOOPBACK, Rendezvous, meet_again, node_spawner, rendezvous
 from multigpu.launch.preemption import PreemptWatch, finish_preempted
@@ -29,7 +30,7 @@ from multigpu.rendezvous.fate import serve_until_all_done
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket
 from multigpu.supervisor.console import ConsoleWriter, say
-from multigpu.supervisor.signals import end_with_signal, set_child_subreaper
+from multigpu.supervisor.signals import end_with_signal
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
 

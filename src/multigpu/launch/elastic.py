@@ -14,6 +14,7 @@ from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
 from multigpu.contract.errors import MEMBERSHIP_CHANGE, STORE_LOST, RendezvousError
+from multigpu.contract.prctl import set_child_subreaper
 from multigpu.launch.attempt import exit_code, run_attempt
 from multigpu.launch.record import RunRecord
 from multigpu.launch.report import format_report
@@ -29,7 +30,6 @@ from multigpu.rendezvous.elastic import (
 )
 from multigpu.rendezvous.fate import serve_until_all_done
 from multigpu.supervisor.console import say
-from multigpu.supervisor.signals import set_child_subreaper
 from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import RunResult, RunStatus
 from multigpu.template.client import spawner_for

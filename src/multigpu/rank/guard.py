@@ -1,8 +1,10 @@
-"""The rank's fate tied to its launcher's: when the launcher dies, the rank's whole process group goes.
+"""The rank's fate tied to its launcher's: when the launcher dies, the rank and everything it started go.
 
 Runs in the rank, started by the bootstrap before any user code. A pidfd wakes a thread the moment
 the launcher exits; a sentinel process watches too, for a rank that is stopped or holds the GIL; and
-across ``exec`` the kernel's parent-death signal takes over.
+across ``exec`` the kernel's parent-death signal takes over. The rank is a child subreaper, so a
+descendant that left its process group and lost its parent (``setsid``, a double fork, a daemon) is
+still in the rank's tree when the launcher dies, and is ended with the rest.
 """
 
 from __future__ import annotations
@@ -15,10 +17,35 @@ import threading
 import time
 from typing import Any
 
+from multigpu.contract.prctl import set_child_subreaper, set_pdeathsig
+
+
+def end_tree(root: int) -> None:
+    """SIGKILL every descendant of ``root``, those that left its process group included.
+
+    Each is stopped (SIGSTOP) as it is found, so none can fork while the tree is walked again, and
+    killed once a walk finds nothing new. ``root`` itself and its group are the caller's to end.
+    """
+    import psutil
+
+    found: dict[int, Any] = {}
+    with contextlib.suppress(psutil.Error):
+        top = psutil.Process(root)
+        while new := [p for p in top.children(recursive=True) if p.pid not in found]:
+            for process in new:
+                with contextlib.suppress(psutil.Error):
+                    process.suspend()
+                found[process.pid] = process
+    for process in found.values():
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
 
 def end_own_group() -> None:
-    """SIGKILL this worker's process group: the worker and everything it started."""
+    """SIGKILL everything this worker started (its tree and its process group), then the worker."""
     try:
+        with contextlib.suppress(Exception):
+            end_tree(os.getpid())
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(137)
@@ -44,7 +71,10 @@ def guard_parent(expected_parent: int | None) -> None:
 
     The thread cannot run in a rank that is stopped (SIGSTOP) or holds the GIL in a long C call, so a
     sentinel process (``start_sentinel``) watches too: it needs neither the rank's GIL nor its
-    scheduling, and ends the same group.
+    scheduling, and ends the same tree.
+
+    Once the sentinel is started (so that it is the launcher's to reap, not the rank's), the rank
+    becomes a child subreaper: what its descendants orphan stays in its tree for the guard to find.
     """
     global _guarded
     if expected_parent is None or _guarded:
@@ -59,6 +89,7 @@ def guard_parent(expected_parent: int | None) -> None:
         end_own_group()
     if pidfd is not None:
         start_sentinel(pidfd)
+    set_child_subreaper()
     threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
                      daemon=True).start()
 
@@ -66,18 +97,16 @@ def guard_parent(expected_parent: int | None) -> None:
 _guarded = False
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def start_sentinel(launcher_pidfd: int) -> None:
-    """Fork (twice, so the rank never has to reap it) a process that SIGKILLs the rank's group when
-    the launcher dies, and leaves quietly when the rank ends. Done before any thread or user code.
+    """Fork (twice, so the rank never has to reap it) a process that SIGKILLs the rank's tree and group
+    when the launcher dies, and leaves quietly when the rank ends. Done before any thread or user code.
 
     It keeps only the two pidfds (no copy of the rank's pipes, so it never holds the launcher's
     output open) and runs nothing but select and kill.
     """
+    rank = os.getpid()
     try:
-        rank_pidfd = os.pidfd_open(os.getpid())
+        rank_pidfd = os.pidfd_open(rank)
         middle = os.fork()
     except OSError:
         return
@@ -99,19 +128,15 @@ def start_sentinel(launcher_pidfd: int) -> None:
                     os.close(fd)
         ready, _, _ = select.select([launcher_pidfd, rank_pidfd], [], [])
         if launcher_pidfd in ready and rank_pidfd not in ready:
+            with contextlib.suppress(Exception):
+                os.kill(rank, signal.SIGSTOP)  # the rank forks no more while its tree is ended
+                end_tree(rank)
             with contextlib.suppress(OSError):
                 os.killpg(os.getpgrp(), signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(rank, signal.SIGKILL)
     finally:
         os._exit(0)
-
-
-def set_pdeathsig(sig: int) -> bool:
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 PLAIN_EXECVE = os.execve
@@ -121,9 +146,18 @@ Taken when this module is imported, which the bootstrap does before it arms anyt
 
 
 def arm_pdeathsig_on_exec(expected_parent: int) -> None:
-    """Wrap ``os.execv``/``os.execve`` so a worker that replaces itself keeps a parent-death signal."""
+    """Wrap ``os.execv``/``os.execve`` so a worker that replaces itself keeps a parent-death signal.
+
+    Only the rank's own process is armed: a child it forked (``os.fork`` then ``os.execvp``, as a
+    daemonising helper does) has the rank, not the launcher, for parent, and execs untouched; the
+    rank's tree is ended by the guard.
+    """
+    rank = os.getpid()
+
     def wrap(exec_function: Any) -> Any:
         def arming_exec(*args: Any) -> Any:
+            if os.getpid() != rank:
+                return exec_function(*args)
             set_pdeathsig(signal.SIGKILL)
             if os.getppid() != expected_parent:  # the launcher died just now: do not start the program
                 end_own_group()

@@ -11,9 +11,10 @@ import shutil
 import signal
 import sys
 
+from multigpu.contract.prctl import set_pdeathsig
 from multigpu.contract.signals import CAUGHT, DUMP_SIGNAL
 from multigpu.rank.exiting import flush_open_files
-from multigpu.rank.guard import PLAIN_EXECVE, set_pdeathsig
+from multigpu.rank.guard import PLAIN_EXECVE
 
 
 def run_program(program: str, args: list[str]) -> None:

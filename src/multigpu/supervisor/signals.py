@@ -40,18 +40,6 @@ def capture_signals(record: Callable[[int], None],
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-def set_child_subreaper() -> bool:
-    """Adopt orphaned descendants (Linux), so the launcher can reap every grandchild it ends."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_CHILD_SUBREAPER = 36
-        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
-
-
 def end_with_signal(sig: int) -> None:
     """Die of ``sig`` with its default action (everything is torn down and flushed by now)."""
     for stream in (sys.stdout, sys.stderr):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.environment import omp_threads, usable_cpu_count
-from multigpu.supervisor.signals import set_child_subreaper
+from multigpu.contract.prctl import set_child_subreaper
 from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
 from multigpu.template.wire import receive, send

@@ -37,14 +37,9 @@ import threading
 import time
 from typing import Any
 
+from multigpu.contract.prctl import set_pdeathsig
 from multigpu.template.child import become_rank
 from multigpu.template.wire import receive, send
-
-
-def set_pdeathsig() -> None:
-    from multigpu.rank.guard import set_pdeathsig as arm
-
-    arm(signal.SIGKILL)
 
 
 def warm_up(preload: list[str]) -> None:
