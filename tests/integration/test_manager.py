@@ -58,19 +58,64 @@ TRAIN = COMMON + """
             for _ in range(1200):
                 time.sleep(0.05)
 
+    if os.environ.get("RANK") == "2" and MODE == "die-before-join":  # a child, importing this script
+        raise ValueError("boom from rank 2 before joining")
+    if os.environ.get("RANK") == "2" and MODE == "die-in-init":
+        # Rank 2 dies inside init_process_group, right after gloo published its address in the store
+        # and before it connected: the caller may be waiting in gloo for rank 2's connection.
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        class DyingStore(dist.Store):
+            def __init__(self, prefix, store):
+                super().__init__()
+                self.inner = c10d_prefix_store(prefix, store)
+            def set(self, key, value):
+                self.inner.set(key, value)
+                with open(os.path.join(os.environ["TEST_DIR"], "died_at"), "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), 9)
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+            def get(self, key):
+                return self.inner.get(key)
+            def add(self, key, value):
+                return self.inner.add(key, value)
+            def wait(self, *args):
+                return self.inner.wait(*args)
+            def check(self, keys):
+                return self.inner.check(keys)
+            def multi_get(self, keys):
+                return self.inner.multi_get(keys)
+            def multi_set(self, keys, values):
+                return self.inner.multi_set(keys, values)
+
+        c10d_prefix_store = c10d.PrefixStore
+        c10d.PrefixStore = DyingStore
+
+    def report_caught(exc, phase):
+        caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
+                  "traceback": exc.traceback, "text": str(exc), "phase": phase, "at": time.time()}
+        print("CAUGHT " + json.dumps(caught) + "\\n", end="", flush=True)
+
     if __name__ == "__main__":
-        manager = MultiGPUManager(train, "0,1,2", device="cpu")
+        timeout = float(os.environ.get("TEST_TIMEOUT", "0")) or None
+        manager = MultiGPUManager(train, "0,1,2", device="cpu", timeout=timeout)
         assert manager.is_available()
         hpo = {"learning_rate": 0.01, "data.batch_size": 8} if MODE == "ok" else None
         try:
             out = manager.setup_multi_gpu_train(OUT, hpo)
+        except WorkerFailedError as exc:  # a child failed while this process was still joining
+            report_caught(exc, "setup")
+            manager.finalize()  # a no-op after a failed setup
+            print("FINALIZE AFTER FAILED SETUP RETURNED", flush=True)
+            sys.exit(3)
+        try:
             print(f"OUTPUT {out}", flush=True)
             train()
             manager.finalize()
         except WorkerFailedError as exc:
-            caught = {"rank": exc.rank, "exit_code": exc.exit_code, "signal": exc.signal,
-                      "traceback": exc.traceback, "text": str(exc)}
-            print("CAUGHT " + json.dumps(caught) + "\\n", end="", flush=True)
+            report_caught(exc, "train")
             try:
                 manager.finalize()  # the first call still reports the failure ...
             except WorkerFailedError as again:
@@ -82,10 +127,11 @@ TRAIN = COMMON + """
 """
 
 
-def _start(tmp_path: Path, mode: str, argv: list[str]) -> tuple[subprocess.Popen[bytes], Path]:
+def _start(tmp_path: Path, mode: str, argv: list[str], **extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     script = write_script(tmp_path, "otx_train.py", TRAIN)
     log = tmp_path / "parent.out"
-    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_MODE": mode, "TEST_DIR": str(tmp_path)})
+    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_MODE": mode, "TEST_DIR": str(tmp_path),
+                     **extra})
     with open(log, "wb") as f:
         proc = subprocess.Popen([PYTHON, str(script), *argv], cwd=tmp_path, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -183,7 +229,34 @@ def test_failing_child_raises_typed_error_in_parent(tmp_path: Path) -> None:
     assert "ValueError: boom from rank 2" in caught["traceback"]
     assert "otx_train.py" in caught["traceback"] and "Traceback" in caught["traceback"]
     assert "rank 2" in caught["text"]
-    assert "FINALIZE RAISED rank=2" in text
+    # Rank 2 may fail before the caller is out of setup (then setup raises and finalize() is a no-op),
+    # or after (then train's wait raises, and finalize() reports the failure once more).
+    if caught["phase"] == "setup":
+        assert "FINALIZE AFTER FAILED SETUP RETURNED" in text and "FINALIZE RAISED" not in text
+    else:
+        assert "FINALIZE RAISED rank=2" in text
+
+
+@pytest.mark.parametrize("mode", ["die-before-join", "die-in-init"])
+def test_a_child_that_dies_while_joining_fails_setup_within_seconds(tmp_path: Path, mode: str) -> None:
+    """Rank 2 dies before it joins, or inside init_process_group once gloo has published its address:
+    the caller's setup raises rank 2's failure within seconds, not after the group's timeout (600 s
+    here; gloo waits 5x that for a peer that never connects)."""
+    proc, log = _start(tmp_path, mode, [], TEST_TIMEOUT="600")
+    code, seen = _watch(proc, 60)
+    text = log.read_text()
+    assert_gone({proc.pid} | seen)
+    assert code == 3, text
+    caught = json.loads(re.search(r"^CAUGHT (\{.*\})$", text, re.M).group(1))  # type: ignore[union-attr]
+    assert caught["rank"] == 2 and caught["phase"] == "setup", text
+    if mode == "die-before-join":
+        assert "ValueError: boom from rank 2 before joining" in caught["traceback"]
+    else:
+        assert caught["signal"] == "SIGKILL"
+        took = caught["at"] - float((tmp_path / "died_at").read_text())
+        print(f"setup raised {took:.2f}s after rank 2 died inside init_process_group")
+        assert took < 30, "bounded by the caller's connect timeout, far below 5 x 600 s"
+    assert "FINALIZE AFTER FAILED SETUP RETURNED" in text
 
 
 def test_parent_sigkilled_children_gone(tmp_path: Path) -> None:

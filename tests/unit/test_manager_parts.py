@@ -225,3 +225,38 @@ def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code
         delivery.raise_pending()
     assert caught.value is error
     delivery.raise_pending()  # delivered: not again
+
+
+class CountingStore:
+    """A store whose counter other ranks bump as it is read: ``others`` more ranks per read."""
+
+    def __init__(self, others: int = 0) -> None:
+        self.count, self.others = 0, others
+
+    def add(self, key: str, value: int) -> int:
+        assert key == "multigpu/joined/run"
+        self.count += value + (self.others if value == 0 else 0)
+        return self.count
+
+
+def test_every_rank_counted_in_ends_the_wait() -> None:
+    from multigpu.function.joining import wait_for_every_rank
+
+    store = CountingStore(others=1)
+    wait_for_every_rank(store, "multigpu/joined/run", 3, timeout=5, failed=lambda: None)
+    assert store.count == 3
+
+
+def test_a_child_failure_ends_the_wait_with_that_error() -> None:
+    from multigpu.function.joining import wait_for_every_rank
+
+    boom = RuntimeError("rank 2 died")
+    with pytest.raises(RuntimeError, match="rank 2 died"):
+        wait_for_every_rank(CountingStore(), "multigpu/joined/run", 3, timeout=5, failed=lambda: boom)
+
+
+def test_ranks_that_never_come_time_out() -> None:
+    from multigpu.function.joining import wait_for_every_rank
+
+    with pytest.raises(TimeoutError, match=r"only 1 of 3 ranks joined within 0\.05s"):
+        wait_for_every_rank(CountingStore(), "multigpu/joined/run", 3, timeout=0.05, failed=lambda: None)

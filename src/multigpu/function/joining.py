@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +22,35 @@ from multigpu.contract.environment import CONTRACT_KEYS, JobContext, RankPlaceme
 from multigpu.contract.names import DEVICE_ENV, OUTPUT_DIR_ENV, RUN_ID_ENV
 from multigpu.function.argv import remove_option, set_arguments_to_argv
 from multigpu.function.prepare import GROUP_SOCKETS, TIMEOUT_ENV
-from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
+from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S, connect_store
+
+CONNECT_TIMEOUT_S = 2.0
+"""The caller's gloo connect phase, once every rank has counted itself in (``wait_for_every_rank``).
+
+gloo waits for a peer that published its address and then died for 5x the group's timeout, in C++,
+where no signal or socket cut can reach it (its listener has no per-peer socket yet). So the caller
+creates its group with this timeout, bounding that wait to about 10 s, then restores the full one.
+Legitimately, the phase takes milliseconds: every peer is past the count and creating its group."""
+POLL_S = 0.02
+
+
+def wait_for_every_rank(store: Any, key: str, world_size: int, timeout: float,
+                        failed: Callable[[], BaseException | None]) -> None:
+    """Count this rank in under ``key`` and wait, in Python, until all ``world_size`` ranks are.
+
+    The wait ends with ``failed()``'s error as soon as it returns one (a child died before joining),
+    and with ``TimeoutError`` after ``timeout`` seconds, as ``init_process_group`` would have.
+    """
+    deadline = time.monotonic() + timeout
+    count = int(store.add(key, 1))
+    while count < world_size:
+        error = failed()
+        if error is not None:
+            raise error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {count} of {world_size} ranks joined within {timeout:g}s")
+        time.sleep(POLL_S)
+        count = int(store.add(key, 0))
 
 
 def become_rank_environ(run_id: str, out: Path, device: str, timeout: float) -> dict[str, str | None]:
@@ -42,10 +71,15 @@ def restore_environ(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int) -> bool:
+def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int,
+               failed: Callable[[], BaseException | None] | None = None) -> bool:
     """Set this process's rank environment, pick its device, and init the default process group.
 
-    Returns True when it created the group (False when one already existed).
+    Every rank first counts itself in through the store (``wait_for_every_rank``). The caller (it
+    passes ``failed``, which names a child's failure) then creates a gloo group with a short connect
+    timeout (``CONNECT_TIMEOUT_S``), so a child that dies inside its own ``init_process_group`` cannot
+    keep the caller there for the whole process-group timeout. Returns True when it created the group
+    (False when one already existed).
     """
     endpoint = parse_endpoint(rdzv_endpoint)
     import torch
@@ -62,9 +96,17 @@ def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int
     if dist.is_initialized():
         return False
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    bounded = failed is not None and device != "cuda"
     try:
         with GROUP_SOCKETS.recording(store_port=endpoint.port):
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout)
+            store = connect_store(endpoint.bind_host, endpoint.port, timeout.total_seconds())
+            wait_for_every_rank(store, f"multigpu/joined/{job.run_id}", world_size, timeout.total_seconds(),
+                                failed or (lambda: None))
+            dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=CONNECT_TIMEOUT_S) if bounded else timeout)
+        if bounded:  # the connect phase is over: collectives and the store get the full timeout again
+            dist.distributed_c10d._set_pg_timeout(timeout)
+            dist.distributed_c10d._get_default_store().set_timeout(timeout)
     except BaseException:
         if not dist.is_initialized():
             # A failed init leaves torch's group counter advanced, so a later group in this process

@@ -181,7 +181,8 @@ class MultiGPUManager:
         self._children.start(specs, undo)
         atexit.register(self._close_at_exit)
         undo.callback(atexit.unregister, self._close_at_exit)
-        group = self.initialize_multigpu_train(endpoint, self._base_rank, 0, self._gpu_ids, self._world_size)
+        group = join_group(endpoint, self._base_rank, 0, self._gpu_ids, self._world_size,
+                           failed=lambda: self._delivery.error)
         if group:
             undo.callback(_destroy_group)
             undo.callback(self._children.stop)  # runs first: no group teardown while children run
