@@ -47,7 +47,7 @@ SBATCH = DOCS / "examples" / "multigpu.sbatch"
 BIN = Path(sys.executable).parent
 COMMAND_TIMEOUT = 90.0
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 _FENCE = re.compile(r"^```bash(?P<kind>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
 _EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import assert_gone, free_port, pids_in, start_cli, wait_for_lines, write_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180)]
 
 REPORT = """
     import os, sys, time, torch, torch.distributed as dist

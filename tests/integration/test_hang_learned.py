@@ -13,7 +13,7 @@ import pytest
 
 from helpers import assert_gone, run_cli, write_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(90)]
 
 JOB = """
 import os, time

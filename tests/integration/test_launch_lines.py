@@ -24,7 +24,7 @@ import pytest
 
 from helpers import assert_gone, clean_env, free_port, write_script
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ALLREDUCE = """
     import os, torch, torch.distributed as dist

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_gone, pids_in, run_cli, start_cli, wait_for_lines
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
 def test_exit_code_and_output_of_the_program(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, pids_in, write_script
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 OTX_TRAIN = """
     import argparse, json, os, sys

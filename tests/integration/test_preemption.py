@@ -20,7 +20,7 @@ import pytest
 from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(150)]
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",

@@ -26,7 +26,7 @@ import pytest
 
 from helpers import MULTIGPU, alive, assert_gone, clean_env, pids_in, write_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
 
 RUN_TIMEOUT = 60.0
 

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import assert_gone, pids_in, run_cli, start_cli, wait_gone, write_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
 
 # What a rank can see of itself at the first line of its script, before it imports anything.
 REPORT = """

@@ -94,6 +94,10 @@ class MultiGPUManager:
         try:
             with contextlib.ExitStack() as undo:
                 self._start(prepared, undo)
+                # A child that failed while setup ran could not be raised inside multigpu's own code;
+                # raise it now, before setup counts as done: it is all or nothing, so the children
+                # are stopped and everything is undone, and finalize() after it is a no-op.
+                self._delivery.raise_pending()
                 self._undo = undo.pop_all()
         except BaseException as exc:
             sys.argv[:] = prepared.argv_before
@@ -102,9 +106,6 @@ class MultiGPUManager:
                 raise error from exc
             raise
         self._state = "running"
-        # A child that failed while setup still ran could not be raised inside it; say so now, at the
-        # first point where control is back in the caller's code, rather than only from finalize().
-        self._delivery.raise_pending()
         return str(prepared.output_dir)
 
     def finalize(self, timeout: float | None = None) -> None:
