@@ -534,3 +534,16 @@ def test_a_long_line_without_newline_reaches_the_sink(make: Callable[..., Superv
     assert sum(len(line) for line in seen) == 200000
     assert all(line for line in seen), "no empty lines invented at the cut"
     assert_gone(pids)
+
+
+def test_a_failure_that_only_saw_a_peer_die_is_not_the_root_cause() -> None:
+    """Rank 0's collective failed because rank 1 died (the OOM killer): rank 1 is the root cause even
+    when rank 0's exit was reaped first; a peer-closed error alone stays the root cause."""
+    cut_off = WorkerFailure(rank=0, local_rank=0, pid=10, exit_code=1, error_type="RuntimeError",
+                            message="[pair.cc:553] Connection closed by peer [127.0.0.1]:15502. GLHF!")
+    killed = WorkerFailure(rank=1, local_rank=1, pid=11, signal="SIGKILL")
+    assert RunResult(RunStatus.FAILED, [cut_off, killed]).root_cause is killed
+    assert RunResult(RunStatus.FAILED, [killed, cut_off]).root_cause is killed
+    assert RunResult(RunStatus.FAILED, [cut_off]).root_cause is cut_off
+    raised = WorkerFailure(rank=2, local_rank=2, pid=12, exit_code=1, error_type="ValueError", message="x")
+    assert RunResult(RunStatus.FAILED, [raised, killed]).root_cause is raised

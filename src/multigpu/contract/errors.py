@@ -24,6 +24,9 @@ NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANG
 """No exception was raised, even when a stack dump is attached."""
 LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST})
 """Known from a peer's or the store's silence: nothing to publish, nothing to ask the store."""
+PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
+"""What a collective's error says when the rank only saw a peer die (gloo's words): such a failure is
+the consequence of another rank's, never preferred to it as the root cause."""
 
 
 class MultiGPUError(Exception):
@@ -54,6 +57,11 @@ class WorkerFailure:
     time: float | None = None
     log_tail: list[str] = field(default_factory=list)
     log_path: str | None = None
+
+    @property
+    def saw_a_peer_die(self) -> bool:
+        """This rank failed only because a peer's connection closed under its collective."""
+        return any(marker in (self.message or "") for marker in PEER_LOST_MARKERS)
 
     @property
     def launcher_exit_code(self) -> int:

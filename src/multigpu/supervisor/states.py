@@ -206,7 +206,12 @@ class RunResult:
 
     @property
     def root_cause(self) -> WorkerFailure | None:
-        return self.failures[0] if self.failures else None
+        """The first failure seen, unless it only reports a peer's death and a later one is that peer's
+        own (a rank SIGKILLed by the OOM killer is often reaped just after a peer that it cut off)."""
+        first = next(iter(self.failures), None)
+        if first is not None and first.saw_a_peer_die:
+            return next((f for f in self.failures if f.rank >= 0 and not f.saw_a_peer_die), first)
+        return first
 
 
 class SupervisorListener(Protocol):
