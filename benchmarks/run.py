@@ -49,7 +49,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runs", type=int,
                    help=f"runs per figure (default {FULL_RUNS}, {QUICK_RUNS} with --quick)")
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BY_NAME)}")
-    p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
+    p.add_argument("--out", type=Path, help="output directory (default: benchmarks/results, the committed "
+                   "results; with --quick a scratch folder, so a smoke test never replaces them)")
     p.add_argument("--keep-scratch", action="store_true",
                    help="keep the jobs' scratch directories (debugging)")
     args = p.parse_args(argv)
@@ -59,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
     if args.runs is not None and args.runs < 1:
         p.error("--runs must be at least 1")
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="multigpu-bench-quick-")) if args.quick else HERE / "results"
     return args
 
 
@@ -160,11 +163,21 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     write_json(out / "results.json", results)
     (out / "RESULTS.md").write_text(markdown(results))
     try:
+        import matplotlib  # noqa: F401  (only the plot needs it)
+    except ImportError:
+        if not _said["no_plot"]:
+            log("no plot: it needs matplotlib (.venv/bin/pip install -e '.[bench]'); the numbers are written")
+            _said["no_plot"] = True
+        return
+    try:
         from plot import plot
 
         plot(results, out / "launch_time.png")
     except Exception as exc:  # the numbers matter more than the picture
         log(f"plot failed: {type(exc).__name__}: {exc}")
+
+
+_said = {"no_plot": False}
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:

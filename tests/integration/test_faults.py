@@ -566,6 +566,7 @@ def _listening() -> set[tuple[str, int]]:
             if c.status == psutil.CONN_LISTEN}
 
 
+@pytest.mark.slow  # ten runs in a row; each kind of end is also checked by PID in the tests above
 def test_consecutive_runs_leave_nothing_behind(tmp_path: Path) -> None:
     job = script(tmp_path, "keep = grandchild()\nkeep.kill()\nkeep.wait()\n")
     shm_before = set(os.listdir("/dev/shm"))
