@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,19 @@ import psutil
 import pytest
 
 from helpers import alive
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start every test's processes with the signal dispositions a user's terminal gives them.
+
+    A suite started in the background by a script (``cmd &`` without job control) inherits SIGINT and
+    SIGQUIT ignored, and under ``nohup`` SIGHUP too; every process a test starts would inherit that,
+    and a shell cannot even trap a signal ignored at its start. Tests that need a signal ignored
+    (``nohup`` semantics) set it themselves. Runs in pytest's process and in each xdist worker.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _descendants() -> set[int]:
