@@ -131,10 +131,10 @@ def start_sentinel(launcher_pidfd: int) -> None:
             with contextlib.suppress(Exception):
                 os.kill(rank, signal.SIGSTOP)  # the rank forks no more while its tree is ended
                 end_tree(rank)
-            with contextlib.suppress(OSError):
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # before the group: a rank that left it is still ended
                 os.kill(rank, signal.SIGKILL)
+            with contextlib.suppress(OSError):  # this sentinel is in the group too: the last act
+                os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:
         os._exit(0)
 
