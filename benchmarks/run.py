@@ -94,7 +94,7 @@ def multigpu_version() -> str:
 
 def run_one(mod: ModuleType, ctx: Ctx) -> dict[str, Any]:
     log(f"{mod.TITLE}: starting (about {mod.estimate(ctx) / 60:.1f} min)")
-    started = time.time()
+    started, load = time.time(), list(os.getloadavg())
     try:
         result: dict[str, Any] = mod.run(ctx)
     except Exception as exc:
@@ -103,6 +103,8 @@ def run_one(mod: ModuleType, ctx: Ctx) -> dict[str, Any]:
     finally:
         killed = REGISTRY.cleanup()
     result["elapsed_s"] = round(time.time() - started, 1)
+    result["measured"] = {"commit": _commit(), "load_average_at_start": load,
+                          "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
     result["stragglers_killed_by_harness"] = killed
     log(f"{mod.NAME}: done in {result['elapsed_s']:.0f} s")
     return result
@@ -155,7 +157,10 @@ def markdown(results: dict[str, Any]) -> str:
         if "error" in res:
             lines += [f"This benchmark failed: `{res['error']}` (traceback in results.json).", ""]
             continue
-        lines += [*mod.markdown(res), "", f"_{res['elapsed_s']:.0f} s_", ""]
+        stamp = res.get("measured", {})
+        again = (f"; re-measured alone at commit {stamp['commit']}, {stamp['date']}"
+                 if stamp.get("commit") not in (None, m.get("commit")) else "")
+        lines += [*mod.markdown(res), "", f"_{res['elapsed_s']:.0f} s{again}_", ""]
     return "\n".join(lines)
 
 
@@ -196,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{len(mods)} benchmark(s), {runs} run(s) each: estimated {estimate:.1f} min on a quiet "
         f"2-core machine; scratch {scratch}")
     results = load_previous(args.out / "results.json") if args.only else {}
-    results.update(machine=machine(), multigpu=multigpu_version(), runs=runs,
-                   mode="quick" if args.quick else "full", python_executable=sys.executable)
+    if "machine" not in results:  # a partial run keeps the full run's header; each section has its stamp
+        results.update(machine=machine(), multigpu=multigpu_version(), runs=runs,
+                       mode="quick" if args.quick else "full", python_executable=sys.executable)
     started = time.time()
     try:
         for mod in mods:
