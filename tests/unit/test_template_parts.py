@@ -143,3 +143,39 @@ def test_template_options(tmp_path: Path) -> None:
     assert not config.supervision.template
     with pytest.raises(UsageError, match="--preload takes module names"):
         parse_run_args(["--preload", "not-a-module", str(job)], {})
+
+
+FORK = """
+import json, os, socket, sys
+from multigpu.contract.prctl import set_child_subreaper
+from multigpu.template import server
+
+def as_rank(request, fds, control, middle):
+    # stands in for become_rank: the real wait for re-parenting, then what the rank was told
+    server_child.wait_for_launcher(middle)
+    with open("rank.json", "w") as out:
+        json.dump({"middle": middle, "ppid": os.getppid(), "pid": os.getpid()}, out)
+    os._exit(0)
+
+from multigpu.template import child as server_child
+server.become_rank = as_rank
+set_child_subreaper()  # as the launcher is: the rank is re-parented here
+ctl, other = socket.socketpair()
+answer = server.fork_rank({}, [], ctl)
+os.waitpid(answer["pid"], 0)
+print(json.dumps({"launcher": os.getpid(), **answer}))
+"""
+
+
+def test_a_forked_rank_is_told_its_middle_process_by_the_middle_itself(tmp_path: Path) -> None:
+    """Read by the rank, the middle's pid was the launcher's whenever the middle exited first, and
+    the rank then waited 5 s for a re-parenting that had already happened."""
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK)], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    launcher = json.loads(res.stdout)
+    rank = json.loads((tmp_path / "rank.json").read_text())
+    assert rank["pid"] == launcher["pid"]
+    assert rank["middle"] not in (launcher["launcher"], rank["pid"])
+    assert rank["ppid"] == launcher["launcher"]  # re-parented before the bootstrap runs
+    assert "did not exit" not in res.stderr

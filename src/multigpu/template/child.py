@@ -34,11 +34,15 @@ TEMPLATE_OMP = os.environ.get("OMP_NUM_THREADS")
 """The template's own value, read at its start: torch sized its thread pool defaults from it."""
 
 
-def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -> NoReturn:
-    """Turn this fresh fork into the rank ``request`` describes and run it; never returns."""
+def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket, middle: int) -> NoReturn:
+    """Turn this fresh fork of ``middle`` into the rank ``request`` describes and run it; never returns.
+
+    ``middle`` comes from the middle process itself: read here with ``getppid()`` it would already be
+    the launcher's pid whenever the middle exited first, and the rank would wait for a re-parenting
+    that had already happened (the 5 s stall some starts showed).
+    """
     code = 1
     try:
-        middle = os.getppid()
         os.setsid()
         place_descriptors(fds, list(request["fds"]), control.detach())
         reset_signals()
@@ -129,7 +133,11 @@ def wait_for_launcher(middle: int) -> None:
     """Wait until the middle process is gone and this one is the launcher's child, so the
     bootstrap's watchdog finds the parent it expects (or, if the launcher died, ends the rank)."""
     deadline = time.monotonic() + REPARENT_WAIT_S
-    while os.getppid() == middle and time.monotonic() < deadline:
+    while os.getppid() == middle:
+        if time.monotonic() >= deadline:
+            print(f"multigpu: the rank's middle process {middle} did not exit within {REPARENT_WAIT_S:g} s;"
+                  " starting anyway", file=sys.stderr, flush=True)
+            return
         time.sleep(0.0005)
 
 

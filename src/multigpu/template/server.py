@@ -88,10 +88,11 @@ def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -
     if middle == 0:  # the middle process: fork the rank, say its pid, leave
         try:
             os.close(pid_r)
+            me = os.getpid()
             rank = os.fork()
             if rank == 0:
                 os.close(pid_w)
-                become_rank(request, fds, control)  # never returns
+                become_rank(request, fds, control, me)  # never returns
             os.write(pid_w, str(rank).encode())
         finally:
             os._exit(0)
