@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -200,3 +202,32 @@ print(f"pid={os.getpid()} omp={os.environ['OMP_NUM_THREADS']} threads={torch.get
     assert res.stdout.count("omp=1 threads=1") == 2
     assert_gone(pids_in(res.stdout))
 
+
+
+CLOSE = """
+import json, os, sys
+from multigpu.contract.prctl import set_child_subreaper
+from multigpu.config.endpoint import Endpoint
+from multigpu.rendezvous.store import bind_store_socket
+from multigpu.template.client import StoreSocket, TemplateProcess
+set_child_subreaper()  # as a launcher is
+sock = bind_store_socket(Endpoint("127.0.0.1", 0))
+host, port = sock.getsockname()[:2]
+template = TemplateProcess(dict(os.environ), StoreSocket(sock.fileno(), host, port), ())
+assert template.wait_ready() is None
+pids = [template.process.pid, template.store_pid]
+template.close()
+print(json.dumps({"pids": pids, "left": [p for p in pids if os.path.exists(f"/proc/{p}")]}))
+"""
+
+
+def test_closing_the_template_ends_and_reaps_it_and_its_store(tmp_path: Path) -> None:
+    """The template and its store hold nothing a user needs once the ranks are gone: close() ends
+    both at once and reaps both (no zombie left for the launcher's own exit to leave behind)."""
+    res = subprocess.run([sys.executable, "-c", CLOSE], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout)
+    assert len(seen["pids"]) == 2 and all(seen["pids"])
+    assert seen["left"] == []
+    assert_gone(seen["pids"])
