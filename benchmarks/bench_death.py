@@ -1,5 +1,6 @@
 """2. From a rank's death to the launcher's exit with every worker gone: exit(3), raise, SIGKILL, and
-raise with a DataLoader-style grandchild still holding the rank's stdout and stderr."""
+raise with a DataLoader-style grandchild still holding the rank's stdout and stderr; multigpu with its
+warm template and with ``--no-template`` (plain ranks and a separate store process), beside torchrun."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    LAUNCHERS,
     MULTIGPU,
     TORCHRUN,
     Ctx,
@@ -21,14 +21,17 @@ from common import (
     summarize,
     wait_until,
 )
-from report import cell, metric_table, ratio_text, target
+from report import cell, ratio_text, table, target
 
 NAME = "death"
 TITLE = "2. Rank death to launcher exit, every worker reaped"
 MODES = ("exit", "raise", "kill", "grandchild")
 DYING_RANK = 1
 GONE_BOUND_S = 15.0
-PER_JOB_S = {2: 4.3, 4: 6.7}  # launch + teardown, averaged over both launchers
+PER_JOB_S = {2: 3.0, 4: 4.0}  # launch + teardown, averaged over the variants
+NO_TEMPLATE = "multigpu --no-template"
+VARIANTS = (MULTIGPU, NO_TEMPLATE, TORCHRUN)
+MULTIGPU_VARIANTS = (MULTIGPU, NO_TEMPLATE)
 
 
 def counts(ctx: Ctx) -> tuple[int, ...]:
@@ -36,12 +39,14 @@ def counts(ctx: Ctx) -> tuple[int, ...]:
 
 
 def estimate(ctx: Ctx) -> float:
-    return ctx.runs * len(MODES) * len(LAUNCHERS) * sum(PER_JOB_S[n] for n in counts(ctx))
+    return ctx.runs * len(MODES) * len(VARIANTS) * sum(PER_JOB_S[n] for n in counts(ctx))
 
 
-def one(ctx: Ctx, launcher: str, mode: str, nproc: int) -> dict[str, Any]:
+def one(ctx: Ctx, variant: str, mode: str, nproc: int) -> dict[str, Any]:
+    launcher = TORCHRUN if variant == TORCHRUN else MULTIGPU
+    flags = ["--no-template"] if variant == NO_TEMPLATE else []
     job = start_launcher(ctx.root, f"{NAME}-{mode}{nproc}", launcher, nproc, "die.py",
-                         [mode, str(DYING_RANK)])
+                         [mode, str(DYING_RANK)], extra=lambda _dir: flags)
     try:
         code = job.wait(90)
         procs = [p for p in job.procs() if p.kind != "grandchild"]
@@ -76,17 +81,18 @@ def dying_rank_exit(bench_dir: Path, death: float | None) -> float | None:
 
 def run(ctx: Ctx) -> dict[str, Any]:
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {
-        f"{m}/{n}": {k: [] for k in LAUNCHERS} for m in MODES for n in counts(ctx)}
+        f"{m}/{n}": {k: [] for k in VARIANTS} for m in MODES for n in counts(ctx)}
     for i in range(ctx.runs):
         for n in counts(ctx):
             for m in MODES:
-                for launcher in alternate(i):
-                    raw[f"{m}/{n}"][launcher].append(one(ctx, launcher, m, n))
+                for variant in alternate(i, VARIANTS):
+                    raw[f"{m}/{n}"][variant].append(one(ctx, variant, m, n))
     summary = {}
     for case, by in raw.items():
         secs = {k: [r["seconds"] for r in v] for k, v in by.items()}
         summary[case] = {**{k: summarize(v) for k, v in secs.items()},
-                         "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN]))}
+                         "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
+                         "ratio_no_template": ratio(median(secs[NO_TEMPLATE]), median(secs[TORCHRUN]))}
     return {"raw": raw, "summary": summary}
 
 
@@ -95,16 +101,23 @@ def _seconds(res: dict[str, Any], case: str) -> dict[str, list[float | None]]:
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
-    rows = [{"label": f"{case.split('/')[0]}, {case.split('/')[1]} workers", "unit": "s",
-             "samples": _seconds(res, case), "ratio": res["summary"][case]["ratio"]} for case in res["raw"]]
-    lines = metric_table(rows, never="no number")
+    rows = []
+    for case in res["raw"]:
+        secs, summary = _seconds(res, case), res["summary"][case]
+        rows.append([f"{case.split('/')[0]}, {case.split('/')[1]} workers",
+                     *(cell(secs.get(v, []), "s", never="no number") for v in VARIANTS),
+                     ratio_text(summary["ratio"]), ratio_text(summary.get("ratio_no_template"))])
+    header = ["case", "multigpu", "multigpu --no-template", "torchrun", "ratio", "ratio (--no-template)"]
+    lines = table(header, rows)
     errors = [f"{case} {k}" for case, by in res["raw"].items() for k, v in by.items()
               for r in v if "error" in r]
     if errors:
         lines += ["", "Runs that failed before the planned death (output in results.json): "
                   f"{', '.join(errors)}."]
-    left = {k: sum(r["left_at_launcher_exit"] for v in res["raw"].values() for r in v[k]) for k in LAUNCHERS}
-    codes = {k: sorted({str(r["exit_code"]) for v in res["raw"].values() for r in v[k]}) for k in LAUNCHERS}
+    left = {k: sum(r["left_at_launcher_exit"] for v in res["raw"].values() for r in v.get(k, []))
+            for k in VARIANTS}
+    codes = {k: sorted({str(r["exit_code"]) for v in res["raw"].values() for r in v.get(k, [])})
+             for k in VARIANTS}
     own = [r["dying_rank_exit_s"] for v in res["raw"].values() for r in v[MULTIGPU]
            if r.get("dying_rank_exit_s") is not None]
     by_mode = {m: cell([r.get("dying_rank_exit_s") for c, v in res["raw"].items() if c.startswith(m)
@@ -114,18 +127,19 @@ def markdown(res: dict[str, Any]) -> list[str]:
                   "(run.json), before the launcher could see the exit: "
                   + "; ".join(f"{m} {c}" for m, c in by_mode.items()) + "."]
     orphans = {k: sum(r.get("grandchildren_left", 0) for c, v in res["raw"].items()
-                      if c.startswith("grandchild") for r in v[k]) for k in LAUNCHERS}
+                      if c.startswith("grandchild") for r in v.get(k, [])) for k in VARIANTS}
     lines += ["", "The grandchild case times the ranks (the launcher's exit and every rank gone); the "
-              f"DataLoader-style grandchildren still alive after that (all runs): multigpu "
-              f"{orphans[MULTIGPU]}, torchrun {orphans[TORCHRUN]}."]
-    lines += ["", f"Workers still alive when the launcher exited (all runs): multigpu {left[MULTIGPU]}, "
-              f"torchrun {left[TORCHRUN]}. Launcher exit codes: multigpu {', '.join(codes[MULTIGPU])}; "
-              f"torchrun {', '.join(codes[TORCHRUN])}."]
+              "DataLoader-style grandchildren still alive after that (all runs): "
+              + ", ".join(f"{k} {orphans[k]}" for k in VARIANTS) + "."]
+    lines += ["", "Workers still alive when the launcher exited (all runs): "
+              + ", ".join(f"{k} {left[k]}" for k in VARIANTS) + ". Launcher exit codes: "
+              + "; ".join(f"{k} {', '.join(codes[k])}" for k in VARIANTS) + "."]
     return lines
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    ratios = {case: s["ratio"] for case, s in res["summary"].items()}
+    ratios = {f"{case}{'' if key == 'ratio' else ' --no-template'}": s.get(key)
+              for case, s in res["summary"].items() for key in ("ratio", "ratio_no_template")}
     met = all(r is not None and r <= 0.3 for r in ratios.values())
     worst = max(ratios, key=lambda c: ratios[c] if ratios[c] is not None else float("inf"))
     return [target("rank death to exit", "<= 0.3x torchrun's time, every case", met,

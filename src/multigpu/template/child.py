@@ -12,7 +12,8 @@ at-fork hook), and a new multiprocessing auth key. The template had one thread, 
 inherited runs. The parent watchdog is the bootstrap's own, pointed at the launcher, once the
 kernel has re-parented this process there (the middle process exits right after forking it).
 
-Known difference: the string hash seed (``PYTHONHASHSEED``) is the template's, fixed at interpreter
+Known differences: the objects the template made before forking are frozen out of the garbage
+collector (``gc.freeze``: ``gc.get_freeze_count()`` is not 0), and the string hash seed (``PYTHONHASHSEED``) is the template's, fixed at interpreter
 start; every rank of a node shares it, as ranks under ``PYTHONHASHSEED=0`` do.
 """
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import os
 import signal
@@ -43,7 +44,10 @@ from multigpu.template.wire import receive, send
 
 
 def warm_up(preload: list[str]) -> None:
-    """The imports every rank would do: torch, and what ``--preload`` names."""
+    """The imports every rank would do: torch, and what ``--preload`` names; then every object so far
+    is frozen out of the garbage collector (``gc.freeze``, as pre-fork servers do), so a rank's
+    collections and its exit-time scan for unflushed files walk only what the rank made itself,
+    instead of touching, and so copying, every page of the template's heap."""
     from multigpu.rank.bootstrap import quiet_numpy_warning
 
     quiet_numpy_warning()
@@ -52,6 +56,7 @@ def warm_up(preload: list[str]) -> None:
 
     for name in preload:
         importlib.import_module(name)
+    gc.freeze()  # see the function's docstring
 
 
 def start_store(listen_fd: int, host: str, port: int) -> int:
