@@ -98,6 +98,7 @@ class JobStore:
         world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
         if world != str(self.world_size):
             self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
+        self._refuse_alone_if_formed(me)
         # A member before claiming ranks: once every rank is claimed, every node is a member (the
         # watcher reads the members once), and its beat counter exists (a read never waits for it).
         self.with_own_client()
@@ -173,6 +174,15 @@ class JobStore:
                                       "check that every node started with the same --rdzv-endpoint and "
                                       "--world-size")
             time.sleep(poll_s)
+
+    def _refuse_alone_if_formed(self, me: str) -> None:
+        """A launcher that comes to a job already formed (the same node started twice, after the others
+        met) is refused on its own: a healthy running job must not be aborted by a latecomer."""
+        if not self.store.check([self.key("rank", r) for r in range(self.world_size)]):
+            return
+        owner = self.store.get(self.key("rank", self.base_rank)).decode()
+        raise RendezvousError(f"inconsistent layout: rank {self.base_rank} is claimed by both {owner} and "
+                              f"{me}; the job already formed without this launcher and goes on")
 
     def _refuse(self, reason: str) -> None:
         """An inconsistent layout fails the whole job, so every node reports the same clear error."""
