@@ -81,11 +81,35 @@ def launch(root: Path, variant: str, nproc: int, script: str, args: list[str], e
     return job, finish(job)
 
 
+PHASES = {
+    "helper_s": "launch to the template (or store process) created: the launcher's own start",
+    "first_rank_s": "launch to the first rank's process created",
+    "ranks_created_s": "first rank created to the last",
+    "bootstrap_s": "a rank's process created to its script's first line (the slowest rank)",
+    "init_s": "the last script start to the last rank past init_process_group",
+}
+
+
 def start_times(job: Job, code: int | None, nproc: int) -> dict[str, float | None]:
     joined = read_marks(job.bench_dir, "joined0")
     ok = code == 0 and len(joined) == nproc and job.exited is not None
     return {"joined_s": max(joined.values()) - job.started if ok else None,
-            "exit_s": job.exited - job.started if ok and job.exited else None}
+            "exit_s": job.exited - job.started if ok and job.exited else None,
+            **(phases(job, nproc) if ok else dict.fromkeys(PHASES))}
+
+
+def phases(job: Job, nproc: int) -> dict[str, float | None]:
+    """Where a start went, from the marks ``joined.py`` writes (``_bench.mark_start_phases``)."""
+    created, script = read_marks(job.bench_dir, "created"), read_marks(job.bench_dir, "script")
+    joined, helper = read_marks(job.bench_dir, "joined0"), read_marks(job.bench_dir, "helper").get(0)
+    if not len(created) == len(script) == len(joined) == nproc:
+        return dict.fromkeys(PHASES)
+    first = min(created.values())
+    return {"helper_s": None if helper is None else helper - job.started,
+            "first_rank_s": first - job.started,
+            "ranks_created_s": max(created.values()) - first,
+            "bootstrap_s": max(script[r] - created[r] for r in script),
+            "init_s": max(joined.values()) - max(script.values())}
 
 
 def bare(root: Path) -> tuple[Job, int | None]:
@@ -180,10 +204,18 @@ def markdown(res: dict[str, Any]) -> str:
         cells = [f"{span([x['joined_s'] for x in by[v]])} / {span([x['exit_s'] for x in by[v]])}"
                  for v in VARIANTS]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Where each start went (median of the runs, seconds; process creation times are "
+              "the kernel's, "
+              "to 10 ms):", "", "| ranks | variant | " + " | ".join(PHASES.values()) + " |",
+              "|---" * (len(PHASES) + 2) + "|"]
+    for n, by in res["start"]["samples"].items():
+        for v in VARIANTS:
+            lines.append(f"| {n} | {v} | " + " | ".join(fmt(median([x.get(k) for x in by[v]]))
+                                                      for k in PHASES) + " |")
     b = res["start"]["bare"]
     lines += ["", f"{BARE} (python joined.py, env:// by hand): joined {span([x['joined_s'] for x in b])}, "
               f"exit {span([x['exit_s'] for x in b])}", "",
-              "4 ranks over one bare rank (target 1.3x), to joined: " + ", ".join(
+              "4 ranks over one bare rank (target 1.25x), to joined: " + ", ".join(
                   f"{v} {fmt(r)}x" for v, r in s["four_ranks_over_bare_joined"].items())
               + "; to exit: " + ", ".join(f"{v} {fmt(r)}x"
                                           for v, r in s["four_ranks_over_bare_exit"].items()),

@@ -6,6 +6,7 @@ for one of its own) under ``$BENCH_DIR/pids``, and writes markers the harness po
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -41,6 +42,45 @@ def record_pid(pid: int | None = None, kind: str = "worker") -> None:
 def mark(name: str, value: float | None = None) -> None:
     """A marker file holding a wall-clock time (default: now)."""
     write_atomic(bench_dir() / "marks" / f"{name}.{rank()}", repr(time.time() if value is None else value))
+
+
+def created_at(pid: int) -> float:
+    """Wall-clock time the kernel created ``pid`` (its start time, to the clock tick: 10 ms)."""
+    ticks = int(start_time_of(pid))
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def launcher_helpers(launcher: int) -> list[int]:
+    """The launcher's children that run ``multigpu.template`` (the warm template or the store process)."""
+    found = []
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        with open(f"/proc/{launcher}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        if b"multigpu.template" in c.read():
+                            found.append(pid)
+                except OSError:
+                    continue
+    return found
+
+
+def mark_start_phases() -> None:
+    """At a script's first line: when its process was created and when the script began; on rank 0
+    also when its launcher (the parent) and the launcher's template or store process were created.
+    The start benchmark splits a job's start into phases with these."""
+    mark("script")
+    mark("created", created_at(os.getpid()))
+    if rank() != 0:
+        return
+    launcher = os.getppid()
+    with contextlib.suppress(OSError, ValueError):
+        mark("launcher", created_at(launcher))
+        helpers = launcher_helpers(launcher)
+        if helpers:
+            mark("helper", min(created_at(pid) for pid in helpers))
 
 
 def init_gloo() -> Any:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-from _bench import init_gloo, mark, record_pid
+from _bench import init_gloo, mark, mark_start_phases, record_pid
 
+mark_start_phases()
 record_pid()
 dist = init_gloo()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

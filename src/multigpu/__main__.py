@@ -1,5 +1,5 @@
 import sys
 
-from multigpu.cli.main import main
+from multigpu.cli.entry import main
 
 sys.exit(main())

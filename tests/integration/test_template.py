@@ -209,11 +209,12 @@ import json, os, sys
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.config.endpoint import Endpoint
 from multigpu.rendezvous.store import bind_store_socket
-from multigpu.template.client import StoreSocket, TemplateProcess
+from multigpu.template.process import StoreSocket, TemplateProcess
 set_child_subreaper()  # as a launcher is
 sock = bind_store_socket(Endpoint("127.0.0.1", 0))
 host, port = sock.getsockname()[:2]
-template = TemplateProcess(dict(os.environ), StoreSocket(sock.fileno(), host, port), ())
+template = TemplateProcess(dict(os.environ))
+template.configure(StoreSocket(sock.fileno(), host, port), ())
 assert template.wait_ready() is None
 pids = [template.process.pid, template.store_pid]
 template.close()

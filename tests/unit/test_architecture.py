@@ -28,7 +28,8 @@ IN_A_RANK_OR_THE_TEMPLATE = ("multigpu.rank", "multigpu.template.child", "multig
 """Code that runs inside a training process or the node's template process."""
 IN_THE_LAUNCHER = ("multigpu.supervisor", "multigpu.rendezvous.job", "multigpu.rendezvous.elastic",
                    "multigpu.rendezvous.fate", "multigpu.rendezvous.latency", "multigpu.launch",
-                   "multigpu.cluster", "multigpu.config", "multigpu.template.client", "multigpu.cli.main",
+                   "multigpu.cluster", "multigpu.config", "multigpu.template.client",
+                   "multigpu.template.process", "multigpu.cli.entry", "multigpu.cli.main",
                    "multigpu.cli.options", "multigpu.cli.torchrun", "multigpu.cli.layout",
                    "multigpu.cli.preemption")
 """Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank

@@ -17,7 +17,8 @@ from multigpu.config.run import RunConfig, new_run_id
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
 from multigpu.supervisor.console import say
-from multigpu.template.client import NodeSpawner, StoreSocket, spawner_for
+from multigpu.template.client import NodeSpawner, spawner_for
+from multigpu.template.process import StoreSocket
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 

@@ -13,8 +13,9 @@ inherited runs. The parent watchdog is the bootstrap's own, pointed at the launc
 kernel has re-parented this process there (the middle process exits right after forking it).
 
 Known differences: the objects the template made before forking are frozen out of the garbage
-collector (``gc.freeze``: ``gc.get_freeze_count()`` is not 0), and the string hash seed (``PYTHONHASHSEED``) is the template's, fixed at interpreter
-start; every rank of a node shares it, as ranks under ``PYTHONHASHSEED=0`` do.
+collector (``gc.freeze``: ``gc.get_freeze_count()`` is not 0), and the string hash seed
+(``PYTHONHASHSEED``) is the template's, fixed at interpreter start; every rank of a node shares it,
+as ranks under ``PYTHONHASHSEED=0`` do.
 """
 
 from __future__ import annotations

@@ -11,116 +11,19 @@ long as the attempt, not as long as rank 0, and the launcher imports no torch.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import select
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.environment import omp_threads, usable_cpu_count
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
-from multigpu.template.wire import receive, send
+from multigpu.template.process import StoreSocket, TemplateProcess, take_early
 
-READY_TIMEOUT_S = 600.0
-"""A first ``import torch`` from a cold shared file system can take minutes; a dead template is seen
-at once (its end of the socket closes), so this only bounds a template that hangs."""
 FORKABLE_MODES = ("script", "module")
-
-
-@dataclass(frozen=True)
-class StoreSocket:
-    """The job's listening socket (bound by the launcher) and the address the ranks reach it at."""
-
-    fd: int
-    host: str
-    port: int
-
-
-class TemplateProcess:
-    """One ``python -m multigpu.template`` and the launcher's end of its control socket."""
-
-    def __init__(self, env: dict[str, str], store: StoreSocket | None, preload: Sequence[str],
-                 python: str = sys.executable) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
-                "--launcher-pid", str(os.getpid()), "--preload", ",".join(preload)]
-        fds = [theirs.fileno()]
-        if store is not None:
-            argv += ["--store-fd", str(store.fd), "--store-host", store.host, "--store-port", str(store.port)]
-            fds.append(store.fd)
-        try:
-            self.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, start_new_session=True, pass_fds=fds)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.control = ours
-        self.store_pid: int | None = None
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str | None:
-        """None once the template is ready; otherwise why it is not."""
-        ready, _, _ = select.select([self.control], [], [], timeout)
-        if not ready:
-            return f"not ready after {timeout:g}s"
-        try:
-            message, fds = receive(self.control)
-        except (OSError, ValueError) as exc:
-            return f"no answer ({exc})"
-        for fd in fds:
-            os.close(fd)
-        if message is None:
-            return f"it exited with code {self.process.wait()}"
-        if not message.get("ready"):
-            return str(message.get("error", "it said no"))
-        self.store_pid = message.get("store_pid")
-        return None
-
-    def fork(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int], targets: list[int]) -> int:
-        """Have the template fork a rank with ``fds`` at the numbers ``targets``; the rank's pid."""
-        send(self.control, {"argv": argv, "env": env, "cwd": cwd, "fds": targets}, fds)
-        answer, extra = receive(self.control)
-        for fd in extra:
-            os.close(fd)
-        if answer is None or "pid" not in answer:
-            raise OSError((answer or {}).get("error", "the template is gone"))
-        return int(answer["pid"])
-
-    def renew_store(self) -> None:
-        """A fresh store for the next attempt, on the same socket (the last one's keys are gone)."""
-        send(self.control, {"op": "store"})
-        answer, extra = receive(self.control)
-        for fd in extra:
-            os.close(fd)
-        if answer is None or "error" in answer:
-            raise OSError((answer or {}).get("error", "the template is gone"))
-        self.store_pid = answer.get("store_pid")
-
-    def pids(self) -> frozenset[int]:
-        return frozenset(p for p in (self.process.pid, self.store_pid) if p is not None)
-
-    def close(self) -> None:
-        """End it and its store at once (SIGKILL to its group), and reap both.
-
-        Called once the ranks are gone and the record is written: the template and its store hold
-        nothing a user needs then, and a graceful exit would cost the interpreter teardown of a
-        process with torch loaded (0.3-0.7 s) on every run's way out, failures included."""
-        self.control.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # the template, its store, any middle process
-        self.process.wait()
-        if self.store_pid is not None:  # re-parented to this launcher (a subreaper) when the template died
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.store_pid, 0)
 
 
 def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
@@ -168,9 +71,16 @@ class NodeSpawner:
         """Start the template (or, without one, the store process) with ``env``; no waiting."""
         self._started, self._env = time.monotonic(), env
         if self._use_template:
-            self._template = TemplateProcess(env, self._store, self._preload, self._python)
+            self._template = self._host(env, self._preload)
         elif self._store is not None:
-            self._store_process = TemplateProcess(env, self._store, (), self._python)
+            self._store_process = self._host(env, ())
+
+    def _host(self, env: dict[str, str], preload: Sequence[str]) -> TemplateProcess:
+        """The template the ``multigpu`` command started first thing, if it has this environment;
+        else a new one. Configured with this node's store socket and ``preload``."""
+        host = take_early(env, self._python) or TemplateProcess(env, self._python)
+        host.configure(self._store, preload)
+        return host
 
     def prepare(self, specs: Sequence[WorkerSpec]) -> None:
         """Before each attempt's ranks: the first time, wait for what ``start`` started (starting it
@@ -199,7 +109,7 @@ class NodeSpawner:
             took = time.monotonic() - (self._started or 0.0)
             self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
             if self._store is not None:
-                self._store_process = TemplateProcess(self._env, self._store, (), self._python)
+                self._store_process = self._host(self._env, ())
         self._notify(f"ranks start as plain processes ({self._why_not})")
         if self._store_process is not None:
             why = self._store_process.wait_ready()
@@ -218,7 +128,7 @@ class NodeSpawner:
             host.close()
             self._template = None
             self._notify(f"the worker template is gone ({exc}); ranks start as plain processes from here on")
-            self._store_process = TemplateProcess(shared_env(specs), self._store, (), self._python)
+            self._store_process = self._host(shared_env(specs), ())
             why = self._store_process.wait_ready()
             if why is not None:
                 raise OSError(f"the job's store process failed to start: {why}") from None

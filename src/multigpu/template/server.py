@@ -6,6 +6,10 @@ again. The template pays it once: the launcher starts it before the first attemp
 environment its ranks share, it imports torch (and ``--preload`` modules) before any CUDA or
 process-group state exists, and then forks each rank on request, for every attempt of the run.
 
+The launcher may start it before it has parsed its own command line (``process.start_early``), so
+what depends on that command line comes in its first message, read after the ``import torch``:
+the store's listening socket and the ``--preload`` modules (``configure``).
+
 It also hosts the job's c10d store, so the store lives as long as the attempt, not as long as rank 0.
 The store's server runs threads, and a process with threads must not fork, so the store lives in a
 child forked right after the imports, and again for each attempt (``{"op": "store"}``): torch's ranks
@@ -43,20 +47,34 @@ from multigpu.template.child import become_rank
 from multigpu.template.wire import receive, send
 
 
-def warm_up(preload: list[str]) -> None:
-    """The imports every rank would do: torch, and what ``--preload`` names; then every object so far
-    is frozen out of the garbage collector (``gc.freeze``, as pre-fork servers do), so a rank's
-    collections and its exit-time scan for unflushed files walk only what the rank made itself,
-    instead of touching, and so copying, every page of the template's heap."""
+def warm_up() -> None:
+    """The imports every rank does: torch. Done before the launcher's first message is read, so the
+    import overlaps the launcher's own start (it may have started this process before parsing its
+    command line)."""
     from multigpu.rank.bootstrap import quiet_numpy_warning
 
     quiet_numpy_warning()
     import torch
     import torch.distributed  # noqa: F401
 
-    for name in preload:
+
+def configure(control: socket.socket) -> Store | None:
+    """Read the launcher's first message: import what ``--preload`` names, freeze the heap, and serve
+    the store if this node hosts it. None if the launcher closed the channel instead.
+
+    Every object so far is frozen out of the garbage collector (``gc.freeze``, as pre-fork servers do),
+    so a rank's collections and its exit-time scan for unflushed files walk only what the rank made
+    itself, instead of touching, and so copying, every page of the template's heap."""
+    message, fds = receive(control)
+    if message is None:
+        return None
+    for name in message.get("preload") or ():
         importlib.import_module(name)
-    gc.freeze()  # see the function's docstring
+    gc.freeze()
+    store = Store(fds[0] if fds else None, message.get("store_host") or "127.0.0.1",
+                  int(message.get("store_port") or 0))
+    store.renew()
+    return store
 
 
 def start_store(listen_fd: int, host: str, port: int) -> int:
@@ -157,10 +175,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m multigpu.template")
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--launcher-pid", type=int, required=True)
-    parser.add_argument("--store-fd", type=int)
-    parser.add_argument("--store-host", default="127.0.0.1")
-    parser.add_argument("--store-port", type=int, default=0)
-    parser.add_argument("--preload", default="")
     return parser.parse_args(argv)
 
 
@@ -171,11 +185,13 @@ def main(argv: list[str] | None = None) -> None:
         return  # the launcher is already gone
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when the template ends
     control = socket.socket(fileno=args.control_fd)
-    store = Store(args.store_fd, args.store_host, args.store_port)
+    store: Store | None = None
     try:
         try:
-            warm_up([m for m in args.preload.split(",") if m])
-            store.renew()
+            warm_up()
+            store = configure(control)
+            if store is None:
+                return  # the launcher needed no template after all
         except Exception as exc:  # the launcher falls back to plain processes and says why
             send(control, {"error": f"{type(exc).__name__}: {exc}"})
             return
@@ -184,4 +200,5 @@ def main(argv: list[str] | None = None) -> None:
     except (BrokenPipeError, ConnectionResetError):
         pass  # the launcher closed the channel before we answered: it needs us no more
     finally:
-        end_store(store.pid)
+        if store is not None:
+            end_store(store.pid)

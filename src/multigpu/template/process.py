@@ -1,0 +1,181 @@
+"""The template process as the launcher holds it: started, configured, asked for ranks, ended.
+
+Runs in the launcher. Kept light (standard library and the channel only) because the ``multigpu``
+command starts the template here before it imports anything else (``start_early``): the template's
+``import torch`` (about a second) then overlaps the launcher's own start (imports, parsing, binding the
+store socket, meeting its peers) instead of following it. What the launcher only knows once it has
+parsed its command line (the store's socket, ``--preload``) reaches the template in its first message
+(``configure``), which it reads after its ``import torch``. ``client.NodeSpawner`` adopts the early
+template when it was started with the environment the ranks share (``OMP_NUM_THREADS`` aside: a rank
+whose value differs gets it from ``child.reseed``, as torch would have); otherwise it is ended and a
+template is started as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from multigpu.contract.environment import omp_threads, usable_cpu_count
+from multigpu.template.wire import receive, send
+
+READY_TIMEOUT_S = 600.0
+"""A first ``import torch`` from a cold shared file system can take minutes; a dead template is seen
+at once (its end of the socket closes), so this only bounds a template that hangs."""
+OMP = "OMP_NUM_THREADS"
+NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--cpu")
+NOT_A_JOB = ("-h", "--help")
+
+
+@dataclass(frozen=True)
+class StoreSocket:
+    """The job's listening socket (bound by the launcher) and the address the ranks reach it at."""
+
+    fd: int
+    host: str
+    port: int
+
+
+class TemplateProcess:
+    """One ``python -m multigpu.template`` and the launcher's end of its control socket."""
+
+    def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
+                "--launcher-pid", str(os.getpid())]
+        try:
+            self.process = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, start_new_session=True,
+                                            pass_fds=[theirs.fileno()])
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.env = dict(env)
+        self.python = python
+        self.control = ours
+        self.store_pid: int | None = None
+
+    def configure(self, store: StoreSocket | None, preload: Sequence[str]) -> None:
+        """Its first message: the store's socket to serve (if this node hosts the store) and the
+        modules to import besides torch. The template reads it once its ``import torch`` is done."""
+        message = {"op": "configure", "preload": list(preload),
+                   "store_host": store.host if store else None, "store_port": store.port if store else None}
+        send(self.control, message, [store.fd] if store is not None else [])
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str | None:
+        """None once the template is ready; otherwise why it is not."""
+        ready, _, _ = select.select([self.control], [], [], timeout)
+        if not ready:
+            return f"not ready after {timeout:g}s"
+        try:
+            message, fds = receive(self.control)
+        except (OSError, ValueError) as exc:
+            return f"no answer ({exc})"
+        for fd in fds:
+            os.close(fd)
+        if message is None:
+            return f"it exited with code {self.process.wait()}"
+        if not message.get("ready"):
+            return str(message.get("error", "it said no"))
+        self.store_pid = message.get("store_pid")
+        return None
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int], targets: list[int]) -> int:
+        """Have the template fork a rank with ``fds`` at the numbers ``targets``; the rank's pid."""
+        send(self.control, {"argv": argv, "env": env, "cwd": cwd, "fds": targets}, fds)
+        return int(str(self._answer("pid")["pid"]))
+
+    def renew_store(self) -> None:
+        """A fresh store for the next attempt, on the same socket (the last one's keys are gone)."""
+        send(self.control, {"op": "store"})
+        pid = self._answer("store_pid")["store_pid"]
+        self.store_pid = None if pid is None else int(str(pid))
+
+    def _answer(self, key: str) -> dict[str, object]:
+        answer, extra = receive(self.control)
+        for fd in extra:
+            os.close(fd)
+        if answer is None or key not in answer:
+            raise OSError((answer or {}).get("error", "the template is gone"))
+        return answer
+
+    def pids(self) -> frozenset[int]:
+        return frozenset(p for p in (self.process.pid, self.store_pid) if p is not None)
+
+    def close(self) -> None:
+        """End it and its store at once (SIGKILL to its group), and reap both.
+
+        Called once the ranks are gone and the record is written: the template and its store hold
+        nothing a user needs then, and a graceful exit would cost the interpreter teardown of a
+        process with torch loaded (0.3-0.7 s) on every run's way out, failures included."""
+        self.control.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # the template, its store, any middle process
+        self.process.wait()
+        if self.store_pid is not None:  # re-parented to this launcher (a subreaper) when the template died
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.store_pid, 0)
+
+
+_early: TemplateProcess | None = None
+
+
+def start_early(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> None:
+    """``multigpu run ...``: start the template now, with the environment the ranks will most likely
+    share (the launcher's, and the default ``OMP_NUM_THREADS`` for a worker count given on the command
+    line). Anything else (another command, ``--help``) starts nothing."""
+    global _early
+    if _early is not None or not argv or argv[0] != "run" or any(a in NOT_A_JOB for a in argv[1:]):
+        return
+    env = dict(environ)
+    nproc = _worker_count(argv[1:])
+    if OMP not in env and nproc is not None:
+        env[OMP] = str(omp_threads(usable_cpu_count(), nproc))
+    with contextlib.suppress(OSError):
+        _early = TemplateProcess(env)
+
+
+def _worker_count(args: Sequence[str]) -> int | None:
+    """The worker count an option before the script names (``--cpu 2``, ``--nproc-per-node=4``)."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in NPROC_OPTIONS:
+            text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return int(text) if text.isdigit() and int(text) > 0 else None
+        if not arg.startswith("-"):
+            return None  # the script: what follows is its own
+    return None
+
+
+def take_early(env: Mapping[str, str], python: str) -> TemplateProcess | None:
+    """The early template, if it was started as this node's template would be; else None (and it is
+    ended). Either way it is taken only once."""
+    global _early
+    early, _early = _early, None
+    if early is None:
+        return None
+    if early.python == python and _without_omp(early.env) == _without_omp(env):
+        return early
+    early.close()
+    return None
+
+
+def close_early() -> None:
+    """End an early template nobody adopted (a usage error, a command that needs none)."""
+    global _early
+    early, _early = _early, None
+    if early is not None:
+        early.close()
+
+
+def _without_omp(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k != OMP}
