@@ -1,4 +1,6 @@
-"""9. Scale: whole-job time and launcher peak RSS (sampled every 20 ms) for 8 and 16 CPU workers."""
+"""9. Scale: whole-job time and launcher peak RSS (sampled every 20 ms): the tiny gloo job on 8 and 16
+CPU workers, and a rank that prints one line (``one_line.py``: no torch) on 32 and 64, where the
+launcher's own cost per rank is all there is to see. Target: 32 and 64 ranks within 1.1x torchrun."""
 
 from __future__ import annotations
 
@@ -19,15 +21,18 @@ from common import (
     start_launcher,
     summarize,
 )
-from report import metric_table
+from report import metric_table, ratio_text, target
 
 NAME = "scale"
-TITLE = "9. Scale: 8 and 16 CPU workers (tiny job)"
-PER_JOB_S = {8: 10.5, 16: 19.0}
+TITLE = "9. Scale: 8 and 16 CPU workers (tiny job), 32 and 64 (one line each)"
+SCRIPTS = {8: "tiny.py", 16: "tiny.py", 32: "one_line.py", 64: "one_line.py"}
+PER_JOB_S = {8: 10.5, 16: 19.0, 32: 2.5, 64: 3.5}
+TARGET_RATIO = 1.1
+"""32 and 64 one-line ranks: at most this times torchrun's job time."""
 
 
 def counts(ctx: Ctx) -> tuple[int, ...]:
-    return (8,) if ctx.quick else (8, 16)
+    return (8, 64) if ctx.quick else (8, 16, 32, 64)
 
 
 def estimate(ctx: Ctx) -> float:
@@ -45,7 +50,7 @@ def peak_rss(job: Job, stop: threading.Event, out: list[int]) -> None:
 
 
 def one(ctx: Ctx, launcher: str, nproc: int) -> dict[str, Any]:
-    job = start_launcher(ctx.root, f"{NAME}{nproc}", launcher, nproc, "tiny.py")
+    job = start_launcher(ctx.root, f"{NAME}{nproc}", launcher, nproc, SCRIPTS[nproc])
     rss: list[int] = []
     stop = threading.Event()
     sampler = threading.Thread(target=peak_rss, args=(job, stop, rss), daemon=True)
@@ -91,4 +96,9 @@ def markdown(res: dict[str, Any]) -> list[str]:
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    return []
+    ratios = {n: res["summary"][n]["ratio_s"] for n in ("32", "64") if n in res["summary"]}
+    if not ratios:
+        return []
+    met = all(r is not None and r <= TARGET_RATIO for r in ratios.values())
+    return [target("many ranks on one node", f"<= {TARGET_RATIO}x torchrun's job time at 32 and 64 ranks",
+                   met, ", ".join(f"{n} ranks: {ratio_text(r)}" for n, r in ratios.items()))]

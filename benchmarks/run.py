@@ -66,11 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def machine() -> dict[str, Any]:
-    import torch
+    from importlib.metadata import version  # not ``import torch``: no NumPy warning, no second lost
 
     return {"nproc": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__,
+            "python": platform.python_version(), "torch": version("torch"),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "load_average_at_start": os.getloadavg(), "commit": _commit()}
 

@@ -65,8 +65,15 @@ def rank_log(out: Path, rank: int) -> bytes:
     return (out / "logs" / "attempt_0" / f"rank_{rank}.log").read_bytes()
 
 
-def rank_pids(out: Path) -> list[int]:
-    pids = [r["pid"] for a in record(out)["attempts"] for r in a["ranks"].values() if r["pid"]]
+def rank_pids(out: Path, timeout: float = 10.0) -> list[int]:
+    """The ranks' PIDs from run.json. The record names them once the launcher's loop has taken its
+    turn after starting them, which a rank's first file can come before: wait for that, bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = [r["pid"] for a in record(out)["attempts"] for r in a["ranks"].values() if r["pid"]]
+        if pids or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
     assert pids, "the run record names no rank"
     return pids
 

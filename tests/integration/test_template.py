@@ -166,9 +166,12 @@ time.sleep(60)
         pids = [int(p) for r in (0, 1) for p in (tmp_path / f"ready_{r}").read_text().split()]
         hosts = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                  if p.pid not in pids and "multigpu.template" in " ".join(p.cmdline())]
-        assert len(hosts) >= 2, hosts  # the template, its store process (and the ranks' sentinels)
+        assert len(hosts) >= 2, hosts  # the template and its store process
+        sentinels = [p.pid for p in psutil.Process(proc.pid).children()
+                     if "multigpu.rank.sentinel" in " ".join(p.cmdline())]
+        assert len(sentinels) == 1, sentinels  # the node's one sentinel; no rank forked its own
         os.kill(proc.pid, signal.SIGKILL)
-        left = wait_gone(pids + hosts, timeout=5.0)
+        left = wait_gone(pids + hosts + sentinels, timeout=5.0)
         assert not left, f"alive after the launcher's SIGKILL: {left}"
     finally:
         if proc.poll() is None:
@@ -232,3 +235,28 @@ def test_closing_the_template_ends_and_reaps_it_and_its_store(tmp_path: Path) ->
     assert len(seen["pids"]) == 2 and all(seen["pids"])
     assert seen["left"] == []
     assert_gone(seen["pids"])
+
+
+def test_a_rank_leaving_does_not_run_the_templates_finalizers(tmp_path: Path) -> None:
+    """A --preload module's temporary folder belongs to the template: rank 0 exiting must not delete it
+    while rank 1 still runs (the template's weakref finalizers stay the template's)."""
+    (tmp_path / "holder.py").write_text("import tempfile\nFOLDER = tempfile.TemporaryDirectory()\n")
+    job = write_script(tmp_path, "job.py", """
+import os, pathlib, time, holder
+folder = pathlib.Path(holder.FOLDER.name)
+if os.environ["RANK"] == "0":
+    pathlib.Path("rank0_pid").write_text(str(os.getpid()))
+    raise SystemExit(0)
+while not pathlib.Path("rank0_pid").exists():
+    time.sleep(0.02)
+pid = int(pathlib.Path("rank0_pid").read_text())
+deadline = time.monotonic() + 30
+while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(f"pid={os.getpid()} folder={folder} exists={folder.is_dir()}", flush=True)
+""")
+    res = run_cli(["run", "--cpu", "2", "--status", "off", "--preload", "holder", str(job)], cwd=tmp_path,
+                  env={"PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "exists=True" in res.stdout, res.stdout[-2000:]
+    assert_gone(pids_in(res.stdout))

@@ -21,6 +21,7 @@ from multigpu.supervisor.console import PrefixedConsole, active_writer, say
 from multigpu.supervisor.hang import progress_book
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.options import Hooks, SupervisorOptions
+from multigpu.supervisor.sentinel import node_sentinel
 from multigpu.supervisor.signals import capture_signals
 from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
@@ -84,7 +85,9 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         live = LiveStatus(f"multigpu attempt {attempt}", console, active_writer())
     with ExitStack() as stack:
         options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
-        hooks = Hooks(listener=record, tick=live.refresh if live else None)
+        sentinel = node_sentinel()
+        hooks = Hooks(listener=record, tick=live.refresh if live else None,
+                      guard=sentinel.watch if sentinel is not None else None)
         supervisor = Supervisor(specs, sink=live or console, options=options, hooks=hooks,
                                 progress=progress_book(config, record.path.parent, specs), spawner=spawner)
         stack.callback(supervisor.close)

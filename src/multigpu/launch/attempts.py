@@ -30,6 +30,7 @@ from multigpu.rendezvous.fate import serve_until_all_done
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket
 from multigpu.supervisor.console import ConsoleWriter, say
+from multigpu.supervisor.sentinel import close_node_sentinel
 from multigpu.supervisor.signals import end_with_signal
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
@@ -41,8 +42,11 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     hold the launcher. After a Ctrl-C the launcher ends itself with SIGINT once everything is torn
     down, as Python does for KeyboardInterrupt, so a shell loop around it stops too.
     """
-    with ConsoleWriter():
-        code, record = _launch(config, base_env)
+    try:
+        with ConsoleWriter():
+            code, record = _launch(config, base_env)
+    finally:
+        close_node_sentinel()  # every rank is reaped: nothing left for it to guard
     if record is not None and record.stop_signal == signal.SIGINT:
         end_with_signal(signal.SIGINT)
     return code

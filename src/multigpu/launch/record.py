@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,13 @@ class RunRecord:
                                       "root_cause": None, "failures": []})
         self.write()
 
-    def on_worker_change(self, worker: Worker) -> None:
+    def on_workers_change(self, workers: Sequence[Worker]) -> None:
+        """The ranks whose state changed in one turn of the supervisor's loop: one rewrite for all."""
+        for worker in workers:
+            self._note_worker(worker)
+        self.write()
+
+    def _note_worker(self, worker: Worker) -> None:
         rc = worker.returncode
         self.data["attempts"][-1]["ranks"][str(worker.rank)] = {
             "rank": worker.rank,
@@ -112,7 +119,6 @@ class RunRecord:
             self.data["attempts"][-1]["ranks"][str(worker.rank)]["died_after_finishing"] = worker.late_death
         if worker.unkillable:
             self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
-        self.write()
 
     def on_progress(self, progress: dict[str, dict[str, Any]]) -> None:
         """Every rank's step times (``hang.ProgressBook.snapshot``): last step, median and slowest

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from multigpu.contract.errors import UsageError
+from multigpu.contract.limits import lift_open_file_limit
 
 MIN_FREE_BYTES = 64 << 10
 FDS_PER_RANK = 6
@@ -103,12 +104,8 @@ def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
 
 def raise_open_file_limit(nproc: int) -> None:
     """Raise the soft RLIMIT_NOFILE to the hard one; a UsageError when that is still too low."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if target > soft:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
+    soft = lift_open_file_limit()
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     need = FDS_BASE + FDS_PER_RANK * nproc
     if soft < need:
         raise UsageError(f"{nproc} rank(s) need about {need} open files in the launcher, but the limit "

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from multigpu.contract.names import SENTINEL_ENV
 from multigpu.contract.prctl import set_child_subreaper, set_pdeathsig
 
 
@@ -70,8 +71,10 @@ def guard_parent(expected_parent: int | None) -> None:
     gone, does the kernel's parent-death SIGKILL take over (``arm_pdeathsig_on_exec``).
 
     The thread cannot run in a rank that is stopped (SIGSTOP) or holds the GIL in a long C call, so a
-    sentinel process (``start_sentinel``) watches too: it needs neither the rank's GIL nor its
-    scheduling, and ends the same tree.
+    sentinel process watches too: it needs neither the rank's GIL nor its scheduling, and ends the same
+    tree. Under ``multigpu run`` it is the node's one sentinel (``rank/sentinel.py``, which the
+    launcher tells the rank of with ``SENTINEL_ENV``); elsewhere (function mode) the rank forks its own
+    (``start_sentinel``).
 
     Once the sentinel is started (so that it is the launcher's to reap, not the rank's), the rank
     becomes a child subreaper: what its descendants orphan stays in its tree for the guard to find.
@@ -87,8 +90,8 @@ def guard_parent(expected_parent: int | None) -> None:
         pidfd = None
     if os.getppid() != expected_parent:
         end_own_group()
-    if pidfd is not None:
-        start_sentinel(pidfd)
+    if pidfd is not None and os.environ.pop(SENTINEL_ENV, None) is None:
+        start_sentinel(pidfd)  # no node sentinel watches this rank (function mode): its own
     set_child_subreaper()
     threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
                      daemon=True).start()

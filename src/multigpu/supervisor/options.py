@@ -38,3 +38,6 @@ class Hooks:
     notify: Callable[[str], None] = say
     on_failing: Callable[[Worker], None] | None = None
     """Function mode: a rank said it is failing (its record is written), before it exits."""
+    guard: Callable[[int, int], bool] | None = None
+    """``multigpu run``: hand each started rank (pid, pidfd) to the node's sentinel
+    (``sentinel.NodeSentinel.watch``); its ranks then fork no sentinel of their own."""

@@ -14,10 +14,10 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Protocol
 
-from multigpu.contract.names import HEARTBEAT_FD_ENV
+from multigpu.contract.names import HEARTBEAT_FD_ENV, SENTINEL_ENV
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import ProcessHandle, Worker, WorkerSpec, WorkerState
@@ -57,8 +57,9 @@ class PopenSpawner:
         return self._spared
 
 
-def start_rank(spawner: Spawner, spec: WorkerSpec) -> tuple[ProcessHandle, int]:
-    """Start ``spec``'s rank with a fresh heartbeat pipe; (its handle, the pipe's read end)."""
+def start_rank(spawner: Spawner, spec: WorkerSpec, guarded: bool = False) -> tuple[ProcessHandle, int]:
+    """Start ``spec``'s rank with a fresh heartbeat pipe; (its handle, the pipe's read end). ``guarded``:
+    the node's sentinel will watch it, so it starts none of its own."""
     if spec.error_file is not None:  # an earlier run's record must never be read as this one's
         with contextlib.suppress(FileNotFoundError):
             spec.error_file.unlink()
@@ -66,6 +67,8 @@ def start_rank(spawner: Spawner, spec: WorkerSpec) -> tuple[ProcessHandle, int]:
     os.set_blocking(hb_r, False)
     os.set_blocking(hb_w, False)
     env = {**spec.env, HEARTBEAT_FD_ENV: str(hb_w)}
+    if guarded:
+        env[SENTINEL_ENV] = "1"
     try:
         process = spawner.spawn(spec, env, (hb_w,))
     except BaseException:
@@ -76,11 +79,13 @@ def start_rank(spawner: Spawner, spec: WorkerSpec) -> tuple[ProcessHandle, int]:
     return process, hb_r
 
 
-def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Events, now: float) -> None:
+def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Events, now: float,
+             guard: Callable[[int, int], bool] | None = None) -> None:
     """Start ``worker``'s rank and watch everything it gives the supervisor: its exit (a pidfd, where
-    the kernel has them; else the loop polls), its heartbeat pipe and its output pipes."""
+    the kernel has them; else the loop polls), its heartbeat pipe and its output pipes. ``guard`` hands
+    the rank to the node's sentinel."""
     output.open(worker)
-    worker.popen, hb_r = start_rank(spawner, worker.spec)
+    worker.popen, hb_r = start_rank(spawner, worker.spec, guarded=guard is not None)
     worker.heartbeat_read_fd = hb_r
     events.watch(hb_r, "beat", worker)
     worker.state = WorkerState.RUNNING
@@ -94,6 +99,8 @@ def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Eve
         events.watch(worker.pidfd, "exit", worker)
     except (AttributeError, OSError):
         worker.pidfd = None  # no pidfds: exits are found by polling each tick
+    if guard is not None and worker.pidfd is not None:
+        guard(worker.popen.pid, worker.pidfd)
 
 
 class AdoptedProcess:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -215,4 +215,4 @@ class RunResult:
 
 
 class SupervisorListener(Protocol):
-    def on_worker_change(self, worker: Worker) -> None: ...
+    def on_workers_change(self, workers: Sequence[Worker]) -> None: ...

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from multigpu.contract.environment import omp_threads, usable_cpu_count
+from multigpu.contract.limits import lift_open_file_limit
 from multigpu.template.wire import receive, send
 
 READY_TIMEOUT_S = 600.0
@@ -47,6 +48,7 @@ class TemplateProcess:
     """One ``python -m multigpu.template`` and the launcher's end of its control socket."""
 
     def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
+        lift_open_file_limit()  # the template and its ranks inherit the launcher's raised limit
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
                 "--launcher-pid", str(os.getpid())]

@@ -116,14 +116,14 @@ def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -
             if rank == 0:
                 os.close(pid_w)
                 become_rank(request, fds, control, me)  # never returns
-            os.write(pid_w, str(rank).encode())
+            os.write(pid_w, f"{rank}\n".encode())
         finally:
             os._exit(0)
     os.close(pid_w)
     for fd in fds:
         os.close(fd)
-    with os.fdopen(pid_r, "rb") as pipe:
-        text = pipe.read()
+    with os.fdopen(pid_r, "rb") as pipe:  # a line, not EOF: the rank holds the pipe until it runs
+        text = pipe.readline().strip()
     os.waitpid(middle, 0)  # once it is gone, the rank is the launcher's child
     return {"pid": int(text)} if text else {"error": "the fork failed"}
 
