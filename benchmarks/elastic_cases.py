@@ -21,6 +21,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 WORKER = """
@@ -94,14 +95,16 @@ def cleanup(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> int:
     return alive
 
 
-def late_join(launcher: str, work: Path, bound: float) -> str:
+def late_join(launcher: str, work: Path, bound: float) -> dict[str, Any]:
+    """A node alone runs, a second joins: seconds until both launchers ended, and until the round of
+    both nodes had every rank initialised (``round_s``), from the second node's start."""
     script, port = work / "w.py", free_port()
     logs = [work / f"{launcher}_late_a.log", work / f"{launcher}_late_b.log"]
     a = start(argv(launcher, port, script, 4, work / "oa"), logs[0])
     procs = [a]
     try:
         if not wait_for(lambda: text(logs[0]).count("world=2") >= 2, 60):
-            return "first node never ran alone within 60 s"
+            return outcome(None, None, "first node never ran alone within 60 s")
         joined, joined_at = time.monotonic(), time.time()
         procs.append(start(argv(launcher, port, script, 4, work / "ob"), logs[1]))
         ended = wait_for(lambda: all(p.poll() is not None for p in procs), bound)
@@ -111,18 +114,26 @@ def late_join(launcher: str, work: Path, bound: float) -> str:
         both = [float(t) for t in re.findall(r"world=4 group=\d+ restart=\d+ at=([\d.]+)",
                                              text(logs[0]) + text(logs[1]))]
         if not ended:
-            return f"NOT finished {bound:.0f} s after the join (ranks done: {done}/4)"
-        formed = f"4 ranks initialised after {max(both) - joined_at:.1f} s, " if len(both) >= 4 else ""
-        return (f"both ended {took:.1f} s after the second node started ({formed}rc={rcs}, "
-                f"ranks done at world 4: {done})")
+            return outcome(None, None, f"NOT finished {bound:.0f} s after the join (ranks done: {done}/4)")
+        round_s = max(both) - joined_at if len(both) >= 4 and rcs == [0, 0] else None
+        formed = f"4 ranks initialised after {round_s:.1f} s, " if round_s is not None else ""
+        return outcome(took if rcs == [0, 0] else None, round_s,
+                       f"both ended {took:.1f} s after the second node started ({formed}rc={rcs}, "
+                       f"ranks done at world 4: {done})")
     finally:
         left = cleanup(procs, logs)
         if left:
             print(f"    ({launcher} late join: ended {left} leftover process(es) by PID)")
 
 
-def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False) -> str:
-    """SIGKILL the second node's launcher (with ``whole_node``, its ranks too, as when a machine dies)."""
+def outcome(seconds: float | None, round_s: float | None, note: str) -> dict[str, Any]:
+    """One case's result: None where it did not finish as it should."""
+    return {"seconds": seconds, "round_s": round_s, "note": note}
+
+
+def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False) -> dict[str, Any]:
+    """SIGKILL the second node's launcher (with ``whole_node``, its ranks too, as when a machine dies):
+    seconds until the survivor ended, and until its ranks were initialised alone (``round_s``)."""
     script, port = work / "w.py", free_port()
     tag = "machine" if whole_node else "lost"
     logs = [work / f"{launcher}_{tag}_a.log", work / f"{launcher}_{tag}_b.log"]
@@ -132,7 +143,7 @@ def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False)
     procs = [a, b]
     try:
         if not wait_for(lambda: sum(text(log).count("world=4") for log in logs) >= 4, 90):
-            return "the 2-node job never formed within 90 s"
+            return outcome(None, None, "the 2-node job never formed within 90 s")
         killed_at = time.time()
         os.kill(b.pid, signal.SIGKILL)
         for pid in map(int, re.findall(r"\bpid=(\d+)", text(logs[1])) if whole_node else []):
@@ -143,11 +154,14 @@ def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False)
         took = time.monotonic() - killed
         done = text(logs[0]).count("done pid=")
         if not ended:
-            return f"survivor NOT finished {bound:.0f} s after the peer's SIGKILL"
+            return outcome(None, None, f"survivor NOT finished {bound:.0f} s after the peer's SIGKILL")
         alone = [float(t) for t in re.findall(r"world=2 group=\d+ restart=\d+ at=([\d.]+)", text(logs[0]))]
-        joined = f"its ranks re-initialised alone after {max(alone) - killed_at:.1f} s, " if alone else ""
-        return (f"survivor ended {took:.1f} s after the peer's SIGKILL ({joined}rc={a.returncode}, "
-                f"its ranks done alone: {done})")
+        ok = a.returncode == 0 and done == 2
+        round_s = max(alone) - killed_at if alone and ok else None
+        joined = f"its ranks re-initialised alone after {round_s:.1f} s, " if round_s is not None else ""
+        return outcome(took if ok else None, round_s,
+                       f"survivor ended {took:.1f} s after the peer's SIGKILL ({joined}rc={a.returncode}, "
+                       f"its ranks done alone: {done})")
     finally:
         left = cleanup(procs, logs)
         if left:
@@ -172,7 +186,7 @@ def main() -> None:
     for launcher in args.launchers:
         for case in args.cases.split(","):
             title, run = cases[case]
-            print(f"{launcher}: {title}: {run(launcher)}", flush=True)
+            print(f"{launcher}: {title}: {run(launcher)['note']}", flush=True)
     print(f"logs in {work}")
 
 

@@ -23,7 +23,9 @@ from types import FrameType, ModuleType
 from typing import Any
 
 import bench_badinput
+import bench_claims
 import bench_death
+import bench_elastic
 import bench_idle
 import bench_launch
 import bench_logs
@@ -37,7 +39,8 @@ from common import HERE, REGISTRY, Ctx, log, rmtree_quiet
 from report import table
 
 BENCHES: tuple[ModuleType, ...] = (bench_launch, bench_death, bench_sigkill, bench_signals, bench_badinput,
-                                   bench_train, bench_logs, bench_idle, bench_scale, bench_soak)
+                                   bench_train, bench_logs, bench_idle, bench_scale, bench_soak,
+                                   bench_elastic, bench_claims)
 BY_NAME = {m.NAME: m for m in BENCHES}
 FULL_RUNS, QUICK_RUNS = 5, 1
 

@@ -19,12 +19,14 @@ from helpers import assert_gone, free_port, pids_in, start_cli, wait_for_lines, 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180)]
 
 REPORT = """
-    import os, sys, time, torch, torch.distributed as dist
+    import sys
+    forked = "torch" in sys.modules  # a rank the node's warm template forked has torch already
+    import os, time, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     print(f"pid={os.getpid()} rank={rank} world={world} group={os.environ['GROUP_RANK']} "
-          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} run={os.environ['TORCHELASTIC_RUN_ID']}",
-          flush=True)
+          f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} run={os.environ['TORCHELASTIC_RUN_ID']} "
+          f"forked={forked}", flush=True)
 """
 
 # Finishes once the world has ranks FINISH_AT [and at least MIN_RESTARTS restarts were counted]; until
@@ -105,6 +107,8 @@ def test_two_launchers_started_together_form_one_job_of_both_nodes(tmp_path: Pat
     assert len({run for *_, run in started}) == 1, "every node shares one run id"
     assert {restart for _, _, _, restart, _ in started} == {0}
     assert (out0 + out1).count("sum=4") == 4
+    assert (out0 + out1).count("forked=True") == 4, "every rank forked from its node's warm template"
+    assert "plain processes" not in err0 + err1
     assert_gone(pids_in(out0 + out1))
 
 
@@ -157,6 +161,8 @@ def test_when_one_of_two_nodes_is_lost_the_survivor_starts_a_round_alone_and_fin
                 proc.kill()
             proc.communicate()
     assert rc0 == 0, err0[-3000:]
+    assert "plain processes" not in err0, "the survivor's rounds run on its warm template too"
+    assert out0.count("forked=False") == 0 and out0.count("forked=True") >= 2
     alone = [r for r in rounds(out0) if r[1] == 2 and r[3] == 1]  # (it may have run alone before B came)
     assert sorted((rank, group) for rank, _, group, _, _ in alone) == [(0, 0), (1, 0)]
     assert out0.count("done rank=") == 2

@@ -28,9 +28,9 @@ assert sentinel.watch(rank.pid, os.pidfd_open(rank.pid))
 print(f"sentinel={sentinel.pid} rank={rank.pid} {child}", flush=True)
 if sys.argv[1] == "close":
     sentinel.close()
-    print("closed", flush=True)
-    os.kill(rank.pid, signal.SIGKILL)
+    os.kill(rank.pid, signal.SIGKILL)  # as the launcher's teardown does, before it closes the sentinel
     rank.wait()
+    print("closed", flush=True)
 sys.stdin.read()  # until the test ends this launcher
 """
 

@@ -3,9 +3,13 @@
 A console is whatever the user gave us: a terminal, a pager that stopped reading, ``head -1`` that
 left, ``/dev/full``, a closed descriptor. ``ConsoleWriter`` puts every console write (rank lines, the
 launcher's own messages, the live view) into a bounded buffer that a writer thread drains. When the
-buffer is full, lines are dropped and counted, and one notice says how many once the console reads
-again; when a descriptor fails (broken pipe, hang-up, no space) that stream of the console ends and
-nothing else does. The rank log files are written elsewhere (``output.py``) and are always complete.
+buffer is full and the console still reads (a ``| tee``, a CI log slower than the ranks), the
+supervisor stops reading the ranks' pipes until it has room, so the ranks wait as they would writing
+to the console themselves, and no line is lost (``congested``). Only a console that stopped reading
+for HOLD_S (a pager, a terminal stopped with Ctrl-S) has lines dropped and counted, and one notice
+says how many once it reads again, so it never stops the training; when a descriptor fails (broken
+pipe, hang-up, no space) that stream of the console ends and nothing else does. The rank log files
+are written elsewhere (``output.py``) and are always complete.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -30,6 +34,12 @@ WRITE_CHUNK = 4096  # PIPE_BUF: after POLLOUT, a write this size does not block 
 STALL_S = 0.25
 """At close, the buffer is flushed only while the console keeps reading; a stalled one gets this long."""
 FLUSH_LIMIT_S = 5.0
+HARD_CAP = 3
+"""Past capacity times this, lines are dropped even while the console reads: the bound for a writer
+that does not hold back (what the loop reads in one batch before it sees ``congested``)."""
+HOLD_S = 1.0
+"""A full buffer holds the ranks' output back while the console wrote something within this long;
+past it the console counts as stopped, and lines are dropped instead."""
 CLEAR_LINE = b"\x1b[K"
 
 _active: ConsoleWriter | None = None
@@ -126,6 +136,8 @@ class ConsoleWriter:
         self._thread: threading.Thread | None = None
         self._last_progress = time.monotonic()
         self.ttys = {fd: _isatty(fd) for fd in fds}
+        self.on_room: Callable[[], None] | None = None
+        """Called (on the writer thread) when a full buffer has room again: the loop reads once more."""
 
     @property
     def dead(self) -> dict[int, str]:
@@ -133,14 +145,28 @@ class ConsoleWriter:
 
     # ---- the producer side (the supervisor's loop): never blocks -------------------------------------
 
+    def congested(self) -> bool:
+        """A buffer is full and the console is still reading: hold the ranks' output back for now."""
+        with self._cond:
+            return self._full() and not self._stalled()
+
+    def _full(self) -> bool:
+        return any(ch.queued > self.capacity for ch in self._channels.values() if ch.dead is None)
+
+    def _stalled(self) -> bool:
+        return time.monotonic() - self._last_progress > HOLD_S
+
     def put(self, fd: int, data: bytes, lines: int = 1, *, keep: bool = False) -> None:
-        """Queue ``data``; past the capacity it is dropped and counted, unless ``keep`` (the launcher's
-        own few notices, such as what output was lost, must not be crowded out by the ranks' lines)."""
+        """Queue ``data``. Past the capacity it is dropped and counted once the console has stopped
+        reading; while it reads, the caller holds back (``congested``), and what it read is kept. The
+        launcher's own few notices (``keep``) are never crowded out by the ranks' lines."""
         with self._cond:
             channel = self._channels.get(fd)
             if channel is None or channel.dead is not None or self._stop:
                 return
-            if not keep and channel.queued and channel.queued + len(data) > self.capacity:
+            over = channel.queued + len(data) - self.capacity
+            if not keep and channel.queued and over > 0 and (
+                    self._stalled() or over > HARD_CAP * self.capacity):
                 channel.dropped += lines
                 return
             channel.queue.append((data, lines))
@@ -223,11 +249,14 @@ class ConsoleWriter:
             return
         with self._cond:
             self._last_progress = time.monotonic()
+            was_full = channel.queued > self.capacity
             channel.offset += written
             if channel.offset >= len(data):
                 channel.queue.popleft()
                 channel.queued -= len(data)
                 channel.offset = 0
+            if was_full and channel.queued <= self.capacity and self.on_room is not None:
+                self.on_room()
             if channel.dropped and channel.queued <= self.capacity // 2:
                 count, channel.dropped = channel.dropped, 0
                 self._notice(_drop_notice(count))

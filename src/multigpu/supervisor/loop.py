@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS
 from multigpu.supervisor import exits, hang, reaping, spawning, teardown
+from multigpu.supervisor.console import active_writer
 from multigpu.supervisor.dumps import DumpRequest, flight_record
 from multigpu.supervisor.events import Events, read_ready
 from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
@@ -71,6 +72,7 @@ class Supervisor:
         self._last_tick = 0.0
         self._published = float("-inf")
         self._changed: dict[int, Worker] = {}
+        self._held: list[Stream] = []
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -148,8 +150,11 @@ class Supervisor:
 
     def turn(self, timeout: float | None) -> None:
         """One turn of the loop: what is ready within ``timeout``, then signals, hangs and the tick."""
+        self._release_held()
         for kind, obj in self._events.ready(timeout):
             if kind == "out":
+                if self._hold(obj):
+                    continue
                 self._read_stream(obj)
                 self.progress.output(obj.worker.rank, obj.worker.last_output)
             elif kind == "exit":
@@ -195,6 +200,28 @@ class Supervisor:
             kinds = hang.feed_beats(self.progress, worker, data, self._clock())
             if "failing" in kinds and self.hooks.on_failing is not None:
                 self.hooks.on_failing(worker)
+
+    def _hold(self, stream: Stream) -> bool:
+        """The console's buffer is full and it is still reading: leave this pipe unread until it has
+        room (the rank waits on its own write, as it would on a slow console; no line is dropped)."""
+        writer = active_writer()
+        if writer is None or not writer.congested():
+            return False
+        self._events.forget(stream.fd)
+        self._held.append(stream)
+        writer.on_room = self._events.wake
+        return True
+
+    def _release_held(self) -> None:
+        """Watch the held pipes again once the console has room, or has stopped reading (then its
+        lines are dropped and counted rather than the ranks held for it)."""
+        writer = active_writer()
+        if not self._held or (writer is not None and writer.congested()):
+            return
+        for stream in self._held:
+            if self._output.streams.get(stream.fd) is stream:
+                self._events.watch(stream.fd, "out", stream)
+        self._held.clear()
 
     def _read_stream(self, stream: Stream) -> None:
         if not self._output.read(stream):
@@ -299,6 +326,9 @@ class Supervisor:
             self._release()
 
     def _release(self) -> None:
+        writer = active_writer()
+        if writer is not None:
+            writer.on_room = None
         self._output.close()
         for w in self.workers:
             for fd in (w.heartbeat_read_fd, w.pidfd):
