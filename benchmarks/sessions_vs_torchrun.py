@@ -316,7 +316,7 @@ def end_leftovers(settle_s: float = 2.0) -> int:
 
 
 def main() -> None:
-    from multigpu.supervisor.signals import set_child_subreaper
+    from multigpu.contract.prctl import set_child_subreaper
 
     set_child_subreaper()
     wanted = sys.argv[1:]
