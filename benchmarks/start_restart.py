@@ -222,7 +222,7 @@ def markdown(res: dict[str, Any]) -> str:
               "", "## Restart: rank 1 dies after joining, `--max-restarts 1`; its death to every rank of the "
               "next attempt past init_process_group, seconds", ""]
     lines += [f"- {v}: {span(vals)}" for v, vals in res["restart"].items()]
-    lines += ["", "Restart over torchrun's (target at most 0.25x): " + ", ".join(
+    lines += ["", "Restart over torchrun's (target at most 0.1x): " + ", ".join(
         f"{v} {fmt(r)}x" for v, r in s["restart_over_torchrun"].items()), "",
         f"## Training throughput of the demo model (2 ranks, {res['train_steps']} steps), samples/s", ""]
     lines += [f"- {v}: {span(vals)}" for v, vals in res["train"].items()]
