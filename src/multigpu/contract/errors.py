@@ -57,6 +57,8 @@ class WorkerFailure:
     time: float | None = None
     log_tail: list[str] = field(default_factory=list)
     log_path: str | None = None
+    killed_by: str | None = None
+    """Who sent the signal, where the launcher could tell: "the kernel's OOM killer (resident ...)"."""
 
     @property
     def saw_a_peer_die(self) -> bool:
@@ -74,7 +76,8 @@ class WorkerFailure:
         return self.exit_code if self.exit_code else 1
 
     def describe(self) -> str:
-        how = f"was killed by {self.signal}" if self.signal else f"exited with code {self.exit_code}"
+        how = (f"was killed by {self.killed_by or self.signal}" if self.signal
+               else f"exited with code {self.exit_code}")
         what = f": {self.error_type}: {self.message}" if self.error_type else ""
         return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
 

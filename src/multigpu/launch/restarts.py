@@ -31,11 +31,13 @@ class Signature:
     """``file:line`` (or ``?`` when the traceback has no frame of the user's code)."""
 
     def __str__(self) -> str:
-        return f"{self.error_type} at {self.where}"
+        return f"{self.error_type} at {self.where}" if self.where else self.error_type
 
 
 def signature(failure: WorkerFailure | None) -> Signature | None:
     """The failure's signature, or None when it names no place (then it never counts as a loop)."""
+    if failure is not None and failure.killed_by is not None:  # an OOM kill is one failure, whichever rank
+        return Signature(f"{failure.signal} from {failure.killed_by.split(' (')[0]}", "")
     if failure is None or not failure.error_type or not failure.traceback:
         return None
     if failure.error_type in NAMED_BY_THE_LAUNCHER:

@@ -8,6 +8,7 @@ process then dies in torch's exit-time teardown; that is a warning.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Callable
 
 from multigpu.contract.errors import WorkerFailure
@@ -49,4 +50,20 @@ def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput) -> W
     if record is not None and rc < 0 and ending:
         rc = 1  # it raised, then our teardown cut its exit short: the exception is what it did
     failure = worker.ended_with(rc, record)
+    killed_by = who_killed(worker, rc)
+    if killed_by is not None:
+        failure = dataclasses.replace(failure, killed_by=killed_by)
     return failure if failure.time else dataclasses.replace(failure, time=worker.end_time)
+
+
+NCCL_WATCHDOG = ("Watchdog caught collective operation timeout", "ProcessGroupNCCL's watchdog")
+
+
+def who_killed(worker: Worker, rc: int) -> str | None:
+    """Who sent a fatal signal, where the traces say: the kernel's OOM killer for a SIGKILL (its
+    cgroup counter or its log line), NCCL's watchdog for a SIGABRT (its message in the log tail)."""
+    if rc == -signal.SIGKILL and worker.oom is not None and worker.pid is not None:
+        return worker.oom.explain(worker.pid)
+    if rc == -signal.SIGABRT and any(mark in line for line in worker.tail for mark in NCCL_WATCHDOG):
+        return "NCCL's watchdog (a collective timed out; SIGABRT)"
+    return None

@@ -19,6 +19,7 @@ from typing import IO, Protocol
 
 from multigpu.contract.names import HEARTBEAT_FD_ENV, SENTINEL_ENV
 from multigpu.supervisor.events import Events
+from multigpu.supervisor.oom import OomWatch
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import ProcessHandle, Worker, WorkerSpec, WorkerState
 
@@ -101,6 +102,7 @@ def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Eve
         worker.pidfd = None  # no pidfds: exits are found by polling each tick
     if guard is not None and worker.pidfd is not None:
         guard(worker.popen.pid, worker.pidfd)
+    worker.oom = OomWatch.start(worker.popen.pid)
 
 
 class AdoptedProcess:

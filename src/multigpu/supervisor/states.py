@@ -22,6 +22,7 @@ from typing import IO, Any, Protocol
 
 from multigpu.contract.beats import BeatDecoder
 from multigpu.contract.errors import WorkerFailure
+from multigpu.supervisor.oom import OomWatch
 
 LOG_TAIL_LINES = 20
 
@@ -145,6 +146,8 @@ class Worker:
     returncode: int | None = None
     last_output: float = 0.0
     failure: WorkerFailure | None = None
+    oom: OomWatch | None = None
+    """Its memory cgroup's OOM-kill count at its start (``oom.py``): read again if it dies of SIGKILL."""
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     open_streams: int = 0
     heartbeat_read_fd: int | None = None
