@@ -16,10 +16,13 @@ Conventions of the guide's fenced blocks (also described in ``docs/README.md``):
   ``docs/examples/multigpu.sbatch``, and its ``srun`` line's command runs under recorded SLURM
   environments: one node, and two launcher tasks on ``localhost``).
 
-Commands run with ``bash -c`` in a temporary copy of ``examples/`` (one per doc page, so commands of a
-page may use what earlier ones wrote), with the venv's ``bin`` first on ``PATH``. Each is bounded by a
-timeout and started in its own session; afterwards its session and every worker PID in the run
-records it wrote must be gone.
+Commands run with ``bash -c`` in a temporary copy of ``examples/``, one per block: the suite runs under
+pytest-xdist, where a block cannot count on another block having run in the same folder, so each block
+is self-contained. The venv's ``bin`` is first on ``PATH``, and ``.venv/bin/`` in a command names it
+(the README's venv). Each command is bounded by a timeout and started in its own session; afterwards its
+session and every worker PID in the run records it wrote must be gone, and a command that starts no run
+(not ``multigpu``, ``torchrun``, ``python examples/...``) must leave every run record as it was: a
+documented ``python -m json.tool a.json b.json`` once wrote one run's record over another's.
 """
 
 from __future__ import annotations
@@ -126,15 +129,11 @@ def gpu_visible() -> bool:
 
 
 
-@pytest.fixture(scope="module")
-def workdirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One fresh copy of the examples per doc page."""
-    dirs = {}
-    for page in sorted({b.page for b in BLOCKS}):
-        d = tmp_path_factory.mktemp(page.removesuffix(".md"))
-        shutil.copytree(ROOT / "examples", d / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-        dirs[page] = d
-    return dirs
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A fresh copy of the examples for one block."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
 
 
 @pytest.fixture
@@ -152,6 +151,24 @@ def command_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 def _records(cwd: Path) -> dict[Path, float]:
     return {p: p.stat().st_mtime for p in cwd.rglob("run*.json")}
+
+
+def _contents(cwd: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in cwd.rglob("run*.json")}
+
+
+LAUNCHERS = ("multigpu ", "torchrun ", "python examples/", "srun ")
+
+
+def starts_no_run(text: str) -> bool:
+    """A command that launches nothing (after any ``VAR=value`` prefix): it must not touch a record."""
+    words = [w for w in shlex.split(text.split("#")[0]) if "=" not in w.split("/")[0]] or [""]
+    return not " ".join(words).startswith(LAUNCHERS)
+
+
+def venv_named(text: str) -> str:
+    """``.venv/bin/`` in a documented command is the README's venv: the one running this test."""
+    return text.replace(".venv/bin/", f"{BIN}/")
 
 
 def _worker_pids(cwd: Path, before: Mapping[Path, float]) -> list[int]:
@@ -215,7 +232,8 @@ def check(cmd: Command, code: int | None, out: str, block: Block) -> None:
 def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]]) -> None:
     """Start every command at once (one per "node"), wait for all, check all, prove all gone."""
     before = _records(cwd)
-    procs = [start(c.text, cwd, e) for c, e in zip(commands, envs, strict=True)]
+    kept = _contents(cwd)
+    procs = [start(venv_named(c.text), cwd, e) for c, e in zip(commands, envs, strict=True)]
     deadline = time.monotonic() + COMMAND_TIMEOUT
     results = [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
     for p in procs:
@@ -225,6 +243,9 @@ def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Ma
         assert_gone(pids)
     for cmd, (code, out) in zip(commands, results, strict=True):
         check(cmd, code, out, block)
+    if all(starts_no_run(c.text) for c in commands):
+        changed = [str(p) for p, data in kept.items() if not p.exists() or p.read_bytes() != data]
+        assert not changed, f"{block.id}: {commands[0].text!r} changed run records {changed}"
 
 
 def run_srun_line(block: Block, cwd: Path, port: int) -> None:
@@ -253,8 +274,8 @@ def run_srun_line(block: Block, cwd: Path, port: int) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_doc_block(block: Block, workdirs: dict[str, Path], busy_port: int) -> None:
-    cwd = workdirs[block.page]
+def test_doc_block(block: Block, workdir: Path, busy_port: int) -> None:
+    cwd = workdir
     port = free_port()
     env = command_env({"HOST": "127.0.0.1", "PORT": str(port), "BUSY_PORT": str(busy_port)})
     if block.kind == "gpu" and not gpu_visible():
