@@ -33,6 +33,7 @@ from helpers import (
     wait_gone,
     write_script,
 )
+from multigpu.supervisor.loop import SAME_INTERRUPT_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -192,7 +193,7 @@ sys.exit(1)
     assert res.returncode == 1, res.stderr
     ranks = record(out)["attempts"][0]["ranks"]
     assert ranks["0"]["state"] == "stopped" and ranks["0"]["signal"] == "SIGKILL"
-    assert f"rank 0 (pid {ranks['0']['pid']}) still running {GRACE}s after SIGTERM; sending SIGKILL" \
+    assert f"rank 0 (pid {ranks['0']['pid']}): still running {GRACE}s after SIGTERM; sending SIGKILL" \
         in res.stderr
     assert_gone(rank_pids(out))
 
@@ -387,25 +388,90 @@ keep = grandchild()
 ready()
 time.sleep(60)
 """
-    job = script(tmp_path, stubborn)
+    out, proc = start_ready(tmp_path, stubborn, launched)
+    pids = rank_pids(out) + grandchild_pids(out)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    told = read_until(proc, "SIGINT received: stopping every rank")
+    # A press is "again" once the ranks were told and the first signal's echo window is over.
+    time.sleep(max(0.0, t0 + SAME_INTERRUPT_S + 0.1 - time.monotonic()))
+    assert proc.poll() is None  # the first Ctrl-C waits for the (30 s) grace period
+    os.kill(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, timeout=15)
+    err = told + err
+    took = time.monotonic() - t0
+    print(f"launcher exited {took:.3f}s after the first SIGINT (grace period 30s)")
+    assert rc == -signal.SIGINT, err
+    ranks = ", ".join(f"rank {r} (pid {p})" for r, p in enumerate(rank_pids(out)))
+    assert f"{ranks}: still running after a second interrupt; sending SIGKILL" in err
+    assert took < 15
+    assert_gone(pids)
+
+
+def start_ready(tmp_path: Path, body: str, launched: list[subprocess.Popen[str]],
+                ) -> tuple[Path, subprocess.Popen[str]]:
+    """A 2-rank run of ``body`` with a 30 s grace period, once both ranks are ready."""
+    job = script(tmp_path, body)
     out = tmp_path / "out"
     proc = start_cli(["run", "--cpu", "2", "--grace-period", "30", "--output", str(out), str(job)],
                      cwd=tmp_path)
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
-    pids = rank_pids(out) + grandchild_pids(out)
-    t0 = time.monotonic()
-    os.kill(proc.pid, signal.SIGINT)
+    return out, proc
+
+
+def read_until(proc: subprocess.Popen[str], text: str) -> str:
+    """The launcher's stderr up to the line holding ``text`` (the test's timeout bounds the wait)."""
+    assert proc.stderr is not None
+    seen = ""
+    while text not in seen:
+        line = proc.stderr.readline()
+        assert line, f"stderr ended before {text!r}:\n{seen}"
+        seen += line
+    return seen
+
+
+TIDY_ON_SIGINT = """
+def on_int(signum, frame):
+    print(f"rank {RANK} tidying up", flush=True)
     time.sleep(0.3)
-    assert proc.poll() is None  # the first Ctrl-C waits for the (30 s) grace period
+    print(f"rank {RANK} tidied", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGINT, on_int)
+ready()
+time.sleep(60)
+"""
+
+
+def assert_one_interrupt(out: Path, rc: int, err: str) -> None:
+    """One SIGINT's worth: the ranks had their grace period and tidied up; nothing was SIGKILLed."""
+    assert rc in (-signal.SIGINT, 124), err  # 124: timeout's own code for "it timed out"
+    assert "SIGKILL" not in err and "second interrupt" not in err, err
+    for rank in (0, 1):
+        assert f"rank {rank} tidied" in log(out, rank), log(out, rank)
+    assert_gone(rank_pids(out))
+
+
+def test_two_sigints_back_to_back_are_one_interrupt(tmp_path: Path,
+                                                   launched: list[subprocess.Popen[str]]) -> None:
+    """Issue 22: ``timeout`` and a terminal signal the launcher and its group at once; that is one
+    interrupt, so the ranks keep their grace period."""
+    out, proc = start_ready(tmp_path, TIDY_ON_SIGINT, launched)
     os.kill(proc.pid, signal.SIGINT)
-    rc, _, err = finish(proc, timeout=15)
-    took = time.monotonic() - t0
-    print(f"launcher exited {took:.3f}s after the first SIGINT (grace period 30s)")
-    assert rc == -signal.SIGINT, err
-    assert "a second interrupt; sending SIGKILL" in err
-    assert took < 15
-    assert_gone(pids)
+    os.kill(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, timeout=30)
+    assert_one_interrupt(out, rc, err)
+
+
+def test_timeout_s_int_is_one_interrupt(tmp_path: Path) -> None:
+    """The newcomer's line: ``timeout -s INT N multigpu run ...`` (SIGINT to the launcher and its group)."""
+    job = script(tmp_path, TIDY_ON_SIGINT)
+    out = tmp_path / "out"
+    res = subprocess.run(["timeout", "-s", "INT", "8", *MULTIGPU, "run", "--cpu", "2", "--grace-period", "30",
+                          "--output", str(out), str(job)], cwd=tmp_path, env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "ready_0").exists() and (tmp_path / "ready_1").exists(), res.stderr
+    assert_one_interrupt(out, res.returncode, res.stderr)
 
 
 HUP_BODY = """
