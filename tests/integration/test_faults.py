@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +40,7 @@ from multigpu.supervisor.loop import SAME_INTERRUPT_S
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 GRACE = "0.5"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUN_TIMEOUT = 60.0
 
 # Common prologue: the rank, its pid on stdout, and a ready marker the test (or a peer) can wait for.
@@ -148,6 +151,33 @@ time.sleep(60)
     assert f"rank 0 (pid {attempt['ranks']['0']['pid']}): stopped by the launcher" in err
     assert record(out)["exit_code"] == 1
     assert_gone(rank_pids(out))
+
+
+OWN_PATH = "/multigpu/"  # a path under our package: a frame of ours shown unfolded
+
+
+def test_one_rank_valueerror_console(tmp_path: Path) -> None:
+    """Issue 22, the newcomer's case: ``multigpu run --cpu 2 fail.py``, rank 1 raises ValueError. The
+    console ends with the summary, the root cause, and one line for rank 0; no stack dump of the
+    surviving rank and none of our frames reach it (the dump, if it came, is in rank 0's log)."""
+    shutil.copy(EXAMPLES / "fail.py", tmp_path / "fail.py")
+    res = subprocess.run([*MULTIGPU, "run", "--cpu", "2", "fail.py"], cwd=tmp_path, env=clean_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT)
+    console = res.stdout
+    print(console)
+    assert res.returncode == 1, console
+    (out,) = (tmp_path / "multigpu_runs").iterdir()
+    ranks = record(out)["attempts"][0]["ranks"]
+    assert ranks["0"]["state"] == "stopped" and ranks["1"]["state"] == "failed", ranks
+    summary = console.index("multigpu: summary")
+    root = console.index("root cause: rank 1 (node 0, pid")
+    other = [line for line in console.splitlines() if line.startswith("rank 0 (pid ")]
+    assert len(other) == 1 and other[0].startswith(f"rank 0 (pid {ranks['0']['pid']}): stopped "), console
+    assert summary < root < console.index(other[0])
+    assert re.search(r"rank 0 +pid \d+ +cpu +stopped ", console[summary:root]), console
+    assert "most recent call first" not in console and OWN_PATH not in console, console
+    assert "GLHF" not in console[console.index("loss is NaN"):], console  # rank 0's consequence: log only
+    assert_gone([r["pid"] for r in ranks.values()])
 
 
 @pytest.mark.parametrize(("body", "code", "words"), [
@@ -554,6 +584,7 @@ stuck_here()
         assert f"rank {rank} (pid" in res.stderr
         assert "stuck_here" in log(out, rank) and "most recent call first" in log(out, rank)
     assert res.stderr.count("in stuck_here") >= 2
+    assert "multigpu frame" in res.stderr and OWN_PATH not in res.stderr  # our frames folded
     attempt = record(out)["attempts"][0]
     assert attempt["status"] == "hung"
     assert sorted(f["rank"] for f in attempt["failures"]) == [0, 1]

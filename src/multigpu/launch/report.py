@@ -1,10 +1,13 @@
-"""The end-of-run report: the root cause first (the first failure in time), then everyone else."""
+"""The end-of-run report: the root cause first (the first failure in time), then one line for every
+other rank. Runs in the launcher, after the summary table. Tracebacks and stack dumps show the user's
+frames; runs of multigpu's own are folded into one line (``contract/frames.fold_own_frames``)."""
 
 from __future__ import annotations
 
 import time
 
 from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.frames import fold_own_frames
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
 
@@ -16,7 +19,7 @@ def _indent(text: str, by: str = "    ") -> str:
 def format_failure(failure: WorkerFailure, *, tail_lines: int = 10) -> str:
     parts = [failure.describe()]
     if failure.traceback:
-        parts.append(_indent(failure.traceback))
+        parts.append(_indent(fold_own_frames(failure.traceback)))
     tail = failure.log_tail
     if failure.traceback:  # the traceback is printed above: show what the rank said before it
         starts = [i for i, line in enumerate(tail) if "Traceback (most recent call last)" in line]
@@ -45,20 +48,27 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     elif root is not None:
         for failure in result.failures:
             lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
-            lines.append(_indent(failure.traceback or "(no stack dump arrived)"))
+            lines.append(_indent(fold_own_frames(failure.traceback or "(no stack dump arrived)")))
     failed = {f.rank for f in result.failures}
-    for w in workers:
-        if w.rank in failed:
-            continue
-        if w.unkillable:
-            lines.append(f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
-                         f"e.g. a driver call); it was left running")
-        elif w.state is WorkerState.STOPPED:
-            how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
-            lines.append(f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})")
-        elif w.state is WorkerState.FAILED and w.failure is not None:
-            lines.append(f"also failed: {w.failure.describe()}")
+    lines += [line for w in workers if w.rank not in failed and (line := other_rank_line(w))]
     return "\n".join(lines)
+
+
+def other_rank_line(w: Worker) -> str | None:
+    """What happened to a rank that is not the root cause, in one line (None: it succeeded)."""
+    how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
+    if w.unkillable:
+        return (f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
+                f"e.g. a driver call); it was left running")
+    signalled = w.returncode is not None and w.returncode < 0
+    if w.state is WorkerState.STOPPED and (w.failure is None or signalled):
+        return f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})"
+    if w.state is WorkerState.STOPPED and w.failure is not None:
+        why = "a peer's connection closed" if w.failure.saw_a_peer_die else w.failure.error_type
+        return f"rank {w.rank} (pid {w.pid}): stopped after the root cause ({how}, {why}; see its log)"
+    if w.state is WorkerState.FAILED and w.failure is not None:
+        return f"also failed: {w.failure.describe()}"
+    return None
 
 
 def plain_summary(workers: list[Worker]) -> str:

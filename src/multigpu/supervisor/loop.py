@@ -197,8 +197,16 @@ class Supervisor:
             worker.heartbeat_read_fd = None
         else:
             kinds = hang.feed_beats(self.progress, worker, data, self._clock())
+            if "failing" in kinds and self._stop_signal is None:
+                self._mute_all_but(worker)
             if "failing" in kinds and self.hooks.on_failing is not None:
                 self.hooks.on_failing(worker)
+
+    def _mute_all_but(self, failed: Worker) -> None:
+        """A rank failed (it said so, or it exited): what the others say from here on is a consequence,
+        for their logs only; the report names each of them in one line."""
+        for other in self.workers:
+            other.muted = other.muted or (other is not failed and other.alive)
 
     def _read_stream(self, stream: Stream) -> None:
         if not self._output.read(stream):
@@ -215,10 +223,12 @@ class Supervisor:
             worker.pidfd = None
         self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
         ending = self._closing or self._stop_signal is not None
+        first = min((f.time for f in self._failures if f.time is not None), default=None)
         failure = exits.settle(worker, rc, ending=ending, interrupted=self._stop_signal is not None,
-                               output=self._output, notify=self._notify)
+                               output=self._output, notify=self._notify, first_failure=first)
         if failure is not None:
             self._failures.append(failure)
+            self._mute_all_but(worker)
         elif worker.state is WorkerState.SUCCEEDED and not ending:
             self.progress.finished(worker.rank, self._clock())
         self.changed(worker)

@@ -149,6 +149,9 @@ class Worker:
     open_streams: int = 0
     heartbeat_read_fd: int | None = None
     capture: list[str] | None = None
+    muted: bool = False
+    """Its lines go to its log only: the attempt already failed (what it says now is a consequence,
+    named in the report) or it is dumping its stacks (shown by the report where they are the point)."""
     group_open: bool = True
     dump: list[str] = field(default_factory=list)
     progress: RankProgress | None = None
