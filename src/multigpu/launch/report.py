@@ -56,26 +56,32 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
 
 def other_rank_line(w: Worker) -> str | None:
     """What happened to a rank that is not the root cause, in one line (None: it succeeded)."""
-    how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
-    if w.unkillable:
-        return (f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
-                f"e.g. a driver call); it was left running")
-    signalled = w.returncode is not None and w.returncode < 0
-    if w.state is WorkerState.STOPPED and (w.failure is None or signalled):
-        return f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})"
-    if w.state is WorkerState.STOPPED and w.failure is not None:
-        why = "a peer's connection closed" if w.failure.saw_a_peer_die else w.failure.error_type
-        return f"rank {w.rank} (pid {w.pid}): stopped after the root cause ({how}, {why}; see its log)"
     if w.state is WorkerState.FAILED and w.failure is not None:
         return f"also failed: {w.failure.describe()}"
+    if w.unkillable or w.state is WorkerState.STOPPED:
+        return f"rank {w.rank} (pid {w.pid}): {rank_reason(w)}"
     return None
+
+
+def rank_reason(w: Worker) -> str:
+    """Why a rank ended, in words: written here once, read by the report and by run.json."""
+    how = w.exit_text
+    if w.unkillable:
+        return "did not end after SIGKILL (uninterruptible sleep, e.g. a driver call); it was left running"
+    if w.state is WorkerState.STOPPED and w.failure is not None:
+        why = "a peer's connection closed" if w.failure.saw_a_peer_die else w.failure.error_type
+        return f"stopped after the root cause ({how}, {why}; see its log)"
+    if w.state is WorkerState.STOPPED:
+        return f"stopped by the launcher ({how})"
+    if w.failure is not None:
+        return w.failure.describe().split(") ", 1)[-1]  # "exited with code 1: ValueError: ..."
+    return f"{w.state.value} ({how})" if w.returncode is not None else w.state.value
 
 
 def plain_summary(workers: list[Worker]) -> str:
     rows = []
     for w in workers:
-        rc = w.returncode
-        end = signal_name(-rc) if rc is not None and rc < 0 else f"exit {rc}"
+        end = w.exit_text
         took = (w.end_time or time.time()) - (w.start_time or time.time())
         rows.append(f"  rank {w.rank:<3} pid {w.pid!s:<8} {w.spec.device:<8} {w.state.value:<10} "
                     f"{end:<10} {took:6.1f}s")
