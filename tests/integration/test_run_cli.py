@@ -268,6 +268,21 @@ def test_mistyped_option_gets_did_you_mean(tmp_path: Path, typo: str, meant: str
     assert "Traceback" not in result.stderr + result.stdout and "must not run" not in result.stdout
 
 
+def test_demo_keeps_its_output_and_says_what_next(tmp_path: Path) -> None:
+    """Issue 22: the newcomer's first run leaves its logs and run.json under ./multigpu_runs/ like any
+    run, says where, and its last line says what to try next."""
+    result = run_cli(["demo", "--cpu", "2", "--steps", "5"], cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result.stderr
+    (out,) = (tmp_path / "multigpu_runs").iterdir()
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "succeeded" and record["command"][:2] == ["multigpu", "demo"]
+    lines = result.stdout.splitlines()
+    assert f"demo: logs in {out / 'logs'}, the run record in {out / 'run.json'}" in lines, result.stdout
+    assert lines[-1].endswith(": multigpu run --cpu 2 examples/train_ddp.py"), result.stdout
+    assert "[rank 0] done: loss" in result.stdout and "multigpu: summary" in result.stderr
+    assert_gone([r["pid"] for r in record["attempts"][0]["ranks"].values()])
+
+
 def test_gpus_without_gpu_says_use_cpu(tmp_path: Path) -> None:
     if visible_gpus():
         pytest.skip("this machine has a GPU")

@@ -328,9 +328,15 @@ def cmd_devices(argv: Sequence[str]) -> int:
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    from multigpu.cli.demo import main as demo_main
+    """``multigpu demo``: a ``multigpu run`` of the demo module, by the same code path; then where its
+    output went and what to try next."""
+    from multigpu.cli import demo
+    from multigpu.config.run import new_run_id
 
-    return demo_main(list(argv))
+    args, run_id = demo.parse_args(argv), new_run_id()
+    code = cmd_run(demo.run_line(args, run_id))
+    demo.where_and_next(args, run_id)
+    return code
 
 
 COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices}
