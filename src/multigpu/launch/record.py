@@ -2,8 +2,8 @@
 
 It always ends true: ``succeeded``, ``failed`` or ``interrupted`` (with the signal), and the exit
 code, whatever ended the run. A full disk does not stop the run: when the atomic write (a temporary
-file, then a rename) finds no space, the record is rewritten in place, which needs no more room than
-it already has; when even that fails, the console says once that run.json is stale, and
+file, then a rename) finds no space, the record is rewritten in place, compactly, when it fits in the
+blocks it already has; when it does not, the console says once that run.json is stale, and
 ``output_lost`` lists the log files that could not be written in full.
 """
 
@@ -38,8 +38,11 @@ def atomic_write_json(path: Path, data: Any) -> None:
             tmp.unlink()
         if not path.exists():
             raise
-        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has
-            f.write(text)
+        compact = json.dumps(data, separators=(",", ":"), default=str) + "\n"
+        if len(compact.encode()) > path.stat().st_blocks * 512:
+            raise  # it would not fit in the blocks it has: cut short, it would no longer be JSON
+        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has, compactly
+            f.write(compact)
             f.truncate()
 
 
