@@ -44,9 +44,9 @@ from multigpu.supervisor.states import (
 PROGRESS_EVERY_S = 5.0
 """How often step times go to the listener (run.json), besides the end of the attempt."""
 SAME_INTERRUPT_S = 0.3
-"""Stop signals this close together are one interrupt: ``timeout -s INT`` (and a terminal's Ctrl-C)
-delivers SIGINT to the launcher and to its process group at once, so two arrive from one event. A
-later SIGINT, after the ranks were told to stop, is a person pressing Ctrl-C again."""
+"""Stop signals this close together are one interrupt: ``timeout -s INT`` signals the launcher, then
+its whole process group, so two SIGINTs arrive from one event. A later SIGINT, after the ranks were
+told to stop, is a person pressing Ctrl-C again."""
 
 
 class Supervisor:
