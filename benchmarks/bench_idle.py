@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import psutil
 from common import (
     LAUNCHERS,
     MULTIGPU,
@@ -42,6 +41,8 @@ def estimate(ctx: Ctx) -> float:
 
 
 def cpu(pid: int) -> float | None:
+    import psutil  # here, not at import: run.py --help works without it
+
     try:
         t = psutil.Process(pid).cpu_times()
     except psutil.Error:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import psutil
 from common import (
     LAUNCHERS,
     MULTIGPU,
@@ -40,6 +39,8 @@ def estimate(ctx: Ctx) -> float:
 
 
 def peak_rss(job: Job, stop: threading.Event, out: list[int]) -> None:
+    import psutil  # here, not at import: run.py --help works without it
+
     try:
         proc = psutil.Process(job.pid)
         while not stop.is_set():

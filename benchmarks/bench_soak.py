@@ -7,7 +7,6 @@ import os
 import time
 from typing import Any
 
-import psutil
 from common import LOOPBACK, MULTIGPU, Ctx, Tracked, run_launcher, start_launcher
 from report import table, target
 
@@ -27,11 +26,15 @@ def estimate(ctx: Ctx) -> float:
 
 def listening() -> set[tuple[int, int | None]]:
     """(port, pid) of every TCP socket listening on 127.0.0.1 (pid None where not ours to see)."""
+    import psutil  # here, not at import: run.py --help works without it
+
     return {(c.laddr.port, c.pid) for c in psutil.net_connections(kind="tcp")
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip == LOOPBACK}
 
 
 def snapshot() -> dict[str, Any]:
+    import psutil  # here, not at import: run.py --help works without it
+
     me = psutil.Process()
     return {"fds": set(os.listdir("/proc/self/fd")), "shm": set(os.listdir("/dev/shm")),
             "listen": listening(), "children": {c.pid for c in me.children(recursive=True)}}

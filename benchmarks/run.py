@@ -34,7 +34,6 @@ import bench_sigkill
 import bench_signals
 import bench_soak
 import bench_train
-import psutil
 from common import HERE, REGISTRY, Ctx, log, rmtree_quiet
 from report import table
 
@@ -63,13 +62,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
     if args.runs is not None and args.runs < 1:
         p.error("--runs must be at least 1")
+    if args.quick and args.out is not None and args.out.resolve() == (HERE / "results").resolve():
+        p.error("--quick never writes into benchmarks/results (the committed numbers); leave out --out")
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="multigpu-bench-quick-")) if args.quick else HERE / "results"
     return args
 
 
+NEEDS = ("psutil", "torch", "multigpu")
+"""What a run imports (``--help`` needs none of them)."""
+
+
+def missing_requirements() -> str | None:
+    """One line naming what this Python lacks and the fix: the README's venv, with the dev extra."""
+    import importlib.util
+
+    missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"benchmarks/run.py: error: {', '.join(missing)} not installed for {sys.executable}; run it "
+            f"with the venv's python: .venv/bin/python benchmarks/run.py (set up by "
+            f"python3 -m venv .venv && .venv/bin/pip install -e '.[dev]')")
+
+
 def machine() -> dict[str, Any]:
     from importlib.metadata import version  # not ``import torch``: no NumPy warning, no second lost
+
+    import psutil
 
     return {"nproc": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
@@ -194,6 +213,10 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = missing_requirements()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _stop)
     runs = args.runs or (QUICK_RUNS if args.quick else FULL_RUNS)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,11 @@ Conventions of the guide's fenced blocks (also described in ``docs/README.md``):
 - A comment line ``# expect: TEXT`` right after a command: its stdout+stderr contains ``TEXT``.
 - ``$HOST``, ``$PORT`` and ``$BUSY_PORT`` are environment variables set here: ``127.0.0.1``, a free
   port, and a port this test holds listening for the block's duration.
+- A line ending in ``# not run here: REASON`` is a command the test does not run (it says why).
+- ``README.md``'s blocks are checked too, with two more kinds: ``venv`` (a ``python3 -m venv .venv &&
+  .venv/bin/pip install ... && COMMAND`` chain: a venv is made in a scratch folder, the install is
+  a ``--dry-run`` as in ``setup``, the command runs) and ``repo`` (commands run in the repository).
+  A ``pytest`` command is collected, not run (``--collect-only``): it would run this test again.
 - Block kinds, by the word after ``bash``: none (run line by line, in order), ``nodes`` (every line is
   one machine's command: all are started at once, on 127.0.0.1), ``gpu`` (run only when a GPU is
   visible), ``setup`` (``pip install`` lines, run with ``--dry-run --no-deps --no-index
@@ -16,10 +21,13 @@ Conventions of the guide's fenced blocks (also described in ``docs/README.md``):
   ``docs/examples/multigpu.sbatch``, and its ``srun`` line's command runs under recorded SLURM
   environments: one node, and two launcher tasks on ``localhost``).
 
-Commands run with ``bash -c`` in a temporary copy of ``examples/`` (one per doc page, so commands of a
-page may use what earlier ones wrote), with the venv's ``bin`` first on ``PATH``. Each is bounded by a
-timeout and started in its own session; afterwards its session and every worker PID in the run
-records it wrote must be gone.
+Commands run with ``bash -c`` in a temporary copy of ``examples/``, one per block: the suite runs under
+pytest-xdist, where a block cannot count on another block having run in the same folder, so each block
+is self-contained. The venv's ``bin`` is first on ``PATH``, and ``.venv/bin/`` in a command names it
+(the README's venv). Each command is bounded by a timeout and started in its own session; afterwards its
+session and every worker PID in the run records it wrote must be gone, and a command that starts no run
+(not ``multigpu``, ``torchrun``, ``python examples/...``) must leave every run record as it was: a
+documented ``python -m json.tool a.json b.json`` once wrote one run's record over another's.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from helpers import assert_gone, clean_env, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+README = ROOT / "README.md"
 SBATCH = DOCS / "examples" / "multigpu.sbatch"
 BIN = Path(sys.executable).parent
 COMMAND_TIMEOUT = 90.0
@@ -52,7 +61,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 _FENCE = re.compile(r"^```bash(?P<kind>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
 _EXIT = re.compile(r"\s+#\s*exit\s+(\d+)\s*$")
 _EXPECT = "# expect:"
-KINDS = {"", "nodes", "gpu", "setup", "sbatch"}
+KINDS = {"", "nodes", "gpu", "setup", "sbatch", "venv", "repo"}
+_NOT_RUN = re.compile(r"#\s*not run here:\s*(\S.*)$")
+_COMMENT = re.compile(r"\s+#\s.*$")
+DRY_RUN = " --dry-run --no-deps --no-index --no-build-isolation"
 
 
 @dataclass
@@ -61,6 +73,8 @@ class Command:
     line: int
     exit_code: int = 0
     expects: list[str] = field(default_factory=list)
+    not_run: str | None = None
+    """Why the test does not run it (``# not run here: REASON``)."""
 
 
 @dataclass
@@ -100,7 +114,9 @@ def parse_block(page: str, line: int, kind: str, body: str) -> Block:
             raise ValueError(f"{where}: one command per line, no continuations")
         match = _EXIT.search(text)
         code = int(match.group(1)) if match else 0
-        commands.append(Command(text[: match.start()] if match else text, line + offset, code))
+        skip = _NOT_RUN.search(text)
+        commands.append(Command(text[: match.start()] if match else text, line + offset, code,
+                                not_run=skip.group(1) if skip else None))
     if not commands:
         raise ValueError(f"{page}:{line}: a bash block without a command")
     return Block(page, line, kind, body, commands)
@@ -108,7 +124,7 @@ def parse_block(page: str, line: int, kind: str, body: str) -> Block:
 
 def collect_blocks() -> list[Block]:
     blocks = []
-    for path in sorted(DOCS.glob("*.md")):
+    for path in [*sorted(DOCS.glob("*.md")), README]:
         text = path.read_text()
         for m in _FENCE.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
@@ -126,15 +142,11 @@ def gpu_visible() -> bool:
 
 
 
-@pytest.fixture(scope="module")
-def workdirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One fresh copy of the examples per doc page."""
-    dirs = {}
-    for page in sorted({b.page for b in BLOCKS}):
-        d = tmp_path_factory.mktemp(page.removesuffix(".md"))
-        shutil.copytree(ROOT / "examples", d / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-        dirs[page] = d
-    return dirs
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A fresh copy of the examples for one block."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
 
 
 @pytest.fixture
@@ -152,6 +164,41 @@ def command_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 def _records(cwd: Path) -> dict[Path, float]:
     return {p: p.stat().st_mtime for p in cwd.rglob("run*.json")}
+
+
+def _contents(cwd: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in cwd.rglob("run*.json")}
+
+
+LAUNCHERS = ("multigpu ", "torchrun ", "python examples/", "srun ")
+
+
+def starts_no_run(text: str) -> bool:
+    """A command that launches nothing (after any ``VAR=value`` prefix): it must not touch a record."""
+    words = [w for w in shlex.split(text.split("#")[0]) if "=" not in w.split("/")[0]] or [""]
+    return not " ".join(words).startswith(LAUNCHERS)
+
+
+def venv_named(text: str) -> str:
+    """``.venv/bin/`` in a documented command is the README's venv: the one running this test; a
+    ``pytest`` command is collected only (running it would run this test again)."""
+    text = text.replace(".venv/bin/", f"{BIN}/")
+    return f"{_COMMENT.sub('', text)} --collect-only -q" if " -m pytest" in text else text
+
+
+def run_venv_chain(block: Block, cmd: Command, cwd: Path, env: Mapping[str, str]) -> None:
+    """The README's ``python3 -m venv .venv && .venv/bin/pip install ... && COMMAND``, part by part."""
+    for part in cmd.text.split(" && "):
+        if part.startswith("python3 -m venv "):  # made for real, without pip, in a scratch folder
+            run_together(block, [Command(f"python3 -m venv --without-pip {cwd / 'venv'}", cmd.line)], cwd,
+                         [env])
+        elif "pip install" in part:
+            dry = Command(part + DRY_RUN, cmd.line, expects=["Would install multigpu"])
+            run_together(block, [dry], ROOT, [env], records=False)
+        else:
+            here = ROOT if " -m pytest" in part else cwd
+            run_together(block, [Command(part, cmd.line, cmd.exit_code, cmd.expects)], here, [env],
+                         records=here is cwd)
 
 
 def _worker_pids(cwd: Path, before: Mapping[Path, float]) -> list[int]:
@@ -212,19 +259,25 @@ def check(cmd: Command, code: int | None, out: str, block: Block) -> None:
         assert text in out, f"{where}\noutput lacks {text!r}:\n{out[-3000:]}"
 
 
-def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]]) -> None:
-    """Start every command at once (one per "node"), wait for all, check all, prove all gone."""
-    before = _records(cwd)
-    procs = [start(c.text, cwd, e) for c, e in zip(commands, envs, strict=True)]
+def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]],
+                 records: bool = True) -> None:
+    """Start every command at once (one per "node"), wait for all, check all, prove all gone.
+    ``records``: look for run records under ``cwd`` (not in the repository, which holds none)."""
+    before = _records(cwd) if records else {}
+    kept = _contents(cwd) if records else {}
+    procs = [start(venv_named(c.text), cwd, e) for c, e in zip(commands, envs, strict=True)]
     deadline = time.monotonic() + COMMAND_TIMEOUT
     results = [finish(p, max(1.0, deadline - time.monotonic())) for p in procs]
     for p in procs:
         assert _session_gone(p.pid), f"{block.id}: processes left in the session of {p.args}"
-    pids = _worker_pids(cwd, before)
+    pids = _worker_pids(cwd, before) if records else []
     if pids:
         assert_gone(pids)
     for cmd, (code, out) in zip(commands, results, strict=True):
         check(cmd, code, out, block)
+    if all(starts_no_run(c.text) for c in commands):
+        changed = [str(p) for p, data in kept.items() if not p.exists() or p.read_bytes() != data]
+        assert not changed, f"{block.id}: {commands[0].text!r} changed run records {changed}"
 
 
 def run_srun_line(block: Block, cwd: Path, port: int) -> None:
@@ -253,8 +306,8 @@ def run_srun_line(block: Block, cwd: Path, port: int) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_doc_block(block: Block, workdirs: dict[str, Path], busy_port: int) -> None:
-    cwd = workdirs[block.page]
+def test_doc_block(block: Block, workdir: Path, busy_port: int) -> None:
+    cwd = workdir
     port = free_port()
     env = command_env({"HOST": "127.0.0.1", "PORT": str(port), "BUSY_PORT": str(busy_port)})
     if block.kind == "gpu" and not gpu_visible():
@@ -262,16 +315,21 @@ def test_doc_block(block: Block, workdirs: dict[str, Path], busy_port: int) -> N
     if block.kind == "setup":
         for cmd in block.commands:
             assert "pip install" in cmd.text, f"{block.id}: a setup block holds pip install lines only"
-            dry = Command(f"{cmd.text} --dry-run --no-deps --no-index --no-build-isolation", cmd.line,
-                          cmd.exit_code, ["Would install multigpu"])
-            run_together(block, [dry], ROOT, [env])
+            dry = Command(cmd.text + DRY_RUN, cmd.line, cmd.exit_code, ["Would install multigpu"])
+            run_together(block, [dry], ROOT, [env], records=False)
+    elif block.kind == "venv":
+        for cmd in block.commands:
+            run_venv_chain(block, cmd, cwd, env)
+    elif block.kind == "repo":
+        for cmd in (c for c in block.commands if c.not_run is None):
+            run_together(block, [cmd], ROOT, [env], records=False)
     elif block.kind == "sbatch":
         run_srun_line(block, cwd, port)
     elif block.kind == "nodes":
         assert len(block.commands) >= 2, f"{block.id}: a nodes block has one command per node"
         run_together(block, block.commands, cwd, [env] * len(block.commands))
     else:
-        for cmd in block.commands:
+        for cmd in (c for c in block.commands if c.not_run is None):
             run_together(block, [cmd], cwd, [env])
 
 

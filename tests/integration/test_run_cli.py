@@ -256,6 +256,33 @@ def test_bad_input_exits_2_briefly(tmp_path: Path, args: list[str]) -> None:
     assert not (tmp_path / "multigpu_runs").exists()
 
 
+@pytest.mark.parametrize(("typo", "meant"), [("--nproc-pernode", "--nproc-per-node"),
+                                             ("--grace-perod", "--grace-period")])
+def test_mistyped_option_gets_did_you_mean(tmp_path: Path, typo: str, meant: str) -> None:
+    """Issue 22: a newcomer's typo is answered with the option meant, in one line, exit 2."""
+    script = write_script(tmp_path, "ok.py", "print('must not run')\n")
+    result = run_cli(["run", typo, "2", str(script)], cwd=tmp_path, timeout=20)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    first = result.stderr.splitlines()[0]
+    assert first == f"multigpu run: error: unknown option '{typo}'; did you mean '{meant}'?", result.stderr
+    assert "Traceback" not in result.stderr + result.stdout and "must not run" not in result.stdout
+
+
+def test_demo_keeps_its_output_and_says_what_next(tmp_path: Path) -> None:
+    """Issue 22: the newcomer's first run leaves its logs and run.json under ./multigpu_runs/ like any
+    run, says where, and its last line says what to try next."""
+    result = run_cli(["demo", "--cpu", "2", "--steps", "5"], cwd=tmp_path, timeout=90)
+    assert result.returncode == 0, result.stderr
+    (out,) = (tmp_path / "multigpu_runs").iterdir()
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "succeeded" and record["command"][:2] == ["multigpu", "demo"]
+    lines = result.stdout.splitlines()
+    assert f"demo: logs in {out / 'logs'}, the run record in {out / 'run.json'}" in lines, result.stdout
+    assert lines[-1].endswith(": multigpu run --cpu 2 examples/train_ddp.py"), result.stdout
+    assert "[rank 0] done: loss" in result.stdout and "multigpu: summary" in result.stderr
+    assert_gone([r["pid"] for r in record["attempts"][0]["ranks"].values()])
+
+
 def test_gpus_without_gpu_says_use_cpu(tmp_path: Path) -> None:
     if visible_gpus():
         pytest.skip("this machine has a GPU")
@@ -304,6 +331,9 @@ def test_help_version_and_devices_do_not_import_torch(tmp_path: Path, args: list
         assert "run" in result.stdout and "devices" in result.stdout and "demo" in result.stdout
     if args == ["run", "--help"]:
         assert "--cpu" in result.stdout and "--rdzv-endpoint" in result.stdout
+        head, *examples = result.stdout.splitlines()[:4]
+        assert head == "examples:", result.stdout[:500]
+        assert [e.split()[2] for e in examples] == ["--nproc-per-node", "--cpu", "--gpus"], examples
 
 
 def test_devices_without_gpu(tmp_path: Path) -> None:

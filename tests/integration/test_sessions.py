@@ -230,8 +230,9 @@ for i in range(3000):
 
 
 def test_demo_into_head_ends_quietly_and_trains_on(tmp_path: Path) -> None:
-    """Found by hand: ``multigpu demo | head -8`` exited 1 with a BrokenPipeError traceback, because the
-    demo's rank 0 is the calling process and printed to the closed pipe itself."""
+    """Found by hand: ``multigpu demo | head -8`` exited 1 with a BrokenPipeError traceback, when the
+    demo's rank 0 was the calling process and printed to the closed pipe itself (the demo is a
+    ``multigpu run`` now; its own closing lines meet the closed pipe the same way)."""
     import psutil
 
     out = tmp_path / "out"
@@ -246,7 +247,7 @@ def test_demo_into_head_ends_quietly_and_trains_on(tmp_path: Path) -> None:
         time.sleep(0.05)
     stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, stderr.decode()
-    assert stdout.decode().startswith("demo: 2 rank(s) on cpu") and stdout.count(b"\n") == 1
+    assert stdout.decode().startswith("[rank 0] demo: 2 rank(s) on cpu") and stdout.count(b"\n") == 1
     assert b"Traceback" not in stderr and b"Error" not in stderr
     assert_gone(seen)
 

@@ -200,3 +200,15 @@ def test_main_reports_usage_errors_in_two_lines(capsys: pytest.CaptureFixture[st
     assert main(["demo", "--gpus", "0"]) == 2  # no GPU here (monkeypatched): a usage error, no traceback
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "--cpu N" in err[0]
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("--nproc-pernode", "--nproc-per-node"),
+                                             ("--nproc_pernode=2", "--nproc-per-node"),
+                                             ("--grace-perod", "--grace-period"), ("--zzz", None)])
+def test_unknown_option_suggests_the_closest(script: str, typo: str, meant: str | None) -> None:
+    """A typo (not a torchrun abbreviation, which is taken) is answered with the option meant."""
+    from multigpu.cli.options import suggest
+
+    assert suggest(typo) == meant
+    with pytest.raises(UsageError, match=f"did you mean '{meant}'" if meant else "unrecognized"):
+        parse([typo, script])

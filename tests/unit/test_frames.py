@@ -51,3 +51,25 @@ def test_the_bootstrap_and_the_restart_policy_skip_the_same_frames() -> None:
     failure = WorkerFailure(rank=0, local_rank=0, pid=1, error_type="ValueError", traceback=text)
     found = signature(failure)
     assert found is not None and found.where.startswith(__file__ + ":")
+
+
+def test_fold_own_frames_keeps_the_users_and_folds_runs_of_ours() -> None:
+    """Issue 22: the report shows the user's frames; each run of ours is one line (both formats)."""
+    from multigpu.contract.frames import PACKAGE_DIR, fold_own_frames
+
+    ours = f"{PACKAGE_DIR}/rank/bootstrap.py"
+    dump = "\n".join([
+        "Current thread 0x01 (most recent call first):",
+        '  File "train.py", line 13 in <module>',
+        f'  File "{ours}", line 46 in write_error_file',
+        f'  File "{PACKAGE_DIR}/template/child.py", line 150 in run_bootstrap',
+        '  File "<frozen runpy>", line 88 in _run_code'])
+    assert fold_own_frames(dump).splitlines() == [
+        "Current thread 0x01 (most recent call first):", '  File "train.py", line 13 in <module>',
+        "  ... 2 multigpu frames ...", '  File "<frozen runpy>", line 88 in _run_code']
+    traceback = "\n".join([
+        "Traceback (most recent call last):", f'  File "{ours}", line 46, in main', "    run()", "    ^^^^^",
+        '  File "train.py", line 3, in step', "    raise ValueError('x')", "ValueError: x"])
+    assert fold_own_frames(traceback).splitlines() == [
+        "Traceback (most recent call last):", "  ... 1 multigpu frame ...",
+        '  File "train.py", line 3, in step', "    raise ValueError('x')", "ValueError: x"]

@@ -116,6 +116,26 @@ def test_a_locked_output_folder_refuses_a_second_run(tmp_path: Path) -> None:
     finally:
         first.release()
     claim_output(tmp_path / "out", "run-two").release()  # free again once the first has ended
+    assert not list((tmp_path / "out").glob(".multigpu*.lock"))  # issue 22: no lock left after a run
+
+
+def test_a_run_that_locked_a_removed_lock_file_locks_anew(tmp_path: Path) -> None:
+    """The ending run removes its lock file while a new run may already have it open: the new run must
+    not keep a lock on the removed file (a third run would then lock a fresh one beside it)."""
+    import fcntl
+
+    folder = tmp_path / "out"
+    first = claim_output(folder, "run-one")
+    fd = os.open(folder / ".multigpu.lock", os.O_RDWR)
+    try:
+        first.release()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this fd holds the removed file's lock
+        second = claim_output(folder, "run-two")
+        with pytest.raises(UsageError, match="in use by run run-two"):
+            claim_output(folder, "run-three")
+        second.release()
+    finally:
+        os.close(fd)
 
 
 # ---- the console writer -------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""``multigpu demo``: a real DDP training run on the default devices, through MultiGPUManager.
+"""``multigpu demo``: a real DDP training run on the default devices, launched as ``multigpu run``.
 
 A small MLP learns a deterministic synthetic task (points in 16-D labelled by which of 4 fixed
 centres they are nearest), sharded with DistributedSampler. Every visible GPU is used, or 2 CPU
-workers (gloo) when there is none. It runs exactly the code path users' training runs: this
-function is ``train_func``, re-entered by every spawned rank.
+workers (gloo) when there is none. In the launcher, ``cli.main``'s ``cmd_demo`` turns the demo's
+options into a ``multigpu run ... -m multigpu.cli.demo`` line (``run_line``) and runs it through the
+very code path of ``multigpu run`` (console, logs and ``run.json`` under ``./multigpu_runs/<run id>/``,
+or ``--output``), then says where they are and what to try next (``where_and_next``). ``rank_main``
+runs in each rank (this module is the rank's ``__main__``): ``torch.distributed`` from torchrun's
+environment, then ``train``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from multigpu.contract.errors import UsageError
@@ -32,8 +37,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size (default 64)")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("-o", "--output", help="output directory (default: a temporary directory)")
-    p.add_argument("--rdzv-endpoint", default="localhost:0", help="HOST:PORT of the c10d store")
+    p.add_argument("-o", "--output", help="output directory (default: ./multigpu_runs/<run id>, as any run)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d store (default: as multigpu run)")
     args = p.parse_args(argv)
     if args.cpu is not None and args.cpu < 1:
         raise UsageError(f"--cpu must be at least 1, got {args.cpu}")
@@ -53,42 +58,57 @@ def make_dataset(seed: int = 0) -> Any:
     return torch.utils.data.TensorDataset(x, labels)
 
 
-def _devices(args: argparse.Namespace) -> tuple[str, str]:
-    """(gpu_ids string, device) for the manager."""
+NEXT = "multigpu run --cpu 2 examples/train_ddp.py"
+"""What the demo's last line suggests: the same kind of run with a script of the newcomer's own."""
+
+
+def _device_options(args: argparse.Namespace) -> list[str]:
+    """``multigpu run``'s device options for the demo's: every visible GPU, else 2 CPU workers."""
     from multigpu.cluster.devices import visible_gpus
 
     if args.cpu is not None:
-        return ",".join(str(i) for i in range(args.cpu)), "cpu"
-    gpus = visible_gpus()
+        return ["--cpu", str(args.cpu)]
     if args.gpus is not None:
-        if not gpus:
-            raise UsageError("--gpus: no GPU is visible on this machine; use --cpu N for N CPU workers")
-        return args.gpus, "cuda"
-    if gpus:
-        return ",".join(str(g.index) for g in gpus), "cuda"
-    return "0,1", "cpu"
+        return ["--gpus", args.gpus]  # run's own check names --cpu N when no GPU is visible
+    return [] if visible_gpus() else ["--cpu", "2"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_line(args: argparse.Namespace, run_id: str) -> list[str]:
+    """The ``multigpu run`` arguments the demo runs: its devices, its output, this module as the target."""
+    where = ["--output", args.output] if args.output else []
+    rdzv = ["--rdzv-endpoint", args.rdzv_endpoint] if args.rdzv_endpoint else []
+    return [*_device_options(args), "--run-id", run_id, *where, *rdzv, "-m", "multigpu.cli.demo",
+            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr)]
+
+
+def where_and_next(args: argparse.Namespace, run_id: str) -> None:
+    """The demo's last lines, in the launcher after the run: where its output is, what to try next."""
+    out = Path(args.output or Path("multigpu_runs") / run_id).resolve()
+    if (out / "run.json").exists():
+        show(f"demo: logs in {out / 'logs'}, the run record in {out / 'run.json'}",
+             f"next: your own script on 2 CPU workers, the same way: {NEXT}")
+
+
+def rank_main(argv: Sequence[str] | None = None) -> int:
+    """The demo in one rank (``multigpu run -m multigpu.cli.demo``, or plain ``python -m`` for one
+    process): the process group from torchrun's environment, then ``train``."""
+    import torch
+    import torch.distributed as dist
+
+    from multigpu.contract.names import DEVICE_ENV
+
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from multigpu.function.manager import MultiGPUManager
-    from multigpu.rank.bootstrap import quiet_numpy_warning
-
-    quiet_numpy_warning()  # this process is rank 0 and imports torch; a first screen shows no warning
-
-    gpu_ids, device = _devices(args)
-    manager = MultiGPUManager(train_entry, gpu_ids, rdzv_endpoint=args.rdzv_endpoint, device=device)
-    if manager.is_available():
-        args.output = manager.setup_multi_gpu_train(args.output)
-    train(args, device, manager_ids=gpu_ids)
-    manager.finalize()
+    device = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "RANK" in os.environ:
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        train(args, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
-
-
-def train_entry() -> None:
-    """``train_func`` for spawned ranks: re-parse this rank's own argv, as OTX's entry points do."""
-    argv = sys.argv[sys.argv.index("demo") + 1:] if "demo" in sys.argv else sys.argv[1:]
-    main(argv)
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -100,14 +120,14 @@ def _progress(total: int, enabled: bool) -> Any:
                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
 
 
-def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[str, Any]:
+def train(args: argparse.Namespace, device: str) -> dict[str, Any]:
     """The demo's DDP training run in this rank (every rank runs it); rank 0 reports."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    dev, dataset, sampler, loader, model = _setup(args, device, manager_ids, distributed, rank, world)
+    dev, dataset, sampler, loader, model = _setup(args, device, distributed, rank, world)
     if rank == 0:
         show(f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
              f"batch {args.batch_size} per rank")
@@ -126,15 +146,13 @@ def train(args: argparse.Namespace, device: str, manager_ids: str = "") -> dict[
     return {"accuracy": accuracy, "summaries": summaries}
 
 
-def _setup(args: argparse.Namespace, device: str, manager_ids: str, distributed: bool, rank: int,
+def _setup(args: argparse.Namespace, device: str, distributed: bool, rank: int,
            world: int) -> tuple[Any, Any, Any, Any, Any]:
     """(device, dataset, sampler, loader, model): the same on every rank, sharded by the sampler."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
 
-    if device == "cuda" and not distributed and manager_ids:
-        torch.cuda.set_device(int(manager_ids.split(",")[0]))  # one GPU: the one asked for, not GPU 0
     dev = torch.device(f"cuda:{torch.cuda.current_device()}") if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     dataset = make_dataset()
@@ -240,4 +258,4 @@ def evaluate(model: Any, dataset: Any, dev: Any, rank: int, world: int) -> float
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rank_main())

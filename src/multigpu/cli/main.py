@@ -41,10 +41,33 @@ from multigpu.supervisor.console import ensure_std_fds
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake in one line plus a pointer to --help."""
+    """argparse that reports a usage mistake in one line plus a pointer to --help; an unknown option
+    close to a known one is answered with the known one ("did you mean ...?")."""
 
     def error(self, message: str) -> NoReturn:
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            for word in unknown.split():
+                hint = options.suggest(word)
+                if hint is not None:
+                    raise UsageError(f"unknown option {word.partition('=')[0]!r}; did you mean {hint!r}?")
         raise UsageError(message)
+
+
+RUN_EXAMPLES = """examples:
+  multigpu run --nproc-per-node 4 train.py --lr 0.1   # torchrun's line, 'torchrun' replaced
+  multigpu run --cpu 2 train.py                       # 2 CPU workers (gloo), no GPU needed
+  multigpu run --gpus 0,2 train.py                    # visible GPUs 0 and 2
+
+"""
+"""What ``multigpu run --help`` shows first: a newcomer copies a line before reading 150 lines."""
+
+
+class _RunParser(_Parser):
+    """``multigpu run``'s parser: its help starts with ``RUN_EXAMPLES``."""
+
+    def format_help(self) -> str:
+        return RUN_EXAMPLES + super().format_help()
 
 
 HELP_DEFAULTS: dict[str, tuple[type[Any], str]] = {
@@ -62,7 +85,7 @@ def _default_text(name: str) -> str:
 
 
 def _run_parser() -> _Parser:
-    parser = _Parser(
+    parser = _RunParser(
         prog="multigpu run",
         usage="multigpu run [options] SCRIPT [ARGS...]\n       multigpu run [options] -m MODULE [ARGS...]",
         description="Launch SCRIPT (or -m MODULE) once per device with torchrun's environment. Every "
@@ -305,9 +328,15 @@ def cmd_devices(argv: Sequence[str]) -> int:
 
 
 def cmd_demo(argv: Sequence[str]) -> int:
-    from multigpu.cli.demo import main as demo_main
+    """``multigpu demo``: a ``multigpu run`` of the demo module, by the same code path; then where its
+    output went and what to try next."""
+    from multigpu.cli import demo
+    from multigpu.config.run import new_run_id
 
-    return demo_main(list(argv))
+    args, run_id = demo.parse_args(argv), new_run_id()
+    code = cmd_run(demo.run_line(args, run_id))
+    demo.where_and_next(args, run_id)
+    return code
 
 
 COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices}

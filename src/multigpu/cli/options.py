@@ -169,6 +169,20 @@ def expand_abbreviation(token: str) -> str:
     return (matches.pop().flags[0] + sep + value) if len(matches) == 1 else token
 
 
+def suggest(word: str) -> str | None:
+    """The known option closest to a mistyped one (``--nproc-per-nod`` -> ``--nproc-per-node``), or None.
+
+    Runs in the launcher, on a usage error. Underscores count as dashes, as in torchrun's spelling."""
+    import difflib
+
+    name = word.partition("=")[0]
+    if not name.startswith("-"):
+        return None
+    known = sorted({flag.replace("_", "-") for flag in BY_FLAG if flag.startswith("--")})
+    close = difflib.get_close_matches(name.replace("_", "-"), known, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Launcher options, then the target and its arguments (passed on untouched).
 

@@ -41,6 +41,18 @@ class RendezvousError(MultiGPUError):
     """The group could not be formed: a port is taken, peers never came, or layouts disagree."""
 
 
+def exit_status(returncode: int | None) -> tuple[int | None, str | None]:
+    """(exit code, signal name) from ``Popen``'s returncode (< 0: killed by signal -returncode)."""
+    if returncode is not None and returncode < 0:
+        return None, signal_name(-returncode)
+    return returncode, None
+
+
+def exit_text(exit_code: int | None, signal_text: str | None) -> str:
+    """``exit 1`` or ``SIGTERM``: how the summary and the report say how a rank ended."""
+    return signal_text if signal_text is not None else f"exit {exit_code}"
+
+
 @dataclass
 class WorkerFailure:
     """Why one rank ended badly; enough to debug it without opening another file."""
@@ -108,11 +120,9 @@ class WorkerFailure:
         """The one constructor for a rank that ended badly: its exit status (``returncode`` < 0: killed by
         signal -returncode, as ``Popen`` says) and what its own error record says, if it wrote one
         (``read``), as torch's ``ProcessFailure`` reads its error file."""
-        killed = returncode is not None and returncode < 0
+        code, signame = exit_status(returncode)
         return cls(
-            rank=rank, local_rank=local_rank, node=node, pid=pid,
-            exit_code=None if killed else returncode,
-            signal=signal_name(-returncode) if killed and returncode is not None else None,
+            rank=rank, local_rank=local_rank, node=node, pid=pid, exit_code=code, signal=signame,
             error_type=record.error_type if record else None, message=record.message if record else None,
             traceback=record.traceback if record else None, time=record.time if record else None,
             log_tail=list(log_tail or []), log_path=log_path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from types import FrameType
 
 PACKAGE = "multigpu"
@@ -69,3 +70,36 @@ def _library_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths.get(name, "") for name in ("stdlib", "platstdlib", "purelib", "platlib")}
     return tuple(sorted(r for r in roots if r))
+
+
+_FILE_LINE = re.compile(r'^(?P<indent>\s*)File "(?P<file>[^"]+)", line \d+')
+
+
+def fold_own_frames(text: str) -> str:
+    """``text`` (a traceback, or faulthandler's stack dump) with each run of our own frames folded into
+    one line, ``  ... 3 multigpu frames ...``: a report shows the user's code, not our machinery.
+
+    Runs in the launcher, on the report. A frame is its ``File "...", line N`` line and the more
+    indented lines under it (the source line, the ``^^^`` markers)."""
+    out: list[str] = []
+    run: list[str] = []  # the indent of each own frame in the current run
+
+    def flush() -> None:
+        if run:
+            out.append(f"{run[0]}... {len(run)} multigpu frame{'s' if len(run) > 1 else ''} ...")
+            run.clear()
+
+    inside_own: str | None = None  # the indent of the own frame whose lines are being skipped
+    for line in text.splitlines():
+        match = _FILE_LINE.match(line)
+        if match is None and inside_own is not None and line.startswith(inside_own + " "):
+            continue
+        inside_own = None
+        if match is not None and own_file(match.group("file")):
+            run.append(match.group("indent"))
+            inside_own = match.group("indent")
+            continue
+        flush()
+        out.append(line)
+    flush()
+    return "\n".join(out)

@@ -13,7 +13,7 @@ from multigpu.config.run import RunConfig
 from multigpu.contract.errors import MEMBERSHIP_CHANGE
 from multigpu.contract.signals import signal_name
 from multigpu.launch.preemption import PreemptWatch
-from multigpu.launch.record import RunRecord
+from multigpu.launch.record import RunRecord, complete_error_files
 from multigpu.launch.report import plain_summary
 from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure
 from multigpu.rendezvous.job import JobStore
@@ -63,6 +63,7 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     else:
         supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
     result = supervisor.final_result(result)
+    complete_error_files(supervisor.workers)
     for loss in supervisor.output_losses():
         say(f"output lost: {loss}")
     record.note_losses(supervisor.output_losses())

@@ -2,14 +2,15 @@
 
 It always ends true: ``succeeded``, ``failed`` or ``interrupted`` (with the signal), and the exit
 code, whatever ended the run. A full disk does not stop the run: when the atomic write (a temporary
-file, then a rename) finds no space, the record is rewritten in place, which needs no more room than
-it already has; when even that fails, the console says once that run.json is stale, and
+file, then a rename) finds no space, the record is rewritten in place, compactly, when it fits in the
+blocks it already has; when it does not, the console says once that run.json is stale, and
 ``output_lost`` lists the log files that could not be written in full.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from typing import Any
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import UsageError
 from multigpu.contract.signals import signal_name
+from multigpu.launch.report import rank_reason
 from multigpu.supervisor.console import say
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
@@ -37,9 +39,29 @@ def atomic_write_json(path: Path, data: Any) -> None:
             tmp.unlink()
         if not path.exists():
             raise
-        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has
-            f.write(text)
+        compact = json.dumps(data, separators=(",", ":"), default=str) + "\n"
+        if len(compact.encode()) > path.stat().st_blocks * 512:
+            raise  # it would not fit in the blocks it has: cut short, it would no longer be JSON
+        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has, compactly
+            f.write(compact)
             f.truncate()
+
+
+def with_utc_times(data: Any) -> Any:
+    """``data`` with an ISO-8601 UTC twin beside every epoch time (``start_time`` ->
+    ``start_time_utc``, ``time`` -> ``time_utc``): a reader need not convert, a program keeps the float."""
+    if isinstance(data, list):
+        return [with_utc_times(item) for item in data]
+    if not isinstance(data, dict):
+        return data
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out[key] = with_utc_times(value)
+        if (key == "time" or key.endswith("_time")) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            stamp = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+            out[f"{key}_utc"] = stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return out
 
 
 def _config_dict(config: RunConfig) -> dict[str, Any]:
@@ -55,16 +77,29 @@ def _config_dict(config: RunConfig) -> dict[str, Any]:
     return data
 
 
+def complete_error_files(workers: list[Worker]) -> None:
+    """Rewrite each ``error_rank_<r>.json`` a rank wrote with what only the launcher knows once it has
+    ended: its exit code or signal, its log's path and last lines. Runs in the launcher, at the end of
+    an attempt; the rank wrote its file before it exited, so those fields were empty there."""
+    for w in workers:
+        path = w.spec.error_file
+        if w.failure is not None and path is not None and w.own_record() is not None:
+            with contextlib.suppress(OSError):
+                w.failure.write(path)
+
+
 class RunRecord:
     """Listens to the supervisor and rewrites run.json on every state change."""
 
     def __init__(self, path: Path, config: RunConfig, run_id: str, devices: list[str],
                  command: list[str] | None = None) -> None:
         self.path = path
+        resolved = _config_dict(config)  # what the run uses, not only what was given
+        resolved["output"].update(dir=str(path.parent), run_id=run_id)
         self.data: dict[str, Any] = {
             "run_id": run_id,
             "command": command if command is not None else ["multigpu", *sys.argv[1:]],
-            "config": _config_dict(config),
+            "config": resolved,
             "devices": devices,
             "status": "starting",
             "start_time": time.time(),
@@ -89,6 +124,7 @@ class RunRecord:
 
     def begin_attempt(self, attempt: int, master_addr: str, master_port: int) -> None:
         self.data["status"] = "running"
+        self.data["config"]["rdzv"]["endpoint"] = f"{master_addr}:{master_port}"  # the port bound
         self.data["attempts"].append({"attempt": attempt, "master_addr": master_addr,
                                       "master_port": master_port, "status": "running", "ranks": {},
                                       "root_cause": None, "failures": []})
@@ -101,7 +137,7 @@ class RunRecord:
         self.write()
 
     def _note_worker(self, worker: Worker) -> None:
-        rc = worker.returncode
+        exit_code, signame = worker.exit_status()
         self.data["attempts"][-1]["ranks"][str(worker.rank)] = {
             "rank": worker.rank,
             "local_rank": worker.spec.local_rank,
@@ -111,8 +147,9 @@ class RunRecord:
             "state": worker.state.value,
             "start_time": worker.start_time,
             "end_time": worker.end_time,
-            "exit_code": rc if rc is not None and rc >= 0 else None,
-            "signal": signal_name(-rc) if rc is not None and rc < 0 else None,
+            "exit_code": exit_code,
+            "signal": signame,
+            "reason": rank_reason(worker),
             "log": str(worker.spec.log_path) if worker.spec.log_path else None,
         }
         if worker.late_death is not None:  # its script had finished: a warning, not a failure
@@ -155,7 +192,7 @@ class RunRecord:
 
     def write(self) -> None:
         try:
-            atomic_write_json(self.path, self.data)
+            atomic_write_json(self.path, with_utc_times(self.data))
         except OSError as exc:
             if not self._created:
                 raise  # the first write, before any worker: the caller turns it into one line

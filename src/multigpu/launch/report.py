@@ -1,10 +1,13 @@
-"""The end-of-run report: the root cause first (the first failure in time), then everyone else."""
+"""The end-of-run report: the root cause first (the first failure in time), then one line for every
+other rank. Runs in the launcher, after the summary table. Tracebacks and stack dumps show the user's
+frames; runs of multigpu's own are folded into one line (``contract/frames.fold_own_frames``)."""
 
 from __future__ import annotations
 
 import time
 
 from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.frames import fold_own_frames
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
 
@@ -16,7 +19,7 @@ def _indent(text: str, by: str = "    ") -> str:
 def format_failure(failure: WorkerFailure, *, tail_lines: int = 10) -> str:
     parts = [failure.describe()]
     if failure.traceback:
-        parts.append(_indent(failure.traceback))
+        parts.append(_indent(fold_own_frames(failure.traceback)))
     tail = failure.log_tail
     if failure.traceback:  # the traceback is printed above: show what the rank said before it
         starts = [i for i, line in enumerate(tail) if "Traceback (most recent call last)" in line]
@@ -45,27 +48,40 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     elif root is not None:
         for failure in result.failures:
             lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
-            lines.append(_indent(failure.traceback or "(no stack dump arrived)"))
+            lines.append(_indent(fold_own_frames(failure.traceback or "(no stack dump arrived)")))
     failed = {f.rank for f in result.failures}
-    for w in workers:
-        if w.rank in failed:
-            continue
-        if w.unkillable:
-            lines.append(f"rank {w.rank} (pid {w.pid}): did not end after SIGKILL (uninterruptible sleep, "
-                         f"e.g. a driver call); it was left running")
-        elif w.state is WorkerState.STOPPED:
-            how = signal_name(-w.returncode) if w.returncode and w.returncode < 0 else f"exit {w.returncode}"
-            lines.append(f"rank {w.rank} (pid {w.pid}): stopped by the launcher ({how})")
-        elif w.state is WorkerState.FAILED and w.failure is not None:
-            lines.append(f"also failed: {w.failure.describe()}")
+    lines += [line for w in workers if w.rank not in failed and (line := other_rank_line(w))]
     return "\n".join(lines)
+
+
+def other_rank_line(w: Worker) -> str | None:
+    """What happened to a rank that is not the root cause, in one line (None: it succeeded)."""
+    if w.state is WorkerState.FAILED and w.failure is not None:
+        return f"also failed: {w.failure.describe()}"
+    if w.unkillable or w.state is WorkerState.STOPPED:
+        return f"rank {w.rank} (pid {w.pid}): {rank_reason(w)}"
+    return None
+
+
+def rank_reason(w: Worker) -> str:
+    """Why a rank ended, in words: written here once, read by the report and by run.json."""
+    how = w.exit_text
+    if w.unkillable:
+        return "did not end after SIGKILL (uninterruptible sleep, e.g. a driver call); it was left running"
+    if w.state is WorkerState.STOPPED and w.failure is not None:
+        why = "a peer's connection closed" if w.failure.saw_a_peer_die else w.failure.error_type
+        return f"stopped after the root cause ({how}, {why}; see its log)"
+    if w.state is WorkerState.STOPPED:
+        return f"stopped by the launcher ({how})"
+    if w.failure is not None:
+        return w.failure.describe().split(") ", 1)[-1]  # "exited with code 1: ValueError: ..."
+    return f"{w.state.value} ({how})" if w.returncode is not None else w.state.value
 
 
 def plain_summary(workers: list[Worker]) -> str:
     rows = []
     for w in workers:
-        rc = w.returncode
-        end = signal_name(-rc) if rc is not None and rc < 0 else f"exit {rc}"
+        end = w.exit_text
         took = (w.end_time or time.time()) - (w.start_time or time.time())
         rows.append(f"  rank {w.rank:<3} pid {w.pid!s:<8} {w.spec.device:<8} {w.state.value:<10} "
                     f"{end:<10} {took:6.1f}s")

@@ -7,8 +7,9 @@ Everything here runs before the first worker starts, so a problem is one line an
   user gave it, the environment did (SLURM) or another node's launcher did (adopted at rendezvous).
 * Two live runs never write into the same folder: the first takes an exclusive lock on
   ``<folder>/.multigpu.lock`` (``.multigpu-node<N>.lock`` on a multi-node run, whose nodes share
-  the folder) for its whole life; a second one refuses, naming the first. A folder reused by a later
-  run is that run's: its logs and records are replaced.
+  the folder) for its whole life; a second one refuses, naming the first. The run removes the file
+  as it ends (still holding it; a run that locked the removed file sees that and locks anew). A
+  folder reused by a later run is that run's: its logs and records are replaced.
 * The launcher's open-file limit is raised to its hard limit; when even that is too low for the ranks
   asked for, one line says so.
 """
@@ -63,12 +64,16 @@ def _describe(exc: OSError) -> str:
 class RunFolder:
     """The checked, locked output folder of one run (one node); ``release()`` unlocks it."""
 
-    def __init__(self, path: Path, lock_fd: int) -> None:
+    def __init__(self, path: Path, lock_fd: int, lock_path: Path) -> None:
         self.path = path
         self._lock_fd: int | None = lock_fd
+        self._lock_path = lock_path
 
     def release(self) -> None:
+        """Remove the lock file (still holding it, so no run can lock it on the way out), then unlock."""
         if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                self._lock_path.unlink()
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
             self._lock_fd = None
@@ -76,12 +81,29 @@ class RunFolder:
 
 def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
     """Create ``path``, prove it writable with room to spare, and lock it for this run."""
-    name = ".multigpu.lock" if node is None else f".multigpu-node{node}.lock"
+    lock = path / (".multigpu.lock" if node is None else f".multigpu-node{node}.lock")
+    fd = _lock(path, lock)
+    while not _still_there(fd, lock):  # the run before removed it as this one locked it: lock anew
+        os.close(fd)
+        fd = _lock(path, lock)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"run {run_id} (launcher pid {os.getpid()})\n".encode(), 0)
+        if shutil.disk_usage(path).free < MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, "no space")
+    except OSError as exc:
+        os.close(fd)
+        raise UsageError(f"output folder {path}: {_describe(exc)}") from None
+    return RunFolder(path, fd, lock)
+
+
+def _lock(path: Path, lock: Path) -> int:
+    """The lock file, open and exclusively locked, or one line naming the run that holds it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         if not path.is_dir():
             raise OSError(errno.ENOTDIR, "not a folder")
-        fd = os.open(path / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise UsageError(f"output folder {path}: {_describe(exc)}") from None
     try:
@@ -91,15 +113,14 @@ def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
         os.close(fd)
         raise UsageError(f"output folder {path} is in use by {holder}; give this run its own "
                          f"--output (or wait for that run to end)") from None
+    return fd
+
+
+def _still_there(fd: int, lock: Path) -> bool:
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"run {run_id} (launcher pid {os.getpid()})\n".encode(), 0)
-        if shutil.disk_usage(path).free < MIN_FREE_BYTES:
-            raise OSError(errno.ENOSPC, "no space")
-    except OSError as exc:
-        os.close(fd)
-        raise UsageError(f"output folder {path}: {_describe(exc)}") from None
-    return RunFolder(path, fd)
+        return os.stat(lock).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        return False
 
 
 def raise_open_file_limit(nproc: int) -> None:

@@ -75,8 +75,9 @@ def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[st
         error_file = files.error_file or logs / f"error_rank_{rank}.json"
         env = extras.apply_to_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices,
                                   error_file)
-        if config.function:
-            env[ANNOUNCE_ENV] = "1"  # a failing rank tells the caller (rank 0) before it exits
+        # A failing rank says so before it exits: function mode's caller raises at once, and the
+        # launcher keeps the consequences (the peers' "Connection closed") off the console.
+        env[ANNOUNCE_ENV] = "1"
         device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
         specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
                                 node=config.group_rank, log_path=logs / f"rank_{rank}.log",

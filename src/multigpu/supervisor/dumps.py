@@ -36,7 +36,7 @@ class DumpRequest:
         self.recording = [w for w in self.targets if FR_DUMP_ENV in w.spec.env and w.progress is not None
                           and w.progress.beats]
         for w in self.targets:
-            w.capture, w.recorded = [], False
+            w.capture, w.recorded, w.muted = [], False, True  # stacks go to the log; the report shows them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, DUMP_SIGNAL)  # type: ignore[arg-type]
                 if w in self.recording:

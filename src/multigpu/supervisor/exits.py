@@ -18,11 +18,14 @@ from multigpu.supervisor.states import Worker, WorkerState
 
 
 def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,
-           notify: Callable[[str], None]) -> WorkerFailure | None:
+           notify: Callable[[str], None], first_failure: float | None = None) -> WorkerFailure | None:
     """Set ``worker.state`` from its exit status; its failure when the exit counts as one.
 
     ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
     its doing, unless the rank wrote its own error record: then it failed on its own, perhaps first.
+    ``first_failure``: when the attempt's first failure happened; a rank whose own error came after it
+    and only says a peer went away (gloo's "Connection closed by peer") raised because of it, so it
+    counts as stopped, its error kept in ``worker.failure`` for the report's line about it.
     """
     if rc != 0 and worker.finished:
         how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
@@ -34,12 +37,22 @@ def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: 
     if rc == 0:
         worker.state = WorkerState.SUCCEEDED
         return None
-    if ending and (interrupted or worker.own_record() is None):
+    record = worker.own_record()
+    if ending and (interrupted or record is None):
+        worker.state = WorkerState.STOPPED
+        return None
+    worker.failure = failure_of(worker, rc, ending, output)
+    if _consequence(record, first_failure):
         worker.state = WorkerState.STOPPED
         return None
     worker.state = WorkerState.FAILED
-    worker.failure = failure_of(worker, rc, ending, output)
     return worker.failure
+
+
+def _consequence(record: WorkerFailure | None, first_failure: float | None) -> bool:
+    if record is None or record.time is None or first_failure is None:
+        return False
+    return record.saw_a_peer_die and record.time > first_failure
 
 
 def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput) -> WorkerFailure:

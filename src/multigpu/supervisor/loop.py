@@ -44,6 +44,10 @@ from multigpu.supervisor.states import (
 
 PROGRESS_EVERY_S = 5.0
 """How often step times go to the listener (run.json), besides the end of the attempt."""
+SAME_INTERRUPT_S = 0.3
+"""Stop signals this close together are one interrupt: ``timeout -s INT`` signals the launcher, then
+its whole process group, so two SIGINTs arrive from one event. A later SIGINT, after the ranks were
+told to stop, is a person pressing Ctrl-C again."""
 
 
 class Supervisor:
@@ -63,11 +67,13 @@ class Supervisor:
                                                  notify=self._notify)
         self._output = WorkerOutput(sink, self._notify, self._clock)
         self._events = Events()
-        self._signals: deque[int] = deque()
+        self._signals: deque[tuple[int, float]] = deque()
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
         self._started = self._closed = self._closing = self._hung = self._kill_now = False
         self._stop_signal: int | None = None
+        self._stop_at: float | None = None
+        self._told_at: float | None = None
         self._failures: list[WorkerFailure] = []
         self._last_tick = 0.0
         self._published = float("-inf")
@@ -96,8 +102,9 @@ class Supervisor:
     # ---- signals and stop requests (safe from a signal handler or another thread) ---------------------
 
     def request_signal(self, signum: int) -> None:
-        """Record a signal for the loop to act on; does nothing else, so it is safe in a handler."""
-        self._signals.append(signum)
+        """Record a signal (and when it came) for the loop to act on; does nothing else, so it is safe
+        in a handler."""
+        self._signals.append((signum, self._clock()))
         self._events.wake()
 
     def request_stop(self) -> None:
@@ -198,6 +205,8 @@ class Supervisor:
             worker.heartbeat_read_fd = None
         else:
             kinds = hang.feed_beats(self.progress, worker, data, self._clock())
+            if "failing" in kinds and self._stop_signal is None:
+                self._mute_all_but(worker)
             if "failing" in kinds and self.hooks.on_failing is not None:
                 self.hooks.on_failing(worker)
 
@@ -223,6 +232,12 @@ class Supervisor:
                 self._events.watch(stream.fd, "out", stream)
         self._held.clear()
 
+    def _mute_all_but(self, failed: Worker) -> None:
+        """A rank failed (it said so, or it exited): what the others say from here on is a consequence,
+        for their logs only; the report names each of them in one line."""
+        for other in self.workers:
+            other.muted = other.muted or (other is not failed and other.alive)
+
     def _read_stream(self, stream: Stream) -> None:
         if not self._output.read(stream):
             self._events.forget(stream.fd)
@@ -238,10 +253,12 @@ class Supervisor:
             worker.pidfd = None
         self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
         ending = self._closing or self._stop_signal is not None
+        first = min((f.time for f in self._failures if f.time is not None), default=None)
         failure = exits.settle(worker, rc, ending=ending, interrupted=self._stop_signal is not None,
-                               output=self._output, notify=self._notify)
+                               output=self._output, notify=self._notify, first_failure=first)
         if failure is not None:
             self._failures.append(failure)
+            self._mute_all_but(worker)
         elif worker.state is WorkerState.SUCCEEDED and not ending:
             self.progress.finished(worker.rank, self._clock())
         self.changed(worker)
@@ -266,15 +283,18 @@ class Supervisor:
         while self._external:
             self._failures.append(self._external.popleft())
         while self._signals:
-            signum = self._signals.popleft()
-            if signum in STOP_SIGNALS:
-                if self._stop_signal is not None or self._closing:
-                    if signum == signal.SIGINT:
-                        self._kill_now = True  # a second Ctrl-C: no more grace
-                    continue
-                self._stop_signal = signum
-            else:
+            signum, at = self._signals.popleft()
+            if signum not in STOP_SIGNALS:
                 reaping.forward(self.workers, signum)
+            elif self._stop_signal is None and not self._closing:
+                self._stop_signal, self._stop_at = signum, at
+            elif signum == signal.SIGINT and self._second_press(at):
+                self._kill_now = True  # a second Ctrl-C: no more grace
+
+    def _second_press(self, at: float) -> bool:
+        """A SIGINT that came after the ranks were told to stop and not with the first stop signal."""
+        told = self._told_at is not None and at >= self._told_at
+        return told and (self._stop_at is None or at - self._stop_at >= SAME_INTERRUPT_S)
 
     def _check_hang(self) -> None:
         if self._failures or self._closing or self._hung:
@@ -316,6 +336,7 @@ class Supervisor:
                 self._closing = True  # from here on, an exit is the launcher's doing
                 if dump_stacks:
                     self.dump_stacks()
+                self._told_at = self._clock()
                 teardown.stop_groups(self.workers, sig, grace, self, self.options, self._spawner.spared,
                                      self._notify)
                 for w in self.workers:

@@ -231,7 +231,8 @@ class WorkerOutput:
                 stream.partial_due = now + PARTIAL_INTERVAL  # the next update waits its turn
 
     def _shows(self, stream: Stream) -> bool:
-        return self._sink is not None and stream.name in stream.worker.spec.console_streams
+        worker = stream.worker
+        return self._sink is not None and not worker.muted and stream.name in worker.spec.console_streams
 
     def _emit(self, stream: Stream, chunk: bytes, logged: bytes | None = None) -> None:
         """``chunk`` holds whole lines; the log gets ``logged`` (the bytes as written), then the sink."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from multigpu.contract.beats import BeatDecoder
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import WorkerFailure, exit_status, exit_text
 from multigpu.supervisor.oom import OomWatch
 
 LOG_TAIL_LINES = 20
@@ -152,6 +152,9 @@ class Worker:
     open_streams: int = 0
     heartbeat_read_fd: int | None = None
     capture: list[str] | None = None
+    muted: bool = False
+    """Its lines go to its log only: the attempt already failed (what it says now is a consequence,
+    named in the report) or it is dumping its stacks (shown by the report where they are the point)."""
     group_open: bool = True
     dump: list[str] = field(default_factory=list)
     progress: RankProgress | None = None
@@ -176,6 +179,18 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.state is WorkerState.RUNNING and self.returncode is None
+
+    def exit_status(self) -> tuple[int | None, str | None]:
+        """(exit code, signal name), the one reading that run.json, the summary, the report and the
+        error files give: its failure's when it has one (a rank that raised and was then cut short by
+        the teardown counts as exit 1: the exception is what it did), else its exit status."""
+        if self.failure is not None:
+            return self.failure.exit_code, self.failure.signal
+        return exit_status(self.returncode)
+
+    @property
+    def exit_text(self) -> str:
+        return exit_text(*self.exit_status())
 
     def own_record(self) -> WorkerFailure | None:
         """The error record this very process wrote (never an earlier run's file at the same path)."""

@@ -53,9 +53,9 @@ def stop_groups(workers: Sequence[Worker], sig: int, grace: float, loop: Loop, o
     stragglers = [w for w in workers if w.alive]
     groups = reaping.open_groups(workers)
     if stragglers:
-        why = "a second interrupt" if loop.kill_now else f"{grace:g}s after {signal_name(sig)}"
+        why = "after a second interrupt" if loop.kill_now else f"{grace:g}s after {signal_name(sig)}"
         ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
-        notify(f"{ranks} still running {why}; sending SIGKILL")
+        notify(f"{ranks}: still running {why}; sending SIGKILL")
     for pgid in groups:
         reaping.signal_group(pgid, signal.SIGKILL)
     if options.reap_orphans:
