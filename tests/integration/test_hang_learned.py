@@ -53,7 +53,9 @@ def test_learned_timeout_names_the_rank_that_stopped(tmp_path: Path) -> None:
     for attempt, head in enumerate(heads):
         assert head.startswith(f"multigpu: attempt {attempt} hung: rank 1 is missing from collective #"), head
         assert "(gloo:all_reduce) of process group 0 (default_pg); rank 0 entered it; " in head
-        assert "rank 1 stopped progressing first" in head and "in section 'forward'" in head
+        assert "rank 1 never reached the all_reduce that rank 0 waits in: rank 1 is in " in head
+        assert re.search(r"job\.py:\d+ \(<module>\); last progress [\d.]+s ago at step \d+ in section 'forward'",
+                         head), head
         timeout = float(re.findall(r"\(timeout ([\d.]+)s, learned: 5 x slowest step", head)[0])
         assert timeout < 120  # the learned timeout fired, not the ceiling
     assert "at step 1 in section" in heads[1]  # one step in: only the inherited numbers could apply
@@ -67,3 +69,33 @@ def test_learned_timeout_names_the_rank_that_stopped(tmp_path: Path) -> None:
     assert second["1"]["step"] == 1 and second["1"]["hang_timeout_s"] < 120
     learned = json.loads((out / "hang_timeouts.json").read_text())
     assert 0 < learned["slowest_step_s"] < 120 and "forward" in learned["sections_s"]
+
+
+SIMPLEST = """
+import time, torch, torch.distributed as dist, multigpu
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for step in range(1000):
+    multigpu.heartbeat(step=step)
+    if step == 30 and dist.get_rank() == 1:
+        time.sleep(120)  # line 8: rank 1 stops in Python; rank 0 waits for it in all_reduce
+    dist.all_reduce(t)
+    print(f"pid={os.getpid()}" if step == 0 else "", end="", flush=True)
+"""
+
+
+def test_the_simplest_hang_names_the_sleeping_rank_from_its_stack(tmp_path: Path) -> None:
+    """No flight recorder (gloo's is off by default): both ranks stop on step 30, so progress alone
+    cannot tell them apart; the stacks do."""
+    job = write_script(tmp_path, "job.py", "import os\n" + SIMPLEST.lstrip())
+    out = tmp_path / "out"
+    res = run_cli(["run", "--cpu", "2", "--status", "off", "--grace-period", "0.5", "--output", str(out),
+                   "--hang-timeout", "3", str(job)], cwd=tmp_path, timeout=60)
+    data = json.loads((out / "run.json").read_text())
+    assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])
+    assert res.returncode == 1, res.stderr
+    head = next(line for line in res.stderr.splitlines() if line.startswith("multigpu: attempt 0 hung"))
+    assert head.startswith("multigpu: attempt 0 hung: rank 1 never reached the all_reduce that rank 0 "
+                           "waits in: rank 1 is in "), head
+    assert "job.py:8 (<module>)" in head, head
+    assert [f["rank"] for f in data["attempts"][0]["failures"]] == [1, 0]

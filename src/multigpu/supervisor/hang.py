@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
 from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.supervisor.culprit import find_culprits
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
 
 if TYPE_CHECKING:
@@ -352,12 +353,16 @@ def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
                   wall_now: float) -> list[WorkerFailure]:
     """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
     cause); its message is the report's first line: the flight recorder's findings when there are
-    any (which rank is missing from which collective; those ranks go first), then who stopped
-    progressing first."""
+    any (which rank is missing from which collective; those ranks go first), then the ranks whose
+    stacks are outside torch.distributed while the others wait in it (``culprit.py``), then who
+    stopped progressing first."""
     blamed = [r for f in flight for r in f.ranks]
-    culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + hang.culprits)]
+    stacks = find_culprits({w.rank: w.dump for w in running})
+    outside = stacks.ranks if stacks is not None else []
+    culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + outside + hang.culprits)]
     order = {r: i for i, r in enumerate(culprits)}
-    first = "; ".join([*(f.line for f in flight), hang.line])
+    progress = hang.line.split(" stopped progressing first: ", 1)[-1] if stacks else hang.line
+    first = "; ".join([*(f.line for f in flight), *([stacks.line] if stacks else []), progress])
     failures = []
     base = wall_now - max(hang.quiet.values(), default=0.0)  # the earliest last progress, roughly
     for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
