@@ -54,8 +54,8 @@ def test_learned_timeout_names_the_rank_that_stopped(tmp_path: Path) -> None:
         assert head.startswith(f"multigpu: attempt {attempt} hung: rank 1 is missing from collective #"), head
         assert "(gloo:all_reduce) of process group 0 (default_pg); rank 0 entered it; " in head
         assert "rank 1 never reached the all_reduce that rank 0 waits in: rank 1 is in " in head
-        assert re.search(r"job\.py:\d+ \(<module>\); last progress [\d.]+s ago at step \d+ in section 'forward'",
-                         head), head
+        progress = r"job\.py:\d+ \(<module>\); last progress [\d.]+s ago at step \d+ in section 'forward'"
+        assert re.search(progress, head), head
         timeout = float(re.findall(r"\(timeout ([\d.]+)s, learned: 5 x slowest step", head)[0])
         assert timeout < 120  # the learned timeout fired, not the ceiling
     assert "at step 1 in section" in heads[1]  # one step in: only the inherited numbers could apply
