@@ -418,3 +418,29 @@ def test_manager_nodes_share_fate(tmp_path: Path) -> None:
     node0_err = results[0][2]
     assert "rank 3 (node 1" in node0_err and "rank 3 broke on node 1" in node0_err, node0_err[-2000:]
     assert_gone(pids_in("".join(out for _, out, _ in results)))
+
+
+def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_path: Path) -> None:
+    """The same file name, different contents: refused before any rank starts, on both nodes, in one
+    line naming the difference; ``--allow-mismatch`` runs the job with a warning."""
+    scripts = []
+    for name, extra in (("a", ""), ("b", "    # edited on one node only\n")):
+        folder = tmp_path / name
+        folder.mkdir()
+        scripts.append(write_script(folder, "job.py", ALLREDUCE + extra))
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [node(tmp_path, scripts[r], "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint,
+                  "--rdzv-timeout", "30") for r in (0, 1)]
+    results = [finish(p) for p in nodes]
+    for rc, out, err in results:
+        assert rc == 1, err[-2000:]
+        refusal = [line for line in err.splitlines() if "would run different things" in line]
+        assert len(refusal) == 1 and "the target's SHA-256 differs: node 0 " in refusal[0], err[-2000:]
+        assert "pid=" not in out  # no rank started
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [node(tmp_path, scripts[r], "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint,
+                  "--rdzv-timeout", "30", "--allow-mismatch") for r in (0, 1)]
+    results = [finish(p) for p in nodes]
+    assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    assert all("running anyway (--allow-mismatch)" in err for _, _, err in results)
+    assert_gone(pids_in("".join(out for _, out, _ in results)))

@@ -63,6 +63,8 @@ OURS = (
            "also --rdzv-conf join_timeout=S"),
     Option(("--base-rank",), "R", "global rank of this node's first worker (multi-node)"),
     Option(("--world-size",), "W", "total workers over all nodes (multi-node)"),
+    Option(("--allow-mismatch",), None, "run a multi-node job even when its nodes would run a different "
+           "script, arguments, torch, multigpu or device kind (a warning instead of refusing it)"),
     Option(("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default "
            "{grace_period}); same as --shutdown-timeout"),
     Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; "

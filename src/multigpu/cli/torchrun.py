@@ -70,7 +70,8 @@ def rendezvous_settings(config: RunConfig, values: Mapping[str, str | None]) -> 
     timeout = values["rdzv_timeout"] or conf.get("join_timeout")
     rdzv = dataclasses.replace(
         config.rdzv, backend=backend, conf=conf, min_nodes=min_nodes, max_nodes=max_nodes, endpoint=endpoint,
-        timeout=seconds(timeout, "--rdzv-timeout", positive=True) if timeout else RendezvousConfig.timeout)
+        timeout=seconds(timeout, "--rdzv-timeout", positive=True) if timeout else RendezvousConfig.timeout,
+        allow_mismatch=values["allow_mismatch"] == "1")
     return dataclasses.replace(config, rdzv=rdzv)
 
 

@@ -37,6 +37,8 @@ class RendezvousConfig:
     min_nodes: int | None = None
     max_nodes: int | None = None
     local_addr: str | None = None
+    allow_mismatch: bool = False
+    """Run a multi-node job whose nodes would run different things (``--allow-mismatch``): warn only."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
+from multigpu.contract.errors import RendezvousError
+from multigpu.rendezvous.fingerprint import differences, fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
 from multigpu.supervisor.console import say
@@ -56,8 +58,24 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
     run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
     say(f"node {config.group_rank}: joined run {run_id} at {endpoint}; waiting for "
         f"{config.resolved_world_size} rank(s)")
+    job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
     job.join(config.rdzv.timeout)
+    check_fingerprints(job, config.rdzv.allow_mismatch)
     return Rendezvous(endpoint.host, port, run_id, one_node=False, job=job)
+
+
+def check_fingerprints(job: JobStore, allow: bool) -> None:
+    """Every node reads every node's fingerprint and reaches the same verdict (``fingerprint.py``)."""
+    breaking, soft = differences(job.fingerprints())
+    for line in soft:
+        say(f"warning: the nodes differ: {line}")
+    if not breaking:
+        return
+    text = "; ".join(breaking)
+    if not allow:
+        raise RendezvousError(f"the nodes would run different things: {text}; every node refuses the "
+                              f"job (--allow-mismatch runs it anyway)")
+    say(f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)")
 
 
 def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None],

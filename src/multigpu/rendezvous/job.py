@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -109,6 +110,20 @@ class JobStore:
             if owner != me:
                 self._refuse(f"rank {rank} is claimed by both {owner} and {me}")
         self._wait_for_all(timeout_s, poll_s)
+
+    def publish_fingerprint(self, fingerprint: Mapping[str, str]) -> None:
+        """What this node would run (``fingerprint.py``), for every node to compare once all joined."""
+        self.store.set(self.key("fingerprint", self.node), json.dumps(dict(fingerprint)))
+
+    def fingerprints(self) -> dict[int, dict[str, str]]:
+        """Every joined node's fingerprint (a node that published none is left out)."""
+        nodes = sorted(set(self.members().values()))
+        keys = [self.key("fingerprint", n) for n in nodes]
+        present = [(n, k) for n, k in zip(nodes, keys, strict=True) if self.store.check([k])]
+        if not present:
+            return {}
+        values = self.store.multi_get([k for _, k in present])
+        return {n: json.loads(v) for (n, _), v in zip(present, values, strict=True)}
 
     def membership_change(self) -> str | None:
         """Why the current round must end for a new membership; a static job's never changes."""

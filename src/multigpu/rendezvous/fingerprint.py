@@ -1,0 +1,69 @@
+"""What each node of a multi-node job would run, compared once every node has joined and before any
+rank starts. Runs in the launcher.
+
+Nodes that run a different script, different arguments, a different torch or multigpu, or a
+different device kind meet, then fail in their first collective (or hang) with an error that names
+neither difference. Each node publishes its fingerprint in the job's store as it joins; once all have
+joined, every node reads all of them and reaches the same verdict on its own: a difference that
+breaks a job refuses it on every node, in one line naming the nodes and the difference
+(``--allow-mismatch`` makes that a warning); a soft one (a different Python patch release) is one
+warning line. It costs a file hash and one store round trip: no torch import (the torch version is
+read from the installed package's metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import platform
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+
+from multigpu._version import __version__
+
+BREAKING = {"multigpu": "multigpu", "python": "Python", "torch": "torch", "target": "the target",
+            "sha256": "the target's SHA-256", "args": "its arguments", "device": "the device kind"}
+SOFT = {"python_patch": "Python release"}
+
+
+def target_sha256(target: str) -> str:
+    """The script's SHA-256, or the module's source file's; '' where neither can be read."""
+    path = Path(target)
+    if not path.is_file():
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec is not None else None
+        path = Path(origin) if origin and origin not in ("built-in", "frozen") else Path()
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def fingerprint(target: str, args: tuple[str, ...], device: str) -> dict[str, str]:
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "none"
+    python = platform.python_version()
+    return {"multigpu": __version__, "python": python.rsplit(".", 1)[0], "python_patch": python,
+            "torch": torch, "target": Path(target).name, "sha256": target_sha256(target),
+            "args": json.dumps(list(args)), "device": device}
+
+
+def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], list[str]]:
+    """(breaking, soft): one text per field the nodes disagree on, naming each node's value."""
+    breaking: list[str] = []
+    soft: list[str] = []
+    for fields, out in ((BREAKING, breaking), (SOFT, soft)):
+        for key, name in fields.items():
+            values = {node: p.get(key, "?") for node, p in sorted(prints.items())}
+            if len(set(values.values())) > 1:
+                shown = {n: v[:12] if key == "sha256" else v for n, v in values.items()}
+                out.append(f"{name} differs: " + ", ".join(f"node {n} {v or '(unreadable)'}"
+                                                          for n, v in shown.items()))
+    return breaking, soft
