@@ -339,7 +339,13 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return code
 
 
-COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices}
+def cmd_report(argv: Sequence[str]) -> int:
+    from multigpu.cli.history import cmd_report as report
+
+    return report(argv)
+
+
+COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices, "report": cmd_report}
 
 HELP = f"""usage: multigpu [--version] COMMAND [ARGS...]
 
@@ -349,6 +355,7 @@ commands:
   run       launch a script or module once per device (a drop-in for torchrun)
   demo      a real DDP training run on the default devices
   devices   list the visible GPUs
+  report    where a run's time went: its incidents, and a timeline in report.html
 
 'multigpu COMMAND --help' describes each command. Version {__version__}.
 """

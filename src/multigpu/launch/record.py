@@ -23,6 +23,7 @@ from typing import Any
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import UsageError
 from multigpu.contract.signals import signal_name
+from multigpu.launch import incidents
 from multigpu.launch.report import rank_reason
 from multigpu.supervisor.console import say
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
@@ -106,6 +107,7 @@ class RunRecord:
             "end_time": None,
             "exit_code": None,
             "attempts": [],
+            "incidents": [],
         }
         self._write_error: str | None = None
         self._created = False
@@ -123,6 +125,7 @@ class RunRecord:
                              f"{exc.strerror or exc}") from None
 
     def begin_attempt(self, attempt: int, master_addr: str, master_port: int) -> None:
+        incidents.next_attempt_began(self.data["incidents"], time.time())
         self.data["status"] = "running"
         self.data["config"]["rdzv"]["endpoint"] = f"{master_addr}:{master_port}"  # the port bound
         self.data["attempts"].append({"attempt": attempt, "master_addr": master_addr,
@@ -162,6 +165,7 @@ class RunRecord:
         step interval, section times, the hang timeout in force, a straggler warning."""
         if self.data["attempts"]:
             self.data["attempts"][-1]["progress"] = progress
+            incidents.progress_seen(self.data["incidents"], progress)
             self.write()
 
     def end_attempt(self, result: RunResult) -> None:
@@ -172,6 +176,9 @@ class RunRecord:
             attempt["signal"] = signal_name(result.signal) if result.signal else None
         attempt["failures"] = [f.to_dict() for f in result.failures]
         attempt["root_cause"] = result.root_cause.to_dict() if result.root_cause else None
+        found = incidents.incident(attempt["attempt"], result, time.time())
+        if found is not None:
+            self.data["incidents"].append(found)
         self.write()
 
     def note_losses(self, losses: list[str]) -> None:

@@ -249,7 +249,7 @@ def _with_root(result: RunResult, record: dict[str, Any] | None) -> RunResult:
         return result
     if root.time is not None and winner.time is not None and winner.time > root.time:
         return result
-    return RunResult(result.status, [winner, *result.failures], result.signal)
+    return RunResult(result.status, [winner, *result.failures], result.signal, result.detected_time)
 
 
 def mark_done(job: JobStore) -> None:

@@ -191,6 +191,8 @@ class ProgressBook:
             if len(p.intervals) >= self.policy.warmup or self._inherited:
                 self._dirty |= self.learned.note_step(max(p.intervals))
         p.step, p.step_at, p.last_progress = step, now, now
+        if p.first_step_at is None:
+            p.first_step_at = now
 
     def _section_end(self, p: RankProgress, name: str, seconds: float, now: float) -> None:
         p.section_times.setdefault(name, deque(maxlen=WINDOW)).append(seconds)

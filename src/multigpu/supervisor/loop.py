@@ -79,6 +79,7 @@ class Supervisor:
         self._published = float("-inf")
         self._changed: dict[int, Worker] = {}
         self._held: list[Stream] = []
+        self._detected: float | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -137,11 +138,14 @@ class Supervisor:
             self.turn(_period(self.options, self.progress, self._output, self.workers, remaining))
 
     def _outcome(self) -> RunResult | None:
+        if (self._stop_signal is not None or self._failures) and self._detected is None:
+            self._detected = time.time()
         if self._stop_signal is not None:
-            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), self._stop_signal)
+            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), self._stop_signal,
+                             self._detected)
         if self._failures:
             status = RunStatus.HUNG if self._hung else RunStatus.FAILED
-            return RunResult(status, self._sorted_failures())
+            return RunResult(status, self._sorted_failures(), detected_time=self._detected)
         if all(w.state is WorkerState.SUCCEEDED for w in self.workers):
             return RunResult(RunStatus.SUCCEEDED)
         return None
@@ -149,7 +153,7 @@ class Supervisor:
     def final_result(self, result: RunResult) -> RunResult:
         """``result`` again after ``close()``: ranks that failed during teardown may have failed first."""
         if result.status in (RunStatus.FAILED, RunStatus.HUNG):
-            return RunResult(result.status, self._sorted_failures(), result.signal)
+            return RunResult(result.status, self._sorted_failures(), result.signal, result.detected_time)
         return result
 
     def _sorted_failures(self) -> list[WorkerFailure]:

@@ -84,6 +84,7 @@ class RankProgress:
     beats: bool = False
     step: int | None = None
     step_at: float | None = None
+    first_step_at: float | None = None
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     section: str | None = None
     section_times: dict[str, deque[float]] = field(default_factory=dict)
@@ -99,7 +100,8 @@ class RankProgress:
     def stats(self, wall_offset: float) -> dict[str, Any]:
         """Per-rank step times for run.json; times are wall-clock (``wall_offset`` + clock)."""
         step_at = None if self.step_at is None else self.step_at + wall_offset
-        data: dict[str, Any] = {"step": self.step, "last_step_time": step_at,
+        first = None if self.first_step_at is None else self.first_step_at + wall_offset
+        data: dict[str, Any] = {"step": self.step, "last_step_time": step_at, "first_step_time": first,
                                 "last_progress_time": self.last_progress + wall_offset,
                                 "median_step_s": rounded(self.median_interval()),
                                 "slowest_step_s": rounded(max(self.intervals, default=None))}
@@ -221,6 +223,9 @@ class RunResult:
     status: RunStatus
     failures: list[WorkerFailure] = field(default_factory=list)
     signal: int | None = None
+    detected_time: float | None = None
+    """When the launcher learned the attempt's outcome (a failure reaped, a hang declared, a stop
+    signal handled): wall clock, for the incident timeline."""
 
     @property
     def root_cause(self) -> WorkerFailure | None:

@@ -1,0 +1,124 @@
+"""``multigpu report [RUN_DIR]``: where a run's time went, from its ``run.json``. Runs in the shell of
+whoever asks (no launcher needed; the run may be over or still going).
+
+It prints the run's incidents (``launch/incidents.py``) as a table, one line per attempt that did not
+succeed, with how long each phase took (failure to detection, detection to every rank stopped, to the
+next attempt's ranks starting, to its first step), and writes ``report.html`` beside ``run.json``: one
+static file, no script and nothing fetched from a network, with a per-rank timeline of every attempt
+(its ranks' lives, coloured by how they ended, and each incident's moments).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from multigpu.contract.errors import UsageError
+from multigpu.launch.incidents import PHASES, phase_seconds
+
+COLOURS = {"succeeded": "#2e7d32", "failed": "#c62828", "stopped": "#9e9e9e", "running": "#1565c0",
+           "hung": "#ef6c00", "interrupted": "#6a1b9a"}
+
+
+def find_run(arg: str | None) -> Path:
+    """The run folder asked for, or the newest under ./multigpu_runs; a UsageError naming what is missing."""
+    if arg is not None:
+        folder = Path(arg)
+        if not (folder / "run.json").is_file():
+            raise UsageError(f"{arg}: no run.json there; give a run's output folder")
+        return folder
+    runs = sorted(Path("multigpu_runs").glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise UsageError("no run under ./multigpu_runs; give a run's output folder")
+    return runs[-1].parent
+
+
+def seconds_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def table(data: dict[str, Any]) -> list[str]:
+    items = data.get("incidents") or []
+    lines = [f"run {data['run_id']}: {data['status']}, {len(data['attempts'])} attempt(s), "
+             f"{len(items)} incident(s)"]
+    if not items:
+        return lines
+    head = ["attempt", *(name for _, _, name in PHASES), "what"]
+    rows = [[str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"]] for i in items]
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+    for row in [head, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    return lines
+
+
+def timeline_svg(data: dict[str, Any]) -> str:
+    """One row per rank; a bar per attempt from the rank's start to its end, coloured by its state;
+    a red line at each incident's failure and a dashed one where the next attempt began."""
+    ranks = sorted({int(r) for a in data["attempts"] for r in a["ranks"]})
+    starts = [r["start_time"] for a in data["attempts"] for r in a["ranks"].values() if r.get("start_time")]
+    ends = [r.get("end_time") or data.get("end_time") or r["start_time"]
+            for a in data["attempts"] for r in a["ranks"].values() if r.get("start_time")]
+    if not ranks or not starts:
+        return "<p>No rank started.</p>"
+    t0, t1 = min(starts), max(max(ends), min(starts) + 0.001)
+    width, row, left = 900, 28, 80
+
+    def x(t: float) -> float:
+        return float(left + (t - t0) / (t1 - t0) * (width - left - 10))
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{row * len(ranks) + 40}">']
+    for i, rank in enumerate(ranks):
+        parts.append(f'<text x="4" y="{i * row + 20}" font-size="13">rank {rank}</text>')
+        for attempt in data["attempts"]:
+            r = attempt["ranks"].get(str(rank))
+            if not r or not r.get("start_time"):
+                continue
+            end = r.get("end_time") or data.get("end_time") or t1
+            colour = COLOURS.get(r.get("state", ""), "#607d8b")
+            parts.append(f'<rect class="life" x="{x(r["start_time"]):.1f}" y="{i * row + 6}" '
+                         f'width="{max(x(end) - x(r["start_time"]), 2):.1f}" height="{row - 10}" '
+                         f'fill="{colour}"><title>attempt {attempt["attempt"]}: rank {rank} '
+                         f'{html.escape(r.get("state", ""))}</title></rect>')
+    bottom = row * len(ranks) + 10
+    for item in data.get("incidents") or []:
+        parts.append(f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
+                     f'x2="{x(item["failed_time"]):.1f}" y2="{bottom}" stroke="#b71c1c" stroke-width="2"/>')
+        if item.get("next_attempt_time"):
+            parts.append(f'<line class="restart" x1="{x(item["next_attempt_time"]):.1f}" y1="0" '
+                         f'x2="{x(item["next_attempt_time"]):.1f}" y2="{bottom}" stroke="#0d47a1" '
+                         f'stroke-dasharray="4 3"/>')
+    parts.append(f'<text x="{left}" y="{bottom + 24}" font-size="12">0 s</text>'
+                 f'<text x="{width - 70}" y="{bottom + 24}" font-size="12">{t1 - t0:.1f} s</text></svg>')
+    return "".join(parts)
+
+
+def page(data: dict[str, Any]) -> str:
+    head = "".join(f"<th>{name}</th>" for name in ("attempt", *(n for _, _, n in PHASES), "what"))
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in
+                         (str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"])) + "</tr>"
+        for i in data.get("incidents") or [])
+    run = html.escape(data["run_id"])
+    style = "body{font-family:sans-serif;margin:20px}td,th{padding:2px 10px;text-align:left}"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>multigpu run {run}</title>"
+            f"<style>{style}</style></head><body><h1>run {run}: {html.escape(data['status'])}</h1>"
+            f"{timeline_svg(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n")
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="multigpu report", description=(
+        "Where a run's time went: its incidents as a table, and report.html beside its run.json."))
+    parser.add_argument("run_dir", nargs="?", help="a run's output folder (default: the newest under "
+                        "./multigpu_runs)")
+    folder = find_run(parser.parse_args(argv).run_dir)
+    data = json.loads((folder / "run.json").read_text())
+    print("\n".join(table(data)))
+    out = folder / "report.html"
+    out.write_text(page(data))
+    print(f"timeline: {out}")
+    return 0
