@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import struct
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
@@ -112,3 +114,48 @@ def test_the_timeline_draws_every_rank_in_a_real_browser(restarted_run: Path, tm
                         if tuple(row[x * step:x * step + 3]) == rgb) for name, rgb in colours.items()}
     # attempt 0: rank 1 failed, rank 0 stopped; attempt 1: both succeeded; each bar is tens of pixels
     assert all(n > 50 for n in counts.values()), counts
+
+
+LONG = """
+    import os, pathlib, time, multigpu
+    print(f"pid={os.getpid()}", flush=True)
+    for step in range(100000):
+        multigpu.heartbeat(step=step)
+        if step == 3:
+            pathlib.Path(f"ready_{os.environ['RANK']}").touch()
+        time.sleep(0.02)
+"""
+
+
+def test_stacks_and_status_from_another_shell_leave_the_job_running(tmp_path: Path) -> None:
+
+    from helpers import start_cli
+
+    job = write_script(tmp_path, "job.py", LONG)
+    out = tmp_path / "out"
+    proc = start_cli(["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path)
+    try:
+        ready = [tmp_path / "ready_0", tmp_path / "ready_1"]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in ready):
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks never got going"
+            time.sleep(0.05)
+        status = run_cli(["status", str(out)], cwd=tmp_path)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert [line.split()[:2] for line in lines] == [["rank", "0"], ["rank", "1"]]
+        assert all(" running, step " in line for line in lines), lines
+        stacks = run_cli(["stacks", str(out)], cwd=tmp_path)
+        assert stacks.returncode == 0, stacks.stderr
+        assert stacks.stdout.count('job.py", line') == 2 and "rank 1 (pid" in stacks.stdout
+        assert proc.poll() is None, "asking must not stop the job"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    after = run_cli(["status", str(out)], cwd=tmp_path)
+    assert after.returncode == 2 and "is not running (interrupted)" in after.stderr
+    data = json.loads((out / "run.json").read_text())
+    assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])

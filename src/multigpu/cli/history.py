@@ -122,3 +122,28 @@ def cmd_report(argv: Sequence[str]) -> int:
     out.write_text(page(data))
     print(f"timeline: {out}")
     return 0
+
+
+def cmd_ask(request: str, argv: Sequence[str]) -> int:
+    """``multigpu stacks`` / ``multigpu status``: ask a running launcher, from any shell of its user."""
+    import argparse
+
+    from multigpu.supervisor.control import ask
+
+    what = {"stacks": "every live rank's Python stacks, now, without stopping the job",
+            "status": "one line per rank of a running job: its state, step and last progress"}[request]
+    parser = argparse.ArgumentParser(prog=f"multigpu {request}", description=f"Print {what}.")
+    parser.add_argument("run_dir", nargs="?", help="a run's output folder (default: the newest under "
+                        "./multigpu_runs)")
+    folder = find_run(parser.parse_args(argv).run_dir)
+    data = json.loads((folder / "run.json").read_text())
+    name = data.get("control_socket")
+    if data.get("end_time") is not None or not name:
+        raise UsageError(f"run {data['run_id']} is not running ({data['status']}); multigpu report "
+                         f"{folder} says what happened")
+    try:
+        print(ask(name, request), end="")
+    except OSError as exc:
+        raise UsageError(f"run {data['run_id']}'s launcher did not answer ({exc.strerror or exc}); "
+                         "is it still running on this machine?") from None
+    return 0

@@ -345,7 +345,20 @@ def cmd_report(argv: Sequence[str]) -> int:
     return report(argv)
 
 
-COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices, "report": cmd_report}
+def cmd_stacks(argv: Sequence[str]) -> int:
+    from multigpu.cli.history import cmd_ask
+
+    return cmd_ask("stacks", argv)
+
+
+def cmd_status(argv: Sequence[str]) -> int:
+    from multigpu.cli.history import cmd_ask
+
+    return cmd_ask("status", argv)
+
+
+COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices, "report": cmd_report,
+            "stacks": cmd_stacks, "status": cmd_status}
 
 HELP = f"""usage: multigpu [--version] COMMAND [ARGS...]
 
@@ -356,6 +369,8 @@ commands:
   demo      a real DDP training run on the default devices
   devices   list the visible GPUs
   report    where a run's time went: its incidents, and a timeline in report.html
+  stacks    every live rank's Python stacks of a running job, without stopping it
+  status    one line per rank of a running job
 
 'multigpu COMMAND --help' describes each command. Version {__version__}.
 """

@@ -5,8 +5,10 @@ round loop (``elastic.py``) both run every attempt through here.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import ExitStack
 
 from multigpu.config.run import RunConfig
@@ -18,6 +20,7 @@ from multigpu.launch.report import plain_summary
 from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import PrefixedConsole, active_writer, say
+from multigpu.supervisor.control import ControlSocket, socket_name
 from multigpu.supervisor.hang import progress_book
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.options import Hooks, SupervisorOptions
@@ -74,6 +77,22 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     return result
 
 
+@contextlib.contextmanager
+def open_control(record: RunRecord) -> Iterator[ControlSocket | None]:
+    """This attempt's control socket (``multigpu stacks``/``status``), named in run.json; None where it
+    cannot be made (the run goes on without it)."""
+    try:
+        control: ControlSocket | None = ControlSocket(socket_name(record.data["run_id"]))
+    except OSError:
+        control = None
+    record.data["control_socket"] = control.name if control is not None else None
+    try:
+        yield control
+    finally:
+        if control is not None:
+            control.close()
+
+
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
                 attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
                 spawner: Spawner | None = None) -> tuple[RunResult, list[Worker]]:
@@ -87,7 +106,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     with ExitStack() as stack:
         options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
         sentinel = node_sentinel()
-        hooks = Hooks(listener=record, tick=live.refresh if live else None,
+        control = stack.enter_context(open_control(record))
+        hooks = Hooks(listener=record, tick=live.refresh if live else None, control=control,
                       guard=sentinel.watch if sentinel is not None else None)
         supervisor = Supervisor(specs, sink=live or console, options=options, hooks=hooks,
                                 progress=progress_book(config, record.path.parent, specs), spawner=spawner)

@@ -28,6 +28,7 @@ from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS
 from multigpu.supervisor import exits, hang, reaping, spawning, teardown
 from multigpu.supervisor.console import active_writer
+from multigpu.supervisor.control import answer
 from multigpu.supervisor.dumps import DumpRequest, flight_record
 from multigpu.supervisor.events import Events, read_ready
 from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
@@ -78,7 +79,6 @@ class Supervisor:
         self._last_tick = 0.0
         self._published = float("-inf")
         self._changed: dict[int, Worker] = {}
-        self._held: list[Stream] = []
         self._detected: float | None = None
 
     # ---- start -------------------------------------------------------------------------------------
@@ -98,6 +98,8 @@ class Supervisor:
         except BaseException:
             self.close(grace_period=0)
             raise
+        if self.hooks.control is not None:
+            self._events.watch(self.hooks.control.fileno(), "control", self.hooks.control)
         self._tell_listener()
 
     # ---- signals and stop requests (safe from a signal handler or another thread) ---------------------
@@ -161,15 +163,17 @@ class Supervisor:
 
     def turn(self, timeout: float | None) -> None:
         """One turn of the loop: what is ready within ``timeout``, then signals, hangs and the tick."""
-        self._release_held()
+        self._output.release_held(self._events)
         for kind, obj in self._events.ready(timeout):
             if kind == "out":
-                if self._hold(obj):
+                if self._output.hold(obj, self._events):
                     continue
                 self._read_stream(obj)
                 self.progress.output(obj.worker.rank, obj.worker.last_output)
             elif kind == "exit":
                 self.reap(obj)
+            elif kind == "control":
+                answer(obj, self.workers, self.dump_stacks, self.progress, self._clock())
             else:
                 self._read_beats(obj)
         for worker in self.workers:
@@ -213,28 +217,6 @@ class Supervisor:
                 self._mute_all_but(worker)
             if "failing" in kinds and self.hooks.on_failing is not None:
                 self.hooks.on_failing(worker)
-
-    def _hold(self, stream: Stream) -> bool:
-        """The console's buffer is full and it is still reading: leave this pipe unread until it has
-        room (the rank waits on its own write, as it would on a slow console; no line is dropped)."""
-        writer = active_writer()
-        if writer is None or not writer.congested():
-            return False
-        self._events.forget(stream.fd)
-        self._held.append(stream)
-        writer.on_room = self._events.wake
-        return True
-
-    def _release_held(self) -> None:
-        """Watch the held pipes again once the console has room, or has stopped reading (then its
-        lines are dropped and counted rather than the ranks held for it)."""
-        writer = active_writer()
-        if not self._held or (writer is not None and writer.congested()):
-            return
-        for stream in self._held:
-            if self._output.streams.get(stream.fd) is stream:
-                self._events.watch(stream.fd, "out", stream)
-        self._held.clear()
 
     def _mute_all_but(self, failed: Worker) -> None:
         """A rank failed (it said so, or it exited): what the others say from here on is a consequence,

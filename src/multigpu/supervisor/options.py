@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from multigpu.config.run import SupervisionConfig
 from multigpu.supervisor.console import say
+from multigpu.supervisor.control import ControlSocket
 from multigpu.supervisor.states import SupervisorListener, Worker
 
 
@@ -38,6 +39,8 @@ class Hooks:
     notify: Callable[[str], None] = say
     on_failing: Callable[[Worker], None] | None = None
     """Function mode: a rank said it is failing (its record is written), before it exits."""
+    control: ControlSocket | None = None
+    """``multigpu run``: where ``multigpu stacks`` and ``multigpu status`` ask (``control.py``)."""
     guard: Callable[[int, int], bool] | None = None
     """``multigpu run``: hand each started rank (pid, pidfd) to the node's sentinel
     (``sentinel.NodeSentinel.watch``); its ranks then fork no sentinel of their own."""

@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
+from multigpu.supervisor.console import active_writer
+from multigpu.supervisor.events import Events
+
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
 
@@ -132,6 +135,8 @@ class WorkerOutput:
         self._stream_files: dict[tuple[int, str], LogFile] = {}
         self._shared: dict[Path, LogFile] = {}
         self.streams: dict[int, Stream] = {}
+        self.held: list[Stream] = []
+        """Pipes left unread while the console catches up (``hold``)."""
 
     def open(self, worker: Worker) -> None:
         """Create the worker's log files (truncated: a reused output folder gets this run's bytes)."""
@@ -166,6 +171,28 @@ class WorkerOutput:
         for stream in list(streams):
             while stream.fd in self.streams and self._read_once(stream) > 0:
                 pass
+
+    def hold(self, stream: Stream, events: Events) -> bool:
+        """The console's buffer is full and it is still reading: leave this pipe unread until it has
+        room (the rank waits on its own write, as it would on a slow console; no line is dropped)."""
+        writer = active_writer()
+        if writer is None or not writer.congested():
+            return False
+        events.forget(stream.fd)
+        self.held.append(stream)
+        writer.on_room = events.wake
+        return True
+
+    def release_held(self, events: Events) -> None:
+        """Watch the held pipes again once the console has room, or has stopped reading (then its
+        lines are dropped and counted rather than the ranks held for it)."""
+        writer = active_writer()
+        if not self.held or (writer is not None and writer.congested()):
+            return
+        for stream in self.held:
+            if self.streams.get(stream.fd) is stream:
+                events.watch(stream.fd, "out", stream)
+        self.held.clear()
 
     def _read_once(self, stream: Stream) -> int:
         """Bytes read: 0 when nothing is there now, -1 at the end of the pipe."""

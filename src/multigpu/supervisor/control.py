@@ -1,0 +1,109 @@
+"""``multigpu stacks`` and ``multigpu status`` from another shell, while the job runs. The socket
+side runs in the launcher, on the supervisor's loop; ``ask`` runs in the asking command.
+
+The launcher listens on an abstract Unix socket named after its run and its pid (written to
+``run.json`` as ``control_socket``), so nothing is left on disk and no path length limits apply.
+Only the run's own user (or root) is answered: the peer's uid comes from the kernel
+(``SO_PEERCRED``). A request is one word; the answer is text, and the connection closes. The loop
+never waits on a client for more than ``CLIENT_WAIT_S``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Callable, Sequence
+
+from multigpu.supervisor.hang import ProgressBook
+from multigpu.supervisor.states import Worker
+
+CLIENT_WAIT_S = 0.5
+REQUESTS = ("stacks", "status")
+
+
+def socket_name(run_id: str, pid: int | None = None) -> str:
+    return f"multigpu-{run_id}-{os.getpid() if pid is None else pid}"
+
+
+class ControlSocket:
+    """The launcher's listening end, for one attempt's supervisor."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.bind("\0" + name)
+            self.sock.listen(4)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def accept(self) -> tuple[socket.socket, str] | None:
+        """A client of the run's own user and its request, or None (nobody there, someone else, or
+        a client that sent nothing in time)."""
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return None
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        uid = struct.unpack("3i", creds)[1]
+        conn.settimeout(CLIENT_WAIT_S)
+        if uid not in (os.getuid(), 0):
+            with contextlib.suppress(OSError):
+                conn.sendall(b"refused: only the run's own user may ask\n")
+            conn.close()
+            return None
+        try:
+            request = conn.recv(64).decode(errors="replace").strip()
+        except OSError:
+            conn.close()
+            return None
+        return conn, request
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def answer(control: ControlSocket, workers: Sequence[Worker], dump: Callable[[list[Worker]], object],
+           progress: ProgressBook, now: float) -> None:
+    """Answer one client on the supervisor's loop: ``stacks``, every live rank's Python stacks asked
+    for now (``dump``); ``status``, one line per rank."""
+    asked = control.accept()
+    if asked is None:
+        return
+    conn, request = asked
+    with conn:
+        if request == "stacks":
+            live = [w for w in workers if w.alive]
+            dump(live)
+            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + "\n".join(w.dump or ["(no answer)"]) + "\n\n"
+                           for w in live) or "no rank is running\n"
+        else:
+            text = "".join(status_line(w, progress, now) + "\n" for w in workers)
+        with contextlib.suppress(OSError):
+            conn.sendall(text.encode())
+
+
+def status_line(worker: Worker, book: ProgressBook, now: float) -> str:
+    progress = book.ranks.get(worker.rank)
+    step = f"step {progress.step}" if progress is not None and progress.step is not None else "no step"
+    quiet = f", last progress {now - progress.last_progress:.1f}s ago" if progress is not None else ""
+    return f"rank {worker.rank} pid {worker.pid} {worker.state.value}, {step}{quiet}"
+
+
+def ask(name: str, request: str, timeout: float = 30.0) -> str:
+    """Send one request to a running launcher and return its answer (OSError where none listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect("\0" + name)
+        sock.sendall(request.encode() + b"\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
