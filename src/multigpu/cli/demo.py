@@ -72,9 +72,6 @@ def _devices(args: argparse.Namespace) -> tuple[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from multigpu.function.manager import MultiGPUManager
-    from multigpu.rank.bootstrap import quiet_numpy_warning
-
-    quiet_numpy_warning()  # this process is rank 0 and imports torch; a first screen shows no warning
 
     gpu_ids, device = _devices(args)
     manager = MultiGPUManager(train_entry, gpu_ids, rdzv_endpoint=args.rdzv_endpoint, device=device)

@@ -14,7 +14,6 @@ import os
 import pickle
 import runpy
 import sys
-import warnings
 from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
@@ -84,21 +83,11 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         raise SystemExit(f"multigpu.rank: unknown mode {mode!r}")
 
 
-NUMPY_WARNING = "Failed to initialize NumPy"
-
-
 def apply_affinity(env: dict[str, str] | None = None) -> None:
     """Bind this process to the CPUs the launcher chose (``--numa-binding``), if it chose any."""
     text = (os.environ if env is None else env).get(AFFINITY_ENV)
     if text:
         os.sched_setaffinity(0, parse_cpulist(text))
-
-
-def quiet_numpy_warning() -> None:
-    """torch installs without numpy and then warns "Failed to initialize NumPy" at import, once per
-    rank. Nothing is lost by hiding exactly that warning, for every script: code that uses numpy
-    fails at its own ``import numpy`` or gets torch's explicit "Numpy is not available" error."""
-    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,7 +103,6 @@ def main(argv: list[str] | None = None) -> None:
     register_stack_dumps()
     record_preemption_warnings()  # SLURM's warning signal: recorded for the loop, no longer fatal
     take_heartbeat()
-    quiet_numpy_warning()
     error_file = os.environ.get(ERROR_FILE_ENV)
     try:
         heartbeat()  # start-up is not a hang

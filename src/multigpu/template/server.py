@@ -50,10 +50,7 @@ from multigpu.template.wire import receive, send
 def warm_up() -> None:
     """The imports every rank does: torch. Done before the launcher's first message is read, so the
     import overlaps the launcher's own start (it may have started this process before parsing its
-    command line)."""
-    from multigpu.rank.bootstrap import quiet_numpy_warning
-
-    quiet_numpy_warning()
+    command line). torch's NumPy warning is already hidden (``multigpu/__init__.py``)."""
     import torch
     import torch.distributed  # noqa: F401
 
