@@ -176,13 +176,15 @@ class SlurmCluster:
         return "\n".join(tails)
 
     def job_processes(self) -> list[psutil.Process]:
-        """Everything running under a slurmd (job steps and what they started)."""
-        found = []
-        for name, proc in self.procs.items():
-            if name.startswith("slurmd-"):
-                with contextlib.suppress(psutil.Error):
-                    found += [p for p in psutil.Process(proc.pid).children(recursive=True)
-                              if p.status() != psutil.STATUS_ZOMBIE]
+        """Every live process of this cluster's jobs, on either node: job steps (slurmstepd, which
+        re-parents itself to init), launchers, ranks. Found by the ``SLURM_CONF`` they carry."""
+        conf, daemons, found = self.env.get("SLURM_CONF"), {p.pid for p in self.procs.values()}, []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.pid in daemons or proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if proc.environ().get("SLURM_CONF") == conf:
+                    found.append(proc)
         return found
 
     def stop(self) -> list[str]:

@@ -142,3 +142,107 @@ def test_documented_sbatch_script(slurm: SlurmCluster, tmp_path: Path) -> None:
     logs = sorted(p.name for p in (out / "logs" / "attempt_0").glob("rank_*.log"))
     assert logs == ["rank_0.log", "rank_1.log"]
     assert_nothing_left(slurm)
+
+
+PREEMPTIBLE = """
+import os, time
+import torch, torch.distributed as dist
+import multigpu
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+previous = os.environ.get("MULTIGPU_PREVIOUS_OUTPUT")
+resumed = int(os.environ["MULTIGPU_RESUMED"])
+start = int(open(os.path.join(previous, f"ckpt_{rank}.txt")).read()) if previous else 0
+print(f"rank={rank} restarts={os.environ.get('SLURM_RESTART_COUNT', '0')} resumed={resumed} start={start} "
+      f"previous={previous}", flush=True)
+t = torch.ones(1)
+step = start
+while step < (start + 3 if resumed else 10**9):
+    if multigpu.should_stop(step):
+        print(f"rank={rank} stopped at step={step}", flush=True)
+        break
+    dist.all_reduce(t)
+    if step == start + 3 and rank == 0:
+        print("ready", flush=True)
+    step += 1
+    time.sleep(0.01 * (rank + 1))  # the ranks drift apart: they hear the warning at different steps
+with open(os.path.join(os.environ["MULTIGPU_OUTPUT_DIR"], f"ckpt_{rank}.txt"), "w") as f:
+    f.write(str(step))
+print(f"rank={rank} saved step={step}", flush=True)
+dist.destroy_process_group()
+"""
+
+REQUEUE_SBATCH = """#!/bin/bash
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=1
+#SBATCH --signal=USR1@90
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=job-%j.out
+job=${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}${{SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}}
+srun --ntasks-per-node=1 multigpu run --cpu 1 --output runs/$job train.py
+"""
+
+
+def release(cluster: SlurmCluster, job: str) -> None:
+    """Start a requeued job now instead of at the begin time SLURM gives it (about 2 minutes on).
+
+    Only once the old allocation has ended on both nodes and the clock has passed the second of the
+    requeue: slurmd revokes the old allocation's credential with a time in whole seconds, and an
+    allocation whose credential is dated the same second is killed as "Job credential revoked"."""
+    assert wait_job(cluster, job, ("PENDING",)) == "PENDING"
+    assert job_field(cluster, job, "Reason") == "BeginTime"
+    requeued = int(time.time())
+    cluster.wait_idle()
+    while int(time.time()) <= requeued:
+        time.sleep(0.05)
+    cluster.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
+
+
+def preempt_and_resume(cluster: SlurmCluster, tmp_path: Path, job: str, out: Path) -> tuple[str, str]:
+    """Warn the running job the way ``--signal=USR1@N`` does (every step), release its requeued copy,
+    wait for it to finish; (``scontrol show job`` after the requeue, the job's output)."""
+    wait_file(out, r"^\[(node 0 )?rank 0\] ready$")
+    cluster.run(["scancel", "--signal=USR1", job])
+    release(cluster, job)
+    shown = cluster.run(["scontrol", "show", "job", job]).stdout
+    assert wait_job(cluster, job) == "COMPLETED", out.read_text() + cluster.logs()
+    return shown, out.read_text()
+
+
+def test_preemption_requeue_cycle(slurm: SlurmCluster, tmp_path: Path) -> None:
+    write_script(tmp_path, "train.py", PREEMPTIBLE)
+    batch = write_script(tmp_path, "job.sbatch", REQUEUE_SBATCH.format(nodes=2))
+    job = slurm.run(["sbatch", "--parsable", str(batch)], env=job_env(slurm), cwd=tmp_path).stdout.strip()
+    shown, screen = preempt_and_resume(slurm, tmp_path, job, tmp_path / f"job-{job}.out")
+    assert "Restarts=1" in shown and "Requeue=1" in shown
+    assert job_field(slurm, job, "Restarts") == "1" and job_field(slurm, job, "ExitCode") == "0:0"
+    stops = re.findall(r"rank=(\d) stopped at step=(\d+)", screen)
+    assert sorted(r for r, _ in stops) == ["0", "1"] and len({s for _, s in stops}) == 1, screen
+    step = stops[0][1]
+    assert screen.count("multigpu: SIGUSR1: preemption warning;") == 2, screen
+    assert f"multigpu: requeued job {job} (scontrol requeue); its next allocation resumes" in screen
+    first = tmp_path / "runs" / job
+    for rank in (0, 1):
+        assert f"rank={rank} restarts=1 resumed=1 start={step} previous={first}" in screen, screen
+        assert f"rank={rank} saved step={int(step) + 3}" in screen
+        assert (first / "requeue_1" / f"ckpt_{rank}.txt").read_text() == str(int(step) + 3)
+    assert not [noise for noise in TORCH_NOISE if noise in screen], screen
+    assert_nothing_left(slurm)
+
+
+def test_preemption_requeue_array_task(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """An array task is requeued by its own id (``<array job>_<task>``), not the whole array."""
+    write_script(tmp_path, "train.py", PREEMPTIBLE)
+    batch = write_script(tmp_path, "job.sbatch", REQUEUE_SBATCH.format(nodes=1).replace(
+        "--output=job-%j.out", "--output=job-%A_%a.out"))
+    array = slurm.run(["sbatch", "--parsable", "--array=3", str(batch)], env=job_env(slurm),
+                      cwd=tmp_path).stdout.strip()
+    task = f"{array}_3"
+    shown, screen = preempt_and_resume(slurm, tmp_path, task, tmp_path / f"job-{task}.out")
+    assert "Restarts=1" in shown and f"ArrayJobId={array} ArrayTaskId=3" in shown
+    assert f"multigpu: requeued job {task} (scontrol requeue)" in screen, screen
+    assert "rank=0 restarts=1 resumed=1" in screen and (tmp_path / "runs" / task / "requeue_1").is_dir()
+    assert_nothing_left(slurm)

@@ -180,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     set_pdeathsig()
     if os.getppid() != args.launcher_pid:
         return  # the launcher is already gone
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when the template ends
+    # The launcher decides when the template and its store end. SLURM's warning (--signal=USR1@N,
+    # scancel --signal) reaches every process of the step: the store's would die of it mid-agreement.
+    # Ranks forked from here set their own dispositions (child.reset_signals, then the bootstrap).
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     control = socket.socket(fileno=args.control_fd)
     store: Store | None = None
     try:
