@@ -11,8 +11,10 @@ process; the jobs run under the slurmd children it started.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from helpers import alive, clean_env, free_port, write_script
+from multigpu.contract.exitcodes import EXIT_PREEMPTED
 from slurm_cluster import SlurmCluster, ensure_hosts, missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120),
@@ -229,6 +232,11 @@ def test_preemption_requeue_cycle(slurm: SlurmCluster, tmp_path: Path) -> None:
         assert f"rank={rank} restarts=1 resumed=1 start={step} previous={first}" in screen, screen
         assert f"rank={rank} saved step={int(step) + 3}" in screen
         assert (first / "requeue_1" / f"ckpt_{rank}.txt").read_text() == str(int(step) + 3)
+        record = json.loads((first / f"run_node{rank}.json").read_text())
+        assert record["status"] == "preempted" and record["exit_code"] == EXIT_PREEMPTED
+        assert record["preemption"]["signal"] == "SIGUSR1"
+        assert json.loads((first / "requeue_1" / f"run_node{rank}.json").read_text())["resumed"] == 1
+    assert json.loads((first / "run_node0.json").read_text())["preemption"]["requeued"] is True
     assert not [noise for noise in TORCH_NOISE if noise in screen], screen
     assert_nothing_left(slurm)
 
@@ -245,4 +253,55 @@ def test_preemption_requeue_array_task(slurm: SlurmCluster, tmp_path: Path) -> N
     assert "Restarts=1" in shown and f"ArrayJobId={array} ArrayTaskId=3" in shown
     assert f"multigpu: requeued job {task} (scontrol requeue)" in screen, screen
     assert "rank=0 restarts=1 resumed=1" in screen and (tmp_path / "runs" / task / "requeue_1").is_dir()
+    assert_nothing_left(slurm)
+
+
+LOOP = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"pid={os.getpid()} ppid={os.getppid()}", flush=True)
+t = torch.ones(1)
+step = 0
+while True:
+    dist.all_reduce(t)
+    step += 1
+    if step == 5 and dist.get_rank() == 0:
+        print("ready", flush=True)
+    time.sleep(0.02)
+"""
+
+
+def start_step(cluster: SlurmCluster, tmp_path: Path, *options: str,
+               ) -> tuple[subprocess.Popen[str], Path, str]:
+    """``srun -N2 ... multigpu run --cpu 1 OPTIONS loop.py`` in the background, its console in a file;
+    returns once rank 0 has trained a few steps: (srun, the console file, the job id)."""
+    script = write_script(tmp_path, "loop.py", LOOP)
+    console = tmp_path / "console.out"
+    with open(console, "w") as out:
+        srun = subprocess.Popen(["srun", "-N2", "--ntasks-per-node=1", "multigpu", "run", "--cpu", "1",
+                                 "--output", str(tmp_path / "run"), *options, str(script)],
+                                env=job_env(cluster), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    text = wait_file(console, r"^\[node 0 rank 0\] ready$")
+    job = re.search(r"run slurm-(\d+)", text)
+    assert job, text
+    return srun, console, job.group(1)
+
+
+def test_scancel_stops_both_nodes_cleanly(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """scancel (as a time limit does): SIGTERM to every process of the step on both nodes, SIGKILL
+    after KillWait. Each launcher stops its ranks within its grace (set below KillWait), both records
+    say "interrupted", the console shows no traceback, and nothing is left on either node."""
+    srun, console, job = start_step(slurm, tmp_path, "--grace-period", "1")
+    slurm.run(["scancel", job])
+    srun.wait(timeout=30)
+    screen = console.read_text()
+    assert screen.count("multigpu: attempt 0 interrupted by SIGTERM") == 2, screen
+    assert "root cause" not in screen and "failed" not in screen, screen
+    assert not [noise for noise in TORCH_NOISE if noise in screen], screen
+    for node in (0, 1):
+        record = json.loads((tmp_path / "run" / f"run_node{node}.json").read_text())
+        assert record["status"] == "interrupted", record
+    pids = [int(p) for p in re.findall(r"\b(?:pid|ppid)=(\d+)", screen)]  # the ranks and their launchers
+    assert len(pids) == 4 and not [p for p in pids if alive(p)]
     assert_nothing_left(slurm)
