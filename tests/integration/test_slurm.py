@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import alive, clean_env, free_port, write_script
@@ -303,5 +306,28 @@ def test_scancel_stops_both_nodes_cleanly(slurm: SlurmCluster, tmp_path: Path) -
         record = json.loads((tmp_path / "run" / f"run_node{node}.json").read_text())
         assert record["status"] == "interrupted", record
     pids = [int(p) for p in re.findall(r"\b(?:pid|ppid)=(\d+)", screen)]  # the ranks and their launchers
+    assert len(pids) == 4 and not [p for p in pids if alive(p)]
+    assert_nothing_left(slurm)
+
+
+def test_a_lost_node_is_named_by_the_survivor(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Node 1's launcher SIGKILLed mid-run: its ranks go with it (their guard), node 0's rank sees gloo's
+    "Connection closed by peer", and node 0's root cause is the lost node, in plain words, found by
+    fate sharing; nothing is left on either node."""
+    srun, console, _ = start_step(slurm, tmp_path, "--grace-period", "1")
+    launchers = {int(n): int(ppid) for n, ppid in re.findall(r"^\[node (\d) rank \d\] pid=\d+ ppid=(\d+)$",
+                                                               console.read_text(), re.M)}
+    assert "multigpu" in " ".join(psutil.Process(launchers[1]).cmdline())
+    os.kill(launchers[1], signal.SIGKILL)
+    srun.wait(timeout=30)
+    screen = console.read_text()
+    root = re.search(r"^root cause: (.*)$", screen, re.M)
+    assert root and root.group(1).startswith(f"node 1 was lost: its launcher (host {socket.gethostname()}, "
+                                             f"pid {launchers[1]}) stopped beating for "), screen
+    assert "by peer" not in root.group(1) and "rank -1" not in screen, screen
+    assert "Failed to initialize NumPy" not in screen and "Exception raised from" not in screen, screen
+    record = json.loads((tmp_path / "run" / "run_node0.json").read_text())
+    assert record["status"] == "failed", record
+    pids = [int(p) for p in re.findall(r"\b(?:pid|ppid)=(\d+)", screen)]
     assert len(pids) == 4 and not [p for p in pids if alive(p)]
     assert_nothing_left(slurm)
