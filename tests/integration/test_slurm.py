@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def slurm() -> Iterator[SlurmCluster]:
         pytest.skip(why)
     note = ensure_hosts()
     if note:
-        print(note)
+        warnings.warn(note, stacklevel=1)  # one line in the run's summary
     cluster = SlurmCluster()
     try:
         cluster.start()
