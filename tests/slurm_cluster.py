@@ -187,6 +187,21 @@ class SlurmCluster:
                     found.append(proc)
         return found
 
+    def end_jobs(self, timeout: float = 15) -> list[int]:
+        """Cancel every job still in this cluster and wait (bounded) for its processes to end; SIGKILL
+        what outlives that, by PID. Stopping slurmd ends no job step: without this a job left running
+        by a failed test would outlive the cluster. Returns the PIDs that had to be killed."""
+        self.run(["scancel", "--user", "root"], check=False)
+        deadline = time.monotonic() + timeout
+        left = self.job_processes()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = self.job_processes()
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        return [proc.pid for proc in left]
+
     def stop(self) -> list[str]:
         """SIGTERM every daemon (slurmd first, munged last), SIGKILL what outlives 10 s; names still alive."""
         left = []

@@ -54,9 +54,11 @@ def slurm() -> Iterator[SlurmCluster]:
         cluster.start()
         yield cluster
     finally:
+        killed = cluster.end_jobs() if cluster.procs else []
         pids = [p.pid for p in cluster.procs.values()]
         left = cluster.stop()
         cluster.cleanup()
+        assert not killed, f"job processes outlived their tests and were killed: {killed}"
         assert not left and not [p for p in pids if alive(p)], f"SLURM daemons still alive: {left}"
 
 
