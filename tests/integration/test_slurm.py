@@ -334,3 +334,12 @@ def test_a_lost_node_is_named_by_the_survivor(slurm: SlurmCluster, tmp_path: Pat
     pids = [int(p) for p in re.findall(r"\b(?:pid|ppid)=(\d+)", screen)]
     assert len(pids) == 4 and not [p for p in pids if alive(p)]
     assert_nothing_left(slurm)
+
+
+def test_the_tier_says_in_one_line_why_it_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where slurm-wlm and munge are not installed (and .ci/run could not install them)."""
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster, "SBIN", ())
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert missing() == ("SLURM tier skipped: munged is not installed (apt-get install slurm-wlm munge)")
