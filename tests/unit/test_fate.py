@@ -366,3 +366,14 @@ def test_a_joined_launcher_is_named_by_host_and_pid() -> None:
     store.set(job.key("rank", job.base_rank), "node 1 (base rank 1, 1 worker(s), gpu2 pid 4242)")
     assert job.launcher_of(job.base_rank) == "host gpu2, pid 4242"
     assert job.launcher_of(7) is None
+
+
+def test_a_node_that_never_beat_is_allowed_the_first_beat_grace_when_waiting_for_it() -> None:
+    clock = Clock()
+    watch = BeatWatch(clock, first_beat_grace_s=5.0)
+    assert watch.limit(1.0) == 1.0  # nothing watched (not the watcher): the store's own threshold
+    watch.silent({1: 0, 2: 3}, 1.0)
+    assert watch.limit(1.0) == 5.0
+    clock.now += 0.2
+    watch.silent({1: 1, 2: 4}, 1.0)
+    assert watch.limit(1.0) == 1.0

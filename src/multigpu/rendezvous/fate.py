@@ -113,11 +113,12 @@ class FateMonitor:
     def await_verdict(self) -> WorkerFailure | None:
         """Called by the launcher's main thread when its own rank failed only because a peer's connection
         closed: was that peer's whole node lost? Waits at most twice what this monitor needs to find a
-        silent node (a beat to see its last beat, the beat and the silence threshold, a beat to check;
-        twice, for a loaded machine whose threads run late); a peer node that is alive publishes its
-        own failure at once, and that ends the wait as early."""
+        silent node (a beat to see its last beat, the beat and the allowed silence, a beat to check;
+        twice, for a loaded machine whose threads run late; a node that never beat is allowed the
+        first-beat grace); a peer node that is alive publishes its own failure at once, and that ends
+        the wait as early."""
         if not self._stop.is_set():
-            self._verdict.wait(2 * (3 * self._beat_s + self.latency.threshold()))
+            self._verdict.wait(2 * (3 * self._beat_s + self._watch.limit(self.latency.threshold())))
         return self.verdict
 
     def _lost_store(self, exc: BaseException) -> None:
