@@ -14,6 +14,7 @@ import os
 import pickle
 import runpy
 import sys
+import time
 from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
@@ -44,6 +45,22 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
     WorkerFailure.from_exception(exc).write(path)
     announce_failure()
+
+
+PEER_LOST_QUIET_S = 0.5
+
+
+def quiet_if_stopping(exc: BaseException) -> None:
+    """Before printing the traceback of a collective that failed because a peer's connection closed,
+    wait a moment for SIGTERM. Most often that failure is the job being stopped: ``scancel`` or a
+    time limit SIGTERMs every process of a step, one node a moment after another, and the launcher
+    stops every rank after a peer's failure. SIGTERM's default action then ends this rank silently,
+    its error record already written, instead of a traceback of a mere consequence on the console.
+    A rank whose job is not being stopped prints it ``PEER_LOST_QUIET_S`` later."""
+    from multigpu.contract.errors import PEER_LOST_MARKERS
+
+    if any(marker in str(exc) for marker in PEER_LOST_MARKERS):
+        time.sleep(PEER_LOST_QUIET_S)
 
 
 def run_script(path: str, args: list[str]) -> None:
@@ -115,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         exc.__traceback__ = user_frames(exc.__traceback__)
         if error_file:
             write_error_file(error_file, exc)
+        quiet_if_stopping(exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         exit_failed(130 if isinstance(exc, KeyboardInterrupt) else 1)
     else:
