@@ -66,7 +66,7 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
 
 
 def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
-         job: JobStore | None, monitor: FateMonitor | None = None) -> RunResult:
+         job: JobStore | None, monitor: FateMonitor | None = None, warned: bool = False) -> RunResult:
     """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
         result = share_failure(job, _lost_node_first(result, monitor))
@@ -83,8 +83,8 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     record.note_losses(supervisor.output_losses())
     if job is not None:
         result = settle_root(job, result)
-    if job is not None and result.status is RunStatus.SUCCEEDED:
-        mark_done(job)
+    if job is not None and result.status is RunStatus.SUCCEEDED and not warned:
+        mark_done(job)  # after a preemption warning: once the record says so (preemption.finish_preempted)
     return result
 
 
@@ -117,7 +117,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
             stack.callback(monitor.stop)
         result = supervisor.wait()
         assert result is not None
-        result = _end(supervisor, result, config, record, job, monitor)
+        result = _end(supervisor, result, config, record, job, monitor,
+                      warned=preempt is not None and preempt.warned)
     if live is not None:
         from multigpu.launch.status import print_summary_table
 
