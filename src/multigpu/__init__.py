@@ -2,14 +2,24 @@
 
 The top level re-exports the OTX-compatible API lazily, so ``import multigpu`` (and every worker's
 bootstrap) stays free of torch until a name that needs it is used.
+
+It is also the one place that hides torch's "Failed to initialize NumPy: No module named 'numpy'"
+UserWarning (torch installed without numpy warns so at import). Every process of a run imports this
+package before torch: the launcher (multi-node runs import torch's store there), the node's template,
+every rank (``python -m multigpu.rank`` or forked from the template) and the demo; so no first screen
+starts with it. Only that exact message is hidden: numpy code fails at its own ``import numpy``.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from multigpu._version import __version__
+
+NUMPY_WARNING = "Failed to initialize NumPy: No module named 'numpy'"
+warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 if TYPE_CHECKING:
     from multigpu.cluster.devices import get_gpu_ids

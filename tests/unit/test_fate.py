@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.rendezvous.fate import FateMonitor, failure_record, serve_until_all_done
+from multigpu.rendezvous.fate import (
+    FateMonitor,
+    failure_from_record,
+    failure_record,
+    node_lost,
+    serve_until_all_done,
+    store_lost,
+)
 from multigpu.rendezvous.job import DONE, JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
 
@@ -175,7 +182,8 @@ def test_the_watcher_reads_every_counter_in_one_call_and_publishes_a_silent_node
     clock.now += 0.7  # node 3 silent for 1.3 s > 0.2 s beat + 1.0 s threshold
     assert watcher.beat_once()
     assert [(f.error_type, f.node) for f in seen] == [("NodeLost", 3)]
-    assert "node 3's launcher stopped beating for 1.3s" in str(seen[0].message)
+    assert seen[0].describe() == ("node 3 was lost: its launcher stopped beating for 1.3s (killed, or its "
+                                  "network is down)")  # no claim in this fake job to name its host
     record = jobs[1].read_abort()
     assert record is not None and record["error_type"] == "NodeLost" and record["node"] == 3
     assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs), "every waiter woken"
@@ -335,3 +343,37 @@ def test_only_the_watcher_asks_about_membership_and_publishes_a_change_to_every_
     record = jobs[2].read_abort()
     assert record is not None and record["error_type"] == "MembershipChange"
     assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs)
+
+
+def test_a_node_failure_reads_as_one_and_never_as_rank_minus_one() -> None:
+    """A lost node, a lost store and a refused layout name a node, not "rank -1 (node 1, pid None)
+    exited with code None" as the rank wording did."""
+    lost = node_lost(1, "its launcher (host gpu2, pid 77) stopped beating for 1.2s (killed, or its "
+                        "network is down)")
+    assert lost.describe() == ("node 1 was lost: its launcher (host gpu2, pid 77) stopped beating for "
+                               "1.2s (killed, or its network is down)")
+    assert store_lost("lost contact with the rendezvous store (DistNetworkError)").describe() == (
+        "node 0 (it serves the store) was lost: lost contact with the rendezvous store (DistNetworkError)")
+    refused = failure_from_record({"reason": "inconsistent layout: rank 1 is claimed by both", "node": 1})
+    assert refused.describe() == ("the rendezvous refused a node: inconsistent layout: rank 1 is claimed "
+                                  "by both")
+    assert not [f for f in (lost, refused) if "rank -1" in f.describe() or "None" in f.describe()]
+
+
+def test_a_joined_launcher_is_named_by_host_and_pid() -> None:
+    store = FakeStore()
+    job = job_of(store, 2)[1]
+    store.set(job.key("rank", job.base_rank), "node 1 (base rank 1, 1 worker(s), gpu2 pid 4242)")
+    assert job.launcher_of(job.base_rank) == "host gpu2, pid 4242"
+    assert job.launcher_of(7) is None
+
+
+def test_a_node_that_never_beat_is_allowed_the_first_beat_grace_when_waiting_for_it() -> None:
+    clock = Clock()
+    watch = BeatWatch(clock, first_beat_grace_s=5.0)
+    assert watch.limit(1.0) == 1.0  # nothing watched (not the watcher): the store's own threshold
+    watch.silent({1: 0, 2: 3}, 1.0)
+    assert watch.limit(1.0) == 5.0
+    clock.now += 0.2
+    watch.silent({1: 1, 2: 4}, 1.0)
+    assert watch.limit(1.0) == 1.0

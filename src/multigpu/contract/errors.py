@@ -18,12 +18,15 @@ from typing import Any
 from multigpu.contract.signals import signal_name
 
 HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "Hang", "NodeLost", "StoreLost", "MembershipChange"
+REFUSED = "Refused"
+"""A node's layout refused at the rendezvous (the job's abort record says why)."""
 """The kinds of failure the launcher names itself (``WorkerFailure.error_type``); a rank that raised has
 its exception's type name there instead."""
-NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE})
+NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE, REFUSED})
 """No exception was raised, even when a stack dump is attached."""
-LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST})
-"""Known from a peer's or the store's silence: nothing to publish, nothing to ask the store."""
+LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST, REFUSED})
+"""Known from a peer's or the store's silence (or the store's refusal): nothing to publish, nothing to
+ask the store."""
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
 """What a collective's error says when the rank only saw a peer die (gloo's words): such a failure is
 the consequence of another rank's, never preferred to it as the root cause."""
@@ -88,10 +91,21 @@ class WorkerFailure:
         return self.exit_code if self.exit_code else 1
 
     def describe(self) -> str:
+        if self.rank < 0:  # not a rank: a node or the store, named by the launchers
+            return self._describe_node()
         how = (f"was killed by {self.killed_by or self.signal}" if self.signal
                else f"exited with code {self.exit_code}")
         what = f": {self.error_type}: {self.message}" if self.error_type else ""
         return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
+
+    def _describe_node(self) -> str:
+        if self.error_type == NODE_LOST:
+            return f"node {self.node} was lost: {self.message}"
+        if self.error_type == STORE_LOST:
+            return f"node {self.node} (it serves the store) was lost: {self.message}"
+        if self.error_type == REFUSED:
+            return f"the rendezvous refused a node: {self.message}"
+        return f"{self.error_type or 'the job'}: {self.message}"
 
     def to_dict(self, log_tail_lines: int | None = None) -> dict[str, Any]:
         data = asdict(self)

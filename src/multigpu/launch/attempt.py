@@ -53,11 +53,27 @@ def _membership_change(result: RunResult) -> bool:
     return result.root_cause is not None and result.root_cause.error_type == MEMBERSHIP_CHANGE
 
 
+def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResult:
+    """``result`` with a lost node as its root cause, when that is why our rank failed.
+
+    Only the ambiguous case waits: our own rank failed because a peer's connection closed under its
+    collective (gloo's "Connection closed by peer") and no node's failure is known yet. A peer rank
+    that died on a live node is published by its launcher at once, and that ends the wait; a node
+    that is gone entirely (its launcher killed, the machine down) is found by its silence."""
+    root = result.root_cause
+    if monitor is None or root is None or root.rank < 0 or not root.saw_a_peer_die:
+        return result
+    verdict = monitor.await_verdict()
+    if verdict is None or verdict.rank >= 0:
+        return result  # a peer's own failure: share_failure and settle_root order it by time
+    return RunResult(result.status, [verdict, *result.failures], result.signal)
+
+
 def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
-         job: JobStore | None) -> RunResult:
+         job: JobStore | None, monitor: FateMonitor | None = None, warned: bool = False) -> RunResult:
     """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
-        result = share_failure(job, result)
+        result = share_failure(job, _lost_node_first(result, monitor))
     if result.status is RunStatus.INTERRUPTED:
         sig = result.signal or signal.SIGTERM
         say(f"{signal_name(sig)} received: stopping every rank "
@@ -72,8 +88,8 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     record.note_losses(supervisor.output_losses())
     if job is not None:
         result = settle_root(job, result)
-    if job is not None and result.status is RunStatus.SUCCEEDED:
-        mark_done(job)
+    if job is not None and result.status is RunStatus.SUCCEEDED and not warned:
+        mark_done(job)  # after a preemption warning: once the record says so (preemption.finish_preempted)
     return result
 
 
@@ -118,13 +134,15 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         stack.enter_context(capture_signals(preempt.attach(stack, supervisor) if preempt is not None
                                             else supervisor.request_signal))
         supervisor.start()
+        monitor = None
         if job is not None:
             monitor = FateMonitor(job, supervisor.abort)
             monitor.start()
             stack.callback(monitor.stop)
         result = supervisor.wait()
         assert result is not None
-        result = _end(supervisor, result, config, record, job)
+        result = _end(supervisor, result, config, record, job, monitor,
+                      warned=preempt is not None and preempt.warned)
     if live is not None:
         from multigpu.launch.status import print_summary_table
 

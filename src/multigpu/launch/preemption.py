@@ -29,7 +29,7 @@ from multigpu.config.run import RunConfig
 from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from multigpu.contract.signals import signal_name
 from multigpu.launch.record import RunRecord
-from multigpu.rendezvous.fate import serve_until_all_done
+from multigpu.rendezvous.fate import mark_done, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import say
 from multigpu.supervisor.states import RunResult, RunStatus
@@ -169,13 +169,20 @@ class PreemptWatch:
 
 def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch: PreemptWatch,
                      result: RunResult, env: Mapping[str, str]) -> int:
-    """After a warning: wait for the other nodes (node 0), finish the record, then requeue the job."""
-    if result.status is RunStatus.SUCCEEDED and job is not None and config.base_rank == 0:
-        serve_until_all_done(job)
+    """After a warning: wait for the other nodes (node 0), finish the record, then requeue the job.
+
+    Every node says it is done only once its record says "preempted": node 0 requeues the moment all
+    are done, and SLURM then ends every node's launcher, wherever it is."""
     info: dict[str, Any] = {"signal": signal_name(watch.signum or 0), "time": watch.time,
                             "source": watch.source, "ranks": result.status.value,
                             "requeue": config.preemption.requeue}
     record.data["preemption"] = info
+    if result.status is RunStatus.SUCCEEDED and job is not None:
+        if config.base_rank != 0:
+            _record_preempted(record)
+        mark_done(job)
+        if config.base_rank == 0:
+            serve_until_all_done(job)
     ok = result.status is RunStatus.SUCCEEDED
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
     if not config.preemption.requeue or config.base_rank != 0:

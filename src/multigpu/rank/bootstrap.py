@@ -14,7 +14,7 @@ import os
 import pickle
 import runpy
 import sys
-import warnings
+import time
 from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
@@ -45,6 +45,22 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
     WorkerFailure.from_exception(exc).write(path)
     announce_failure()
+
+
+PEER_LOST_QUIET_S = 0.5
+
+
+def quiet_if_stopping(exc: BaseException) -> None:
+    """Before printing the traceback of a collective that failed because a peer's connection closed,
+    wait a moment for SIGTERM. Most often that failure is the job being stopped: ``scancel`` or a
+    time limit SIGTERMs every process of a step, one node a moment after another, and the launcher
+    stops every rank after a peer's failure. SIGTERM's default action then ends this rank silently,
+    its error record already written, instead of a traceback of a mere consequence on the console.
+    A rank whose job is not being stopped prints it ``PEER_LOST_QUIET_S`` later."""
+    from multigpu.contract.errors import PEER_LOST_MARKERS
+
+    if any(marker in str(exc) for marker in PEER_LOST_MARKERS):
+        time.sleep(PEER_LOST_QUIET_S)
 
 
 def run_script(path: str, args: list[str]) -> None:
@@ -84,21 +100,11 @@ def run_target(mode: str, target: str, args: list[str]) -> None:
         raise SystemExit(f"multigpu.rank: unknown mode {mode!r}")
 
 
-NUMPY_WARNING = "Failed to initialize NumPy"
-
-
 def apply_affinity(env: dict[str, str] | None = None) -> None:
     """Bind this process to the CPUs the launcher chose (``--numa-binding``), if it chose any."""
     text = (os.environ if env is None else env).get(AFFINITY_ENV)
     if text:
         os.sched_setaffinity(0, parse_cpulist(text))
-
-
-def quiet_numpy_warning() -> None:
-    """torch installs without numpy and then warns "Failed to initialize NumPy" at import, once per
-    rank. Nothing is lost by hiding exactly that warning, for every script: code that uses numpy
-    fails at its own ``import numpy`` or gets torch's explicit "Numpy is not available" error."""
-    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,7 +120,6 @@ def main(argv: list[str] | None = None) -> None:
     register_stack_dumps()
     record_preemption_warnings()  # SLURM's warning signal: recorded for the loop, no longer fatal
     take_heartbeat()
-    quiet_numpy_warning()
     error_file = os.environ.get(ERROR_FILE_ENV)
     try:
         heartbeat()  # start-up is not a hang
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         exc.__traceback__ = user_frames(exc.__traceback__)
         if error_file:
             write_error_file(error_file, exc)
+        quiet_if_stopping(exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         exit_failed(130 if isinstance(exc, KeyboardInterrupt) else 1)
     else:

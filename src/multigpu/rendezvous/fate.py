@@ -23,6 +23,7 @@ from multigpu.contract.errors import (
     LEARNED_FROM_SILENCE,
     MEMBERSHIP_CHANGE,
     NODE_LOST,
+    REFUSED,
     STORE_LOST,
     WorkerFailure,
 )
@@ -40,7 +41,7 @@ def failure_record(failure: WorkerFailure) -> dict[str, Any]:
 
 def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
     if "reason" in record:  # an inconsistent layout refused at the rendezvous
-        return node_lost(int(record.get("node", -1)), str(record["reason"]))
+        return node_lost(int(record.get("node", -1)), str(record["reason"]), REFUSED)
     return WorkerFailure.from_dict(record)
 
 
@@ -70,6 +71,9 @@ class FateMonitor:
         self._beat_s, self._clock = beat_s, clock
         self._stop = threading.Event()
         self._fired = self._store_gone = False
+        self.verdict: WorkerFailure | None = None
+        """The job's failure as this monitor learned it (a peer's record, a lost node or store)."""
+        self._verdict = threading.Event()
         self._lock = threading.Lock()
         self._watch = BeatWatch(clock)
         self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
@@ -102,7 +106,20 @@ class FateMonitor:
                 return
             self._fired = True
             self._store_gone = failure.error_type == STORE_LOST
+            self.verdict = failure
+        self._verdict.set()
         self._on_failure(failure)
+
+    def await_verdict(self) -> WorkerFailure | None:
+        """Called by the launcher's main thread when its own rank failed only because a peer's connection
+        closed: was that peer's whole node lost? Waits at most twice what this monitor needs to find a
+        silent node (a beat to see its last beat, the beat and the allowed silence, a beat to check;
+        twice, for a loaded machine whose threads run late; a node that never beat is allowed the
+        first-beat grace); a peer node that is alive publishes its own failure at once, and that ends
+        the wait as early."""
+        if not self._stop.is_set():
+            self._verdict.wait(2 * (3 * self._beat_s + self._watch.limit(self.latency.threshold())))
+        return self.verdict
 
     def _lost_store(self, exc: BaseException) -> None:
         self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
@@ -183,7 +200,9 @@ class FateMonitor:
             return False
         base, seconds = silent
         node = self._watched[base]
-        why = f"node {node}'s launcher stopped beating for {seconds:.1f}s (killed, or its network is down)"
+        launcher = self._timed(lambda: self.job.launcher_of(base), measure=False)
+        why = (f"its launcher{f' ({launcher})' if launcher else ''} stopped beating for {seconds:.1f}s "
+               "(killed, or its network is down)")
         return self._publish(node_lost(node, why, at=time.time() - seconds))
 
     def _to_watch(self) -> dict[int, int]:

@@ -137,6 +137,15 @@ class JobStore:
         pairs = (item.split(":") for item in raw.split(",") if item)
         return {int(base): int(node) for base, node in pairs}
 
+    def launcher_of(self, base_rank: int) -> str | None:
+        """"host H, pid N" of the launcher that claimed ``base_rank`` (its claim names both), or None."""
+        import re
+
+        if not self.store.check([self.key("rank", base_rank)]):
+            return None
+        found = re.search(r", (\S+) pid (\d+)\)$", self.store.get(self.key("rank", base_rank)).decode())
+        return f"host {found.group(1)}, pid {found.group(2)}" if found else None
+
     def beat(self) -> int:
         return int(self.store.add(self.key("beat", self.base_rank), 1))
 

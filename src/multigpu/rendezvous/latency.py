@@ -57,6 +57,12 @@ class BeatWatch:
         self._grace = first_beat_grace_s
         self._seen: dict[int, tuple[int, float]] = {}
 
+    def limit(self, threshold: float) -> float:
+        """The longest silence any watched node is allowed now: ``first_beat_grace_s`` while one has
+        not beaten yet (a node killed in its first moments), else ``threshold``."""
+        seen = list(self._seen.values())  # one copy: the watcher's beat thread updates it
+        return max(threshold, self._grace) if any(count == 0 for count, _ in seen) else threshold
+
     def silent(self, counts: Mapping[int, int], threshold: float) -> tuple[int, float] | None:
         """(base rank, seconds of silence) of the first node whose counter has not moved for longer
         than ``threshold`` (``first_beat_grace_s`` before its first beat), or None."""

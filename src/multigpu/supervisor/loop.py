@@ -238,14 +238,16 @@ class Supervisor:
             self._events.forget(worker.pidfd, close=True)
             worker.pidfd = None
         self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
-        ending = self._closing or self._stop_signal is not None
+        # A stop signal recorded but not yet handled counts: SLURM's scancel and time limit send SIGTERM
+        # to every process of the step, and a rank may die of it a moment before this loop handles ours.
+        interrupted = self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
         first = min((f.time for f in self._failures if f.time is not None), default=None)
-        failure = exits.settle(worker, rc, ending=ending, interrupted=self._stop_signal is not None,
+        failure = exits.settle(worker, rc, ending=self._closing or interrupted, interrupted=interrupted,
                                output=self._output, notify=self._notify, first_failure=first)
         if failure is not None:
             self._failures.append(failure)
             self._mute_all_but(worker)
-        elif worker.state is WorkerState.SUCCEEDED and not ending:
+        elif worker.state is WorkerState.SUCCEEDED and not (self._closing or interrupted):
             self.progress.finished(worker.rank, self._clock())
         self.changed(worker)
 

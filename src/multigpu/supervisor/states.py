@@ -230,10 +230,13 @@ class RunResult:
     @property
     def root_cause(self) -> WorkerFailure | None:
         """The first failure seen, unless it only reports a peer's death and a later one is that peer's
-        own (a rank SIGKILLed by the OOM killer is often reaped just after a peer that it cut off)."""
+        own (a rank SIGKILLed by the OOM killer is often reaped just after a peer that it cut off), or
+        the loss of the peer's whole node."""
         first = next(iter(self.failures), None)
         if first is not None and first.saw_a_peer_die:
-            return next((f for f in self.failures if f.rank >= 0 and not f.saw_a_peer_die), first)
+            own = next((f for f in self.failures if f.rank >= 0 and not f.saw_a_peer_die), None)
+            # else a lost node (rank < 0), even when its silence was first seen after our rank failed
+            return own or next((f for f in self.failures if f.rank < 0), first)
         return first
 
 

@@ -50,10 +50,7 @@ from multigpu.template.wire import receive, send
 def warm_up() -> None:
     """The imports every rank does: torch. Done before the launcher's first message is read, so the
     import overlaps the launcher's own start (it may have started this process before parsing its
-    command line)."""
-    from multigpu.rank.bootstrap import quiet_numpy_warning
-
-    quiet_numpy_warning()
+    command line). torch's NumPy warning is already hidden (``multigpu/__init__.py``)."""
     import torch
     import torch.distributed  # noqa: F401
 
@@ -183,7 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     set_pdeathsig()
     if os.getppid() != args.launcher_pid:
         return  # the launcher is already gone
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when the template ends
+    # The launcher decides when the template and its store end. SLURM's warning (--signal=USR1@N,
+    # scancel --signal) reaches every process of the step: the store's would die of it mid-agreement.
+    # Ranks forked from here set their own dispositions (child.reset_signals, then the bootstrap).
+    for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     control = socket.socket(fileno=args.control_fd)
     store: Store | None = None
     try:
