@@ -66,7 +66,7 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
     verdict = monitor.await_verdict()
     if verdict is None or verdict.rank >= 0:
         return result  # a peer's own failure: share_failure and settle_root order it by time
-    return RunResult(result.status, [verdict, *result.failures], result.signal)
+    return RunResult(result.status, [verdict, *result.failures], result.signal, result.detected_time)
 
 
 def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
