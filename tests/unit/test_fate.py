@@ -377,3 +377,29 @@ def test_a_node_that_never_beat_is_allowed_the_first_beat_grace_when_waiting_for
     clock.now += 0.2
     watch.silent({1: 1, 2: 4}, 1.0)
     assert watch.limit(1.0) == 1.0
+
+
+def _peer_reset(at: float) -> WorkerFailure:
+    return WorkerFailure(rank=0, local_rank=0, pid=11, exit_code=1, node=0, error_type="RuntimeError",
+                         message="Read error [127.0.0.1]:3: Connection reset by peer. GLHF!", time=at)
+
+
+def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_clocks_say() -> None:
+    """The watcher dates a lost node when it last saw the counter move, up to a beat after the node
+    really died, so the peer rank's "Connection reset" can carry the earlier time (seen in the SLURM
+    tier, one run in three). Cause wins over clock there, and only there: a rank's own error that came
+    first stays first."""
+    from multigpu.rendezvous.fate import _with_root
+    from multigpu.supervisor.loop import by_time
+    from multigpu.supervisor.states import RunResult, RunStatus
+
+    lost = node_lost(1, "its launcher stopped beating for 1.2s", at=100.1)
+    reset = _peer_reset(100.0)
+    assert by_time([reset, lost])[0] is lost
+    own = WorkerFailure(rank=0, local_rank=0, pid=11, exit_code=1, node=0, error_type="ValueError",
+                        message="bad batch", time=100.0)
+    assert by_time([lost, own])[0] is own
+    mine = RunResult(RunStatus.FAILED, [reset])
+    settled = _with_root(mine, failure_record(lost))
+    assert settled.root_cause is not None and settled.root_cause.error_type == "NodeLost"
+    assert _with_root(RunResult(RunStatus.FAILED, [own]), failure_record(lost)).root_cause is own

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import NODE_LOST, STORE_LOST, WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS
 from multigpu.supervisor import exits, hang, reaping, spawning, teardown
 from multigpu.supervisor.console import active_writer
@@ -375,5 +375,14 @@ def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOu
 
 
 def by_time(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
-    """The first failure in time first: the root cause (a failure of unknown time last)."""
-    return sorted(failures, key=lambda f: f.time if f.time is not None else float("inf"))
+    """The first failure in time first: the root cause (a failure of unknown time last).
+
+    Cause before time in one case: a rank that failed only because a peer's connection closed comes
+    after a lost node or store, whatever the clocks say. A lost node's time is when the watcher last
+    saw its counter move, up to a beat after the node really died, so the peer's "Connection reset"
+    can carry the earlier time although the loss caused it."""
+    ordered = sorted(failures, key=lambda f: f.time if f.time is not None else float("inf"))
+    lost = next((f for f in ordered if f.rank < 0 and f.error_type in (NODE_LOST, STORE_LOST)), None)
+    if lost is None or not ordered[0].saw_a_peer_die:
+        return ordered
+    return [lost, *(f for f in ordered if f is not lost)]
