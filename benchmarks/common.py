@@ -232,19 +232,21 @@ def start(argv: Sequence[str], bench_dir: Path, env: dict[str, str] | None = Non
 
 
 def start_launcher(root: Path, name: str, launcher: str, nproc: int, script: str,
-                   args: Sequence[str] = (), extra: Callable[[Path], list[str]] | None = None) -> Job:
-    """Start a launcher job in a fresh scratch directory (multigpu's --output is DIR/mg)."""
+                   args: Sequence[str] = (), extra: Callable[[Path], list[str]] | None = None,
+                   env: dict[str, str] | None = None) -> Job:
+    """Start a launcher job in a fresh scratch directory (multigpu's --output is DIR/mg); ``env`` adds
+    to the harness's environment."""
     bench_dir = new_bench_dir(root, f"{name}-{launcher}")
     flags = extra(bench_dir) if extra is not None else []
     argv = launcher_argv(launcher, nproc, script, args, output=bench_dir / "mg", extra=flags)
-    return start(argv, bench_dir)
+    return start(argv, bench_dir, worker_env(bench_dir, env))
 
 
 def run_launcher(root: Path, name: str, launcher: str, nproc: int, script: str, args: Sequence[str] = (),
-                 timeout: float = 120.0, extra: Callable[[Path], list[str]] | None = None
-                 ) -> tuple[Job, int | None]:
+                 timeout: float = 120.0, extra: Callable[[Path], list[str]] | None = None,
+                 env: dict[str, str] | None = None) -> tuple[Job, int | None]:
     """Start a launcher job, wait for it (bounded), then end whatever is left; (job, exit code)."""
-    job = start_launcher(root, name, launcher, nproc, script, args, extra)
+    job = start_launcher(root, name, launcher, nproc, script, args, extra, env)
     code = job.wait(timeout)
     job.finish()
     return job, code

@@ -96,17 +96,17 @@ def test_stale_and_hostile_files_are_not_read(tmp_path: Path) -> None:
         load_dump(pickle.dumps(Path("x")))
 
 
-def test_recorder_on_by_default_for_gpu_ranks_only() -> None:
+def test_recorder_on_by_default_for_every_rank_unless_the_user_chose_a_size() -> None:
+    """On for gloo too: the hang report can then name the collective a CPU rank is missing from."""
     prefix = "/out/logs/attempt_0/fr_trace_rank_"
-    assert flight_recorder_env({}, "cuda", prefix) == {
+    assert flight_recorder_env({}, prefix) == {
         "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": prefix, "MULTIGPU_FR_DUMP": prefix}
-    assert flight_recorder_env({}, "cpu", "/p") == {}
-    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "50"}, "cpu", "/p") == {
+    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "50"}, "/p") == {
         "TORCH_FR_DUMP_TEMP_FILE": "/p", "MULTIGPU_FR_DUMP": "/p"}
 
 
 def test_the_users_choices_stand() -> None:
-    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, "cuda", "/p") == {}
-    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, "cuda", "/p") == {}
+    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, "/p") == {}
+    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, "/p") == {}
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/trace_"}
-    assert flight_recorder_env(mine, "cuda", "/p") == {"MULTIGPU_FR_DUMP": "/mine/trace_"}
+    assert flight_recorder_env(mine, "/p") == {"MULTIGPU_FR_DUMP": "/mine/trace_"}

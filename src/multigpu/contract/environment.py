@@ -35,7 +35,8 @@ CONTRACT_KEYS = (
     HEARTBEAT_FD_ENV, DEVICE_ENV, NODE_RANK_ENV, ATTEMPT_ENV, ANNOUNCE_ENV, FR_DUMP_ENV,
 )
 FR_BUFFER_DEFAULT = "2000"
-"""Collectives the flight recorder keeps per process group on GPU ranks, unless the user chose."""
+"""Collectives the flight recorder keeps per process group, unless the user chose (CPU and GPU ranks:
+its cost on gloo is in the training benchmark, section 6)."""
 
 PREEMPTION_KEYS = (WARNING_SIGNALS_ENV, RESUMED_ENV, PREVIOUS_OUTPUT_ENV)
 """Set for every rank of a run by ``cluster.requeue.preemption_env`` (always replaced, never inherited):
@@ -114,22 +115,24 @@ def build_worker_env(
         env[ERROR_FILE_ENV] = error_file
         env["TORCHELASTIC_ERROR_FILE"] = error_file
     if fr_dump_prefix is not None:
-        env.update(flight_recorder_env(env, job.device, fr_dump_prefix))
+        env.update(flight_recorder_env(env, fr_dump_prefix))
     return env
 
 
-def flight_recorder_env(env: Mapping[str, str], device: str, dump_prefix: str) -> dict[str, str]:
+def flight_recorder_env(env: Mapping[str, str], dump_prefix: str) -> dict[str, str]:
     """torch's collective flight recorder for a hang report that names the missing rank.
 
-    On GPU ranks it is on by default (``TORCH_FR_BUFFER_SIZE``, the name torch 2.13 reads first; the
-    older ``TORCH_NCCL_TRACE_BUFFER_SIZE`` still counts as the user's choice, as does 0 for "off").
+    On by default for every device kind (``TORCH_FR_BUFFER_SIZE``, the name torch 2.13 reads first;
+    the older ``TORCH_NCCL_TRACE_BUFFER_SIZE`` still counts as the user's choice, as does 0 for
+    "off"): gloo records too, and a record per collective costs no throughput the training benchmark
+    can see, while it turns "rank 1 stopped first" into "rank 1 is missing from collective #31".
     Its dumps (torch's own on a NCCL timeout, and the one the launcher asks for on a hang) go to
     ``dump_prefix<rank>`` unless the user named a file; ``FR_DUMP_ENV`` tells the bootstrap
     where, and that the launcher may ask for a dump.
     """
     size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
     extra: dict[str, str] = {}
-    if size is None and device == "cuda":
+    if size is None:
         size = extra["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER_DEFAULT
     if size is None or not size.strip().isdigit() or int(size) <= 0:
         return extra
