@@ -44,9 +44,10 @@ SLEEP = """
 
 
 
-def node(tmp_path: Path, script: Path, *args: str) -> subprocess.Popen[str]:
+def node(tmp_path: Path, script: Path, *args: str,
+         env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
-                      *args, str(script)], cwd=tmp_path)
+                      *args, str(script)], cwd=tmp_path, env=env)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
@@ -418,6 +419,36 @@ def test_manager_nodes_share_fate(tmp_path: Path) -> None:
     node0_err = results[0][2]
     assert "rank 3 (node 1" in node0_err and "rank 3 broke on node 1" in node0_err, node0_err[-2000:]
     assert_gone(pids_in("".join(out for _, out, _ in results)))
+
+
+@pytest.mark.parametrize("difference", ["torch", "nproc"])
+def test_nodes_with_a_different_torch_or_layout_are_refused_on_every_node(tmp_path: Path,
+                                                                         difference: str) -> None:
+    """Node 1 sees another torch (a dist-info first on its path, as a second install would be) or starts
+    one worker where node 0 starts two: both nodes refuse before any rank starts, in one line that
+    names the nodes and the difference."""
+    script = write_script(tmp_path, "job.py", ALLREDUCE)
+    other = tmp_path / "other"
+    info = other / "torch-2.12.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.12.0\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30")
+    nodes = [node(tmp_path, script, *common, "--node-rank", "0"),
+             node(tmp_path, script, *common, "--node-rank", "1",
+                  *(["--cpu", "1"] if difference == "nproc" else []),
+                  env={"PYTHONPATH": str(other)} if difference == "torch" else None)]
+    results = [finish(p) for p in nodes]
+    expected = ("the nodes would run different things: torch differs: node 0 2.13" if difference == "torch"
+                else "inconsistent layout: node 1 (base rank 1, 1 worker(s), ")
+    for rc, out, err in results:
+        assert rc == 1, err[-2000:]
+        errors = [line for line in err.splitlines() if line.startswith("multigpu: error: ")]
+        assert len(errors) == 1 and expected in errors[0], err[-2000:]
+        tail = ("node 1 2.12.0; every node refuses" if difference == "torch"
+                else "says world size 2, the job says 4")
+        assert tail in errors[0], errors
+        assert "pid=" not in out and "Traceback" not in err  # no rank started, no traceback
 
 
 def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_path: Path) -> None:

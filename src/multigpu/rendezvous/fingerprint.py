@@ -1,14 +1,16 @@
 """What each node of a multi-node job would run, compared once every node has joined and before any
 rank starts. Runs in the launcher.
 
-Nodes that run a different script, different arguments, a different torch or multigpu, or a
-different device kind meet, then fail in their first collective (or hang) with an error that names
+Nodes that run a different script, different arguments, a different torch (or CUDA build, or NCCL)
+or multigpu, or a different device kind meet, then fail in their first collective (or hang) with an
+error that names
 neither difference. Each node publishes its fingerprint in the job's store as it joins; once all have
 joined, every node reads all of them and reaches the same verdict on its own: a difference that
 breaks a job refuses it on every node, in one line naming the nodes and the difference
 (``--allow-mismatch`` makes that a warning); a soft one (a different Python patch release) is one
-warning line. It costs a file hash and one store round trip: no torch import (the torch version is
-read from the installed package's metadata).
+warning line. It costs a file hash and one store round trip: no torch import (the torch and NCCL
+versions are read from the installed packages' metadata, the CUDA build from torch's ``version.py``).
+A different ``--nproc-per-node`` is refused earlier, by the layout check of the join (``job.py``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import hashlib
 import importlib.util
 import json
 import platform
+import re
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from multigpu._version import __version__
 
-BREAKING = {"multigpu": "multigpu", "python": "Python", "torch": "torch", "target": "the target",
-            "sha256": "the target's SHA-256", "args": "its arguments", "device": "the device kind"}
+BREAKING = {"multigpu": "multigpu", "python": "Python", "torch": "torch", "cuda": "torch's CUDA build",
+            "nccl": "NCCL", "target": "the target", "sha256": "the target's SHA-256", "args": "its arguments",
+            "device": "the device kind"}
 SOFT = {"python_patch": "Python release"}
 
 
@@ -44,15 +48,40 @@ def target_sha256(target: str) -> str:
         return ""
 
 
-def fingerprint(target: str, args: tuple[str, ...], device: str) -> dict[str, str]:
+NCCL_PACKAGES = ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")
+"""The wheels torch's CUDA builds take NCCL from; a build with NCCL linked in has none ("none")."""
+_CUDA = re.compile(r"""^cuda\s*(?::[^=\n]*)?=\s*['"]([^'"\n]+)['"]""", re.M)
+
+
+def installed(*names: str) -> str:
+    """The version of the first of ``names`` installed here, or "none"."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def torch_cuda() -> str:
+    """The CUDA version torch was built for (``torch.version.cuda``), read from its ``version.py``
+    without importing torch; "none" for a CPU build or where torch is not installed."""
     try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "none"
+        spec = importlib.util.find_spec("torch")  # a top-level package: found, not imported
+        where = list(spec.submodule_search_locations or []) if spec is not None else []
+        text = (Path(where[0]) / "version.py").read_text() if where else ""
+    except (ImportError, ValueError, OSError):
+        return "none"
+    found = _CUDA.search(text)
+    return found.group(1) if found else "none"
+
+
+def fingerprint(target: str, args: tuple[str, ...], device: str) -> dict[str, str]:
     python = platform.python_version()
     return {"multigpu": __version__, "python": python.rsplit(".", 1)[0], "python_patch": python,
-            "torch": torch, "target": Path(target).name, "sha256": target_sha256(target),
-            "args": json.dumps(list(args)), "device": device}
+            "torch": installed("torch"), "cuda": torch_cuda(), "nccl": installed(*NCCL_PACKAGES),
+            "target": Path(target).name, "sha256": target_sha256(target), "args": json.dumps(list(args)),
+            "device": device}
 
 
 def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], list[str]]:
