@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,17 @@ def test_unknown_option_suggests_the_closest(script: str, typo: str, meant: str 
     assert suggest(typo) == meant
     with pytest.raises(UsageError, match=f"did you mean '{meant}'" if meant else "unrecognized"):
         parse([typo, script])
+
+
+def test_the_debug_server_is_on_loopback_unless_a_host_is_given(script: str) -> None:
+    from multigpu.contract.names import DEBUG_SERVER_ENV
+
+    config = parse(["--cpu", "2", "--debug-server", "8000", script])
+    assert config.start.debug_server == Endpoint("127.0.0.1", 8000)
+    assert json.loads(config.extra_env[DEBUG_SERVER_ENV]) == ["127.0.0.1", 8000]
+    assert parse(["--debug-server", "0.0.0.0:8001", script]).start.debug_server == Endpoint("0.0.0.0", 8001)
+    assert json.loads(parse(["--debug-server", "localhost:8002", script]).extra_env[DEBUG_SERVER_ENV]) == [
+        "127.0.0.1", 8002]
+    assert parse([script]).start.debug_server is None
+    with pytest.raises(UsageError, match=r"^--debug-server 'host:port': the port must be a number"):
+        parse(["--debug-server", "host:port", script])

@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import gc
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -25,6 +26,7 @@ from multigpu.cli.layout import apply_layout, rendezvous_values
 from multigpu.cli.preemption import apply_preemption_options
 from multigpu.cli.torchrun import apply_rank_filters, apply_torchrun_options
 from multigpu.cluster.devices import dedupe, parse_index_list, visible_gpus
+from multigpu.config.endpoint import parse_endpoint
 from multigpu.config.run import (
     HangConfig,
     OutputConfig,
@@ -36,6 +38,7 @@ from multigpu.config.run import (
 from multigpu.contract.environment import inside_launched_worker, usable_cpu_count
 from multigpu.contract.errors import MultiGPUError, UsageError
 from multigpu.contract.exitcodes import EXIT_USAGE
+from multigpu.contract.names import DEBUG_SERVER_ENV
 from multigpu.contract.values import integer, seconds
 from multigpu.supervisor.console import ensure_std_fds
 
@@ -275,6 +278,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = apply_rank_filters(config, values)
     config = apply_preemption_options(config, values, env)
     config = _apply_template(config, values)
+    config = _apply_debug_server(config, values["debug_server"])
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
 
@@ -299,6 +303,34 @@ def _apply_template(config: RunConfig, values: Mapping[str, str | None]) -> RunC
     supervision = dataclasses.replace(config.supervision, template=values["no_template"] != "1",
                                       preload=preload)
     return dataclasses.replace(config, supervision=supervision)
+
+
+DEBUG_MODULES = ("jinja2", "aiohttp", "tabulate")
+"""What torch's debug server imports beyond torch (the ``debug`` extra)."""
+
+
+def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
+    """``--debug-server [HOST:]PORT``: loopback unless a host is given; its packages checked here, so a
+    missing one is one line now, not a traceback in every rank."""
+    if value is None:
+        return config
+    text = value.strip()
+    where = parse_endpoint(f"127.0.0.1:{text}" if text.isdigit() else text, option="--debug-server")
+    missing = [name for name in DEBUG_MODULES if not _importable(name)]
+    if missing:
+        raise UsageError(f"--debug-server needs {', '.join(missing)} (torch's debug server imports "
+                         f"{'it' if len(missing) == 1 else 'them'}): pip install 'multigpu[debug]'")
+    env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port])}
+    return dataclasses.replace(config, extra_env=env,
+                               start=dataclasses.replace(config.start, debug_server=where))
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # absent, or broken: either way the debug server could not start
+        return False
+    return True
 
 
 def cmd_run(argv: Sequence[str]) -> int:

@@ -72,6 +72,9 @@ OURS = (
     Option(("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
            "{hang_factor})"),
     Option(("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})"),
+    Option(("--debug-server",), "[HOST:]PORT", "serve torch's debug server (every rank's stacks, flight "
+           "record, store) on PORT of rank 0's node, on loopback unless HOST is given (0.0.0.0: every "
+           "interface, for several nodes); needs pip install 'multigpu[debug]'"),
     Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
            choices=("auto", "on", "off")),
     # -- preemption and requeue

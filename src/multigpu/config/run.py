@@ -106,6 +106,9 @@ class StartConfig:
     role: str = "default"
     virtual_local_rank: bool = False
     numa_binding: str | None = None
+    debug_server: Endpoint | None = None
+    """``--debug-server``: where rank 0 serves torch's debug server (every rank's worker server binds
+    the same host); None: off."""
 
 
 @dataclass(frozen=True)

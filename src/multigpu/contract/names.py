@@ -33,6 +33,9 @@ AFFINITY_ENV = "MULTIGPU_CPU_AFFINITY"
 """``--numa-binding``: the CPUs the bootstrap binds the rank to (a cpulist, ``0-3,8``)."""
 WARNING_SIGNALS_ENV = "MULTIGPU_WARNING_SIGNALS"
 """Comma-separated signal names the launcher treats as a preemption warning, e.g. ``SIGUSR1,SIGUSR2``."""
+DEBUG_SERVER_ENV = "MULTIGPU_RANK_DEBUG_SERVER"
+"""``--debug-server``: HOST:PORT of torch's debug server; every rank serves its worker side on HOST and
+rank 0 starts the page on PORT (``rank/debug_server.py``)."""
 RESUMED_ENV = "MULTIGPU_RESUMED"
 PREVIOUS_OUTPUT_ENV = "MULTIGPU_PREVIOUS_OUTPUT"
 

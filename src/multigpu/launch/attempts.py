@@ -83,6 +83,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             else f"{config.nproc} CPU worker(s)"
         say(f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
             f"output in {output_dir}")
+        if config.start.debug_server is not None and config.base_rank == 0:
+            say(f"debug server (torch's, rank 0's node): http://{config.start.debug_server}/")
         try:
             code = run_attempts(Run(config, rdzv, record, output_dir, base_env, cvd))  # finishes the record
         except BaseException:

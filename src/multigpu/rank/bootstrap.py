@@ -18,6 +18,7 @@ import time
 from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
+from multigpu.rank.debug_server import start_if_asked as start_debug_server
 from multigpu.rank.dumps import arm_flight_recorder, register_stack_dumps
 from multigpu.rank.exiting import announce_failure, exit_failed, finish_like_exit
 from multigpu.rank.guard import guard_parent
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     error_file = os.environ.get(ERROR_FILE_ENV)
     try:
         heartbeat()  # start-up is not a hang
+        start_debug_server()  # --debug-server only
         run_target(mode, target, args)
     except SystemExit as exc:
         if exc.code in (0, None):

@@ -1,0 +1,83 @@
+"""``--debug-server``: torch's own debug server, run for real in a 2-rank CPU job, bound to loopback.
+
+The page on rank 0's node answers with every rank's stacks; every socket the job listens on (the
+ranks' worker servers, the page, the store) is on 127.0.0.1; the page's helper process goes with the
+job. Without torch's extra packages the option is one line naming the fix."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+
+JOB = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"pid={os.getpid()}", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)  # line 8: where the page must show both ranks
+dist.barrier()
+"""
+
+
+def fetch(url: str, deadline: float) -> str:
+    """The page at ``url``, once its server answers (bounded: the page process starts with torch)."""
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=20) as reply:
+                return str(reply.read().decode())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp_path: Path) -> None:
+    job = write_script(tmp_path, "job.py", JOB)
+    marker = tmp_path / "go"
+    port = free_port()
+    launcher = start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
+                          "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
+    try:
+        page = fetch(f"http://127.0.0.1:{port}/stacks", time.monotonic() + 60)
+        tree = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(recursive=True))]
+        sockets = [(pid, c) for pid in tree for c in psutil.Process(pid).net_connections("inet")]
+        listening = [(pid, c.laddr.ip) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
+        helpers = [c.pid for c in psutil.Process(launcher.pid).children(recursive=True)
+                   if "multigpu.rank.debug_frontend" in " ".join(c.cmdline())]
+    finally:
+        marker.touch()
+        out_text, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "Rank 0" in page and "Rank 1" in page, page[-2000:]
+    assert len(re.findall(rf'{re.escape(str(job))}", line 8', page)) == 2, page[-2000:]
+    assert {ip for _, ip in listening} == {"127.0.0.1"} and len(listening) >= 3, listening
+    assert len(helpers) == 1
+    assert f"multigpu: debug server (torch's, rank 0's node): http://127.0.0.1:{port}/" in err
+    assert "Traceback" not in err
+    assert_gone([*pids_in(out_text), *helpers, *tree])
+
+
+def test_without_the_extra_packages_the_option_is_one_line(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "aiohttp.py").write_text("raise ImportError('hidden by the test')\n")
+    job = write_script(tmp_path, "job.py", "print('never runs')\n")
+    res = run_cli(["run", "--cpu", "1", "--debug-server", "8000", str(job)], cwd=tmp_path,
+                  env={"PYTHONPATH": str(hidden)})
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[0] == (
+        "multigpu run: error: --debug-server needs aiohttp (torch's debug server imports it): "
+        "pip install 'multigpu[debug]'"), res.stderr
+    assert "Traceback" not in res.stderr
+    assert "never runs" not in res.stdout
