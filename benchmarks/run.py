@@ -155,7 +155,7 @@ def targets_section(results: dict[str, Any]) -> list[str]:
         for t in mod.targets(res):
             met = {True: "**met**", False: "**missed**", None: "n/a"}[t["met"]]
             rows.append([t["name"], t["goal"], met, t["measured"], t["note"]])
-    return ["## Targets (issues 3, 4 and 6)", "",
+    return ["## Targets (from the issues: 3, 4, 6, 21 and 24)", "",
             *table(["target", "goal", "result", "measured", "note"], rows), ""]
 
 
