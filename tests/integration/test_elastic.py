@@ -4,6 +4,7 @@ it started is left running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +67,12 @@ def node(tmp_path: Path, name: str, endpoint: str, script: Path, *args: str, res
     return start_cli(["run", "--cpu", "2", "--grace-period", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", endpoint, "--rdzv-conf", conf, "--max-restarts", str(restarts),
                       "--output", str(tmp_path / name), str(script), *args], cwd=tmp_path)
+
+
+def incidents_of(output: Path) -> list[dict[str, Any]]:
+    """The incidents in the one run record an elastic launcher wrote under ``output``."""
+    [record] = output.glob("run_*.json")
+    return list(json.loads(record.read_text())["incidents"])
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
@@ -137,6 +145,9 @@ def test_a_node_alone_runs_then_a_late_joiner_leads_to_a_round_with_both(tmp_pat
     assert {restart for _, _, _, restart, _ in alone + both} == {0}, "a membership change is no restart"
     assert "asked to join: a new rendezvous round" in err0
     assert (out0 + out1).count("sum=4") == 4
+    [joined] = incidents_of(tmp_path / "a")  # the join is on the timeline, as what it is
+    assert joined["kind"] == "membership change" and "asked to join" in joined["what"], joined
+    assert joined["detected_time"] <= joined["stopped_time"] <= joined["next_attempt_time"], joined
     assert_gone(pids_in(out0 + out1))
 
 
@@ -166,6 +177,9 @@ def test_when_one_of_two_nodes_is_lost_the_survivor_starts_a_round_alone_and_fin
     alone = [r for r in rounds(out0) if r[1] == 2 and r[3] == 1]  # (it may have run alone before B came)
     assert sorted((rank, group) for rank, _, group, _, _ in alone) == [(0, 0), (1, 0)]
     assert out0.count("done rank=") == 2
+    lost = [i for i in incidents_of(tmp_path / "a") if i["kind"] == "failed"]
+    assert len(lost) == 1 and lost[0]["what"].startswith("node 1 was lost: its launcher "), lost
+    assert lost[0]["next_attempt_time"] is not None, lost  # the survivor's round alone
     all_pids = [int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs
                                                                   if log.exists()))]
     all_pids += pids_in(out0)

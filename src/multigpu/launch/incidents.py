@@ -1,4 +1,5 @@
-"""The run's incidents: every attempt that did not succeed, with when each phase of it happened.
+"""The run's incidents: every attempt that did not succeed (an elastic round ended by a membership
+change included), with when each phase of it happened.
 Runs in the launcher; kept in ``run.json`` (``incidents``) and read by ``multigpu report``.
 
 After a night of restarts and requeues, the attempts say what failed; the incidents say where the
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from multigpu.contract.errors import MEMBERSHIP_CHANGE
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -35,7 +37,10 @@ def incident(attempt: int, result: RunResult, now: float) -> dict[str, Any] | No
         what = result.status.value
     detected = result.detected_time or now
     failed = root.time if root is not None and root.time else detected
-    return {"attempt": attempt, "kind": result.status.value, "rank": root.rank if root else None,
+    # An elastic round that ended for a node joining or leaving failed nothing: its own kind.
+    kind = "membership change" if root is not None and root.error_type == MEMBERSHIP_CHANGE else \
+        result.status.value
+    return {"attempt": attempt, "kind": kind, "rank": root.rank if root else None,
             "what": what, "failed_time": min(failed, detected), "detected_time": detected,
             "stopped_time": now, "next_attempt_time": None, "next_first_step_time": None}
 
