@@ -227,3 +227,16 @@ def test_the_debug_server_is_on_loopback_unless_a_host_is_given(script: str) -> 
     assert parse([script]).start.debug_server is None
     with pytest.raises(UsageError, match=r"^--debug-server 'host:port': the port must be a number"):
         parse(["--debug-server", "host:port", script])
+
+
+def test_the_debug_server_port_must_be_named_and_free(script: str) -> None:
+    import socket
+
+    with pytest.raises(UsageError, match=r"^--debug-server needs a port to open in a browser"):
+        parse(["--debug-server", "0", script])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=rf"^--debug-server 127\.0\.0\.1:{port}: cannot listen there \("):
+            parse(["--debug-server", str(port), script])

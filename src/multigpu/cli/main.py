@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ from multigpu.cli.layout import apply_layout, rendezvous_values
 from multigpu.cli.preemption import apply_preemption_options
 from multigpu.cli.torchrun import apply_rank_filters, apply_torchrun_options
 from multigpu.cluster.devices import dedupe, parse_index_list, visible_gpus
-from multigpu.config.endpoint import parse_endpoint
+from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import (
     HangConfig,
     OutputConfig,
@@ -320,9 +321,24 @@ def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
     if missing:
         raise UsageError(f"--debug-server needs {', '.join(missing)} (torch's debug server imports "
                          f"{'it' if len(missing) == 1 else 'them'}): pip install 'multigpu[debug]'")
+    if where.port == 0:
+        raise UsageError("--debug-server needs a port to open in a browser (0 would pick one no one is told)")
+    if config.base_rank == 0:  # the page is served on rank 0's node: its port must be free there
+        _check_free(where.bind_host, where.port)
     env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port])}
     return dataclasses.replace(config, extra_env=env,
                                start=dataclasses.replace(config.start, debug_server=where))
+
+
+def _check_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the page's server binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--debug-server {format_endpoint(host, port)}: cannot listen there "
+                             f"({exc.strerror}); name another port") from None
 
 
 def _importable(name: str) -> bool:
