@@ -88,6 +88,7 @@ STORE_AFTER_RANK0 = """
 import os, sys, time, pathlib, datetime
 import torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+dist.barrier()  # both ranks' gloo meshes are complete (rank 0 leaving mid-connect fails rank 1's init)
 rank = dist.get_rank()
 if rank == 0:
     pathlib.Path("rank0.pid.tmp").write_text(str(os.getpid()))
