@@ -547,3 +547,29 @@ def test_a_failure_that_only_saw_a_peer_die_is_not_the_root_cause() -> None:
     assert RunResult(RunStatus.FAILED, [cut_off]).root_cause is cut_off
     raised = WorkerFailure(rank=2, local_rank=2, pid=12, exit_code=1, error_type="ValueError", message="x")
     assert RunResult(RunStatus.FAILED, [raised, killed]).root_cause is raised
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["then-ours", "alone"])
+def test_a_rank_killed_by_an_outside_sigterm_waits_for_ours(make: Callable[..., Supervisor], tmp_path: Path,
+                                                            ours: bool) -> None:
+    """SLURM's scancel signals every process of the step, a rank sometimes before its launcher: the
+    run is interrupted, not failed. A rank SIGTERMed by someone else, with no stop signal for us,
+    fails (named) once the short race window has passed."""
+    sleeper = py("import time; print('up', flush=True); time.sleep(30)")
+    sup = make([spec(r, sleeper, tmp_path) for r in range(2)])
+    sup.start()
+    pids = worker_pids(sup)
+    pump_until(sup, lambda: all(said(sup, r, "up")() for r in range(2)))
+    os.kill(pids[1], signal.SIGTERM)  # the scheduler reaches rank 1 first
+    pump_until(sup, lambda: sup.workers[1].returncode is not None)  # reaped, not yet judged
+    if ours:
+        sup.request_signal(signal.SIGTERM)  # ...then the launcher
+    result = finish(sup, timeout=5)
+    sup.close(sig=signal.SIGTERM)
+    if ours:
+        assert result.status is RunStatus.INTERRUPTED and result.failures == [], result
+        assert [w.state for w in sup.workers] == [WorkerState.STOPPED] * 2
+    else:
+        assert result.status is RunStatus.FAILED and result.root_cause is not None, result
+        assert (result.root_cause.rank, result.root_cause.signal) == (1, "SIGTERM")
+    assert_gone(pids)

@@ -12,9 +12,28 @@ import signal
 from collections.abc import Callable
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.contract.signals import signal_name
+from multigpu.contract.signals import STOP_SIGNALS, signal_name
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import Worker, WorkerState
+
+STOP_RACE_S = 0.25
+"""How long a rank that a stop signal killed, one the launcher did not send, waits for the launcher's
+own before it counts as a failure. SLURM's scancel and time limit signal every process of the step,
+sometimes a rank before its launcher: that is an interrupted run, not a rank that failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A rank killed by an outside stop signal, judged at ``until`` (loop clock) or when ours comes."""
+
+    worker: Worker
+    rc: int
+    until: float
+
+
+def outside_stop(worker: Worker, rc: int) -> bool:
+    """The rank died of SIGTERM, SIGINT or SIGQUIT (we had sent none) and recorded no error of its own."""
+    return rc < 0 and -rc in STOP_SIGNALS and not worker.finished and worker.own_record() is None
 
 
 def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,

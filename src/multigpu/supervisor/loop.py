@@ -76,6 +76,7 @@ class Supervisor:
         self._stop_at: float | None = None
         self._told_at: float | None = None
         self._failures: list[WorkerFailure] = []
+        self._pending: list[exits.Pending] = []  # ranks killed by a stop signal we did not send
         self._last_tick = 0.0
         self._published = float("-inf")
         self._changed: dict[int, Worker] = {}
@@ -137,7 +138,10 @@ class Supervisor:
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
                 return None
-            self.turn(_period(self.options, self.progress, self._output, self.workers, remaining))
+            period = _period(self.options, self.progress, self._output, self.workers, remaining)
+            if self._pending:
+                period = max(0.0, min(period, min(p.until for p in self._pending) - self._clock()))
+            self.turn(period)
 
     def _outcome(self) -> RunResult | None:
         if (self._stop_signal is not None or self._failures) and self._detected is None:
@@ -183,6 +187,7 @@ class Supervisor:
         if any(w.group_open and w.returncode is not None for w in self.workers):
             reaping.open_groups(self.workers)
         self._handle_signals()
+        self._judge_pending()
         self._tell_listener()
         self._check_hang()
         self._maybe_tick()
@@ -239,8 +244,26 @@ class Supervisor:
             worker.pidfd = None
         self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
         # A stop signal recorded but not yet handled counts: SLURM's scancel and time limit send SIGTERM
-        # to every process of the step, and a rank may die of it a moment before this loop handles ours.
+        # to every process of the step, and a rank may die of it a moment before this loop handles ours,
+        # or before ours arrives at all: then the rank is judged a moment later (``exits.Pending``).
         interrupted = self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
+        if not (interrupted or self._closing) and exits.outside_stop(worker, rc):
+            self._pending.append(exits.Pending(worker, rc, self._clock() + exits.STOP_RACE_S))
+            return
+        self._judge(worker, rc, interrupted)
+
+    def _judge_pending(self, now: bool = False) -> None:
+        """Judge the ranks a stop signal killed, once ours came or the race window closed (``now``)."""
+        if not self._pending:
+            return
+        stop = self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
+        ripe = now or stop
+        due = [p for p in self._pending if ripe or self._clock() >= p.until]
+        self._pending = [p for p in self._pending if not (ripe or self._clock() >= p.until)]
+        for p in due:
+            self._judge(p.worker, p.rc, stop)
+
+    def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
         first = min((f.time for f in self._failures if f.time is not None), default=None)
         failure = exits.settle(worker, rc, ending=self._closing or interrupted, interrupted=interrupted,
                                output=self._output, notify=self._notify, first_failure=first)
@@ -318,6 +341,7 @@ class Supervisor:
             if self._closed:
                 return
             self._closed = True
+        self._judge_pending(now=True)
         grace = self.options.grace_period if grace_period is None else grace_period
         try:
             if self._started:
