@@ -80,6 +80,11 @@ class WorkerFailure:
         """This rank failed only because a peer's connection closed under its collective."""
         return any(marker in (self.message or "") for marker in PEER_LOST_MARKERS)
 
+    def explains(self, other: WorkerFailure) -> bool:
+        """This lost node (or store) caused ``other``, a rank that only saw a peer's connection close:
+        cause before effect, whatever the clocks say (a lost node is dated when its silence was seen)."""
+        return self.rank < 0 and self.error_type in (NODE_LOST, STORE_LOST) and other.saw_a_peer_die
+
     @property
     def launcher_exit_code(self) -> int:
         """The launcher's exit code for this root cause: the rank's own, or 128 + N for signal N."""

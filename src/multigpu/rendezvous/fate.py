@@ -266,9 +266,9 @@ def _with_root(result: RunResult, record: dict[str, Any] | None) -> RunResult:
     winner = failure_from_record(record)
     if (winner.node, winner.rank) == (root.node, root.rank):
         return result
-    explains = winner.rank < 0 and winner.error_type in (NODE_LOST, STORE_LOST) and root.saw_a_peer_die
-    if not explains and root.time is not None and winner.time is not None and winner.time > root.time:
-        return result  # ours came first (a lost node explains a peer's closed connection whatever the time)
+    ours_first = root.time is not None and winner.time is not None and winner.time > root.time
+    if ours_first and not winner.explains(root):  # a lost node explains a closed connection, whenever
+        return result
     return RunResult(result.status, [winner, *result.failures], result.signal, result.detected_time)
 
 

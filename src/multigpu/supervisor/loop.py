@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import NODE_LOST, STORE_LOST, WorkerFailure
+from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS
 from multigpu.supervisor import exits, hang, reaping, spawning, teardown
 from multigpu.supervisor.console import active_writer
@@ -246,17 +246,21 @@ class Supervisor:
         # A stop signal recorded but not yet handled counts: SLURM's scancel and time limit send SIGTERM
         # to every process of the step, and a rank may die of it a moment before this loop handles ours,
         # or before ours arrives at all: then the rank is judged a moment later (``exits.Pending``).
-        interrupted = self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
+        interrupted = self._stop_seen()
         if not (interrupted or self._closing) and exits.outside_stop(worker, rc):
             self._pending.append(exits.Pending(worker, rc, self._clock() + exits.STOP_RACE_S))
             return
         self._judge(worker, rc, interrupted)
 
+    def _stop_seen(self) -> bool:
+        """A stop signal came: handled, or recorded by the handler and not yet handled."""
+        return self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
+
     def _judge_pending(self, now: bool = False) -> None:
         """Judge the ranks a stop signal killed, once ours came or the race window closed (``now``)."""
         if not self._pending:
             return
-        stop = self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
+        stop = self._stop_seen()
         ripe = now or stop
         due = [p for p in self._pending if ripe or self._clock() >= p.until]
         self._pending = [p for p in self._pending if not (ripe or self._clock() >= p.until)]
@@ -406,7 +410,7 @@ def by_time(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
     saw its counter move, up to a beat after the node really died, so the peer's "Connection reset"
     can carry the earlier time although the loss caused it."""
     ordered = sorted(failures, key=lambda f: f.time if f.time is not None else float("inf"))
-    lost = next((f for f in ordered if f.rank < 0 and f.error_type in (NODE_LOST, STORE_LOST)), None)
-    if lost is None or not ordered[0].saw_a_peer_die:
+    lost = next((f for f in ordered if f.explains(ordered[0])), None) if ordered else None
+    if lost is None:
         return ordered
     return [lost, *(f for f in ordered if f is not lost)]
