@@ -195,40 +195,54 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    s = res["summary"]
+    """The sections of the parts that were measured (``--only``), each with its ratio."""
+    only = res.get("only", ["start", "restart", "train"])
     lines = [f"# Start-up and restart: the warm worker template ({res['when']}, {res['machine']}, "
-             f"median (min-max) of {res['runs']} runs)", "",
-             "## Start: launch to every rank past init_process_group / to the launcher's exit, seconds", "",
+             f"median (min-max) of {res['runs']} runs)", ""]
+    for part, section in (("start", _start_md), ("restart", _restart_md), ("train", _train_md)):
+        if part in only:
+            lines += section(res)
+    lines += [f"Processes left behind by any job and ended by the harness: {len(res['left_behind'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _start_md(res: dict[str, Any]) -> list[str]:
+    s = res["summary"]
+    lines = ["## Start: launch to every rank past init_process_group / to the launcher's exit, seconds", "",
              "| ranks | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
     for n, by in res["start"]["samples"].items():
         cells = [f"{span([x['joined_s'] for x in by[v]])} / {span([x['exit_s'] for x in by[v]])}"
                  for v in VARIANTS]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "Where each start went (median of the runs, seconds; process creation times are "
-              "the kernel's, "
-              "to 10 ms):", "", "| ranks | variant | " + " | ".join(PHASES.values()) + " |",
+              "the kernel's, to 10 ms):", "", "| ranks | variant | " + " | ".join(PHASES.values()) + " |",
               "|---" * (len(PHASES) + 2) + "|"]
     for n, by in res["start"]["samples"].items():
         for v in VARIANTS:
             lines.append(f"| {n} | {v} | " + " | ".join(fmt(median([x.get(k) for x in by[v]]))
                                                       for k in PHASES) + " |")
     b = res["start"]["bare"]
-    lines += ["", f"{BARE} (python joined.py, env:// by hand): joined {span([x['joined_s'] for x in b])}, "
-              f"exit {span([x['exit_s'] for x in b])}", "",
-              "4 ranks over one bare rank (target 1.25x), to joined: " + ", ".join(
-                  f"{v} {fmt(r)}x" for v, r in s["four_ranks_over_bare_joined"].items())
-              + "; to exit: " + ", ".join(f"{v} {fmt(r)}x"
-                                          for v, r in s["four_ranks_over_bare_exit"].items()),
-              "", "## Restart: rank 1 dies after joining, `--max-restarts 1`; its death to every rank of the "
-              "next attempt past init_process_group, seconds", ""]
+    return [
+        *lines, "", f"{BARE} (python joined.py, env:// by hand): joined {span([x['joined_s'] for x in b])}, "
+        f"exit {span([x['exit_s'] for x in b])}", "",
+        "4 ranks over one bare rank (target 1.25x), to joined: " + ", ".join(
+            f"{v} {fmt(r)}x" for v, r in s["four_ranks_over_bare_joined"].items())
+        + "; to exit: " + ", ".join(f"{v} {fmt(r)}x" for v, r in s["four_ranks_over_bare_exit"].items()), ""]
+
+
+def _restart_md(res: dict[str, Any]) -> list[str]:
+    lines = ["## Restart: rank 1 dies after joining, `--max-restarts 1`; its death to every rank of the "
+             "next attempt past init_process_group, seconds", ""]
     lines += [f"- {v}: {span(vals)}" for v, vals in res["restart"].items()]
-    lines += ["", "Restart over torchrun's (target at most 0.1x): " + ", ".join(
-        f"{v} {fmt(r)}x" for v, r in s["restart_over_torchrun"].items()), "",
-        f"## Training throughput of the demo model (2 ranks, {res['train_steps']} steps), samples/s", ""]
+    return [*lines, "", "Restart over torchrun's (target at most 0.1x): " + ", ".join(
+        f"{v} {fmt(r)}x" for v, r in res["summary"]["restart_over_torchrun"].items()), ""]
+
+
+def _train_md(res: dict[str, Any]) -> list[str]:
+    lines = [f"## Training throughput of the demo model (2 ranks, {res['train_steps']} steps), samples/s", ""]
     lines += [f"- {v}: {span(vals)}" for v, vals in res["train"].items()]
-    lines += ["", f"With the template over without (must not drop): {fmt(s['train_template_over_plain'])}x",
-              "", f"Processes left behind by any job and ended by the harness: {len(res['left_behind'])}"]
-    return "\n".join(lines) + "\n"
+    return [*lines, "", "With the template over without (must not drop): "
+                    f"{fmt(res['summary']['train_template_over_plain'])}x", ""]
 
 
 def main() -> int:
@@ -245,7 +259,7 @@ def main() -> int:
         res: dict[str, Any] = {
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": args.runs,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-            "train_steps": args.train_steps,
+            "train_steps": args.train_steps, "only": only,
             "start": measure_start(root, args.runs, [int(c) for c in args.counts.split(",")])
             if "start" in only else {"samples": {}, "bare": []},
             "restart": measure_restart(root, args.runs) if "restart" in only else {v: [] for v in VARIANTS},

@@ -106,7 +106,8 @@ def test_recorder_on_by_default_for_every_rank_unless_the_user_chose_a_size() ->
 
 
 def test_the_users_choices_stand() -> None:
-    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, "/p") == {}
-    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, "/p") == {}
+    off = {"MULTIGPU_FR_DUMP": ""}  # no record; the launcher can still ask for the stacks
+    assert flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, "/p") == off
+    assert flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "0"}, "/p") == off
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/trace_"}
     assert flight_recorder_env(mine, "/p") == {"MULTIGPU_FR_DUMP": "/mine/trace_"}

@@ -18,6 +18,7 @@ import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, pids_in, supervisor_arguments, write_script
 from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 
@@ -338,17 +339,18 @@ def test_heartbeats_keep_a_silent_run_alive(make: Callable[..., Supervisor], tmp
     assert_gone(pids)
 
 
-def test_teardown_after_failure_dumps_live_ranks(make: Callable[..., Supervisor], tmp_path: Path) -> None:
-    """close(dump_stacks=True) after a failure: the rank still running writes its stacks to its log."""
+def waiting_and_failing(tmp_path: Path, body: str, function: str) -> tuple[Path, list[str]]:
+    """A script that runs ``body`` inside ``function`` for good, and a rank that fails (exit 1) once
+    the script is inside it: a live rank to dump after a failure."""
     ready = tmp_path / "ready"
-    waiting = write_script(tmp_path, "waiting.py", f"""
-        import pathlib, time
+    waiting = write_script(tmp_path, f"{function}.py", f"""
+        import pathlib, re, time
 
-        def waiting_for_peer():
+        def {function}():
             pathlib.Path({str(ready)!r}).touch()
-            time.sleep(60)
+            {body}
 
-        waiting_for_peer()
+        {function}()
     """)
     failing = py(f"""
         import os, sys, time
@@ -356,6 +358,12 @@ def test_teardown_after_failure_dumps_live_ranks(make: Callable[..., Supervisor]
             time.sleep(0.01)
         sys.exit(1)
     """)
+    return waiting, failing
+
+
+def test_teardown_after_failure_dumps_live_ranks(make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    """close(dump_stacks=True) after a failure: the rank still running writes its stacks to its log."""
+    waiting, failing = waiting_and_failing(tmp_path, "time.sleep(60)", "waiting_for_peer")
     sup = make([spec(0, bootstrap(waiting), tmp_path), spec(1, failing, tmp_path)])
     sup.start()
     pids = worker_pids(sup)
@@ -365,6 +373,49 @@ def test_teardown_after_failure_dumps_live_ranks(make: Callable[..., Supervisor]
     log = (tmp_path / "rank_0.log").read_text()
     assert "most recent call first" in log and "waiting_for_peer" in log
     assert sup.workers[0].state is WorkerState.STOPPED
+    assert_gone(pids)
+
+
+def answering(rank: int, script: Path, tmp_path: Path) -> WorkerSpec:
+    """A bootstrapped rank whose dump thread is armed (``FR_DUMP_ENV`` set; empty: no flight record)."""
+    s = spec(rank, bootstrap(script), tmp_path)
+    s.env[FR_DUMP_ENV] = ""
+    return s
+
+
+def test_the_dump_thread_says_when_its_stacks_are_written(make: Callable[..., Supervisor],
+                                                          tmp_path: Path) -> None:
+    """A rank with the dump thread answers FR_SIGNAL itself: its stacks are in its log, written by
+    that thread (the current thread of the dump), and it said so with the "stacks" beat."""
+    waiting, failing = waiting_and_failing(tmp_path, "time.sleep(60)", "waiting_for_peer")
+    sup = make([answering(0, waiting, tmp_path), spec(1, failing, tmp_path)])
+    sup.start()
+    pids = worker_pids(sup)
+    assert finish(sup).status is RunStatus.FAILED
+    sup.close(dump_stacks=True)
+    assert sup.workers[0].stacked
+    log = (tmp_path / "rank_0.log").read_text()
+    assert "waiting_for_peer" in log
+    current = log[log.index("Current thread"):]
+    assert "_answer_dumps" in current.split("\n\n")[0], log  # the thread's dump, not faulthandler's handler
+    assert_gone(pids)
+
+
+def test_a_rank_holding_the_gil_gets_faulthandlers_dump(make: Callable[..., Supervisor],
+                                                        tmp_path: Path) -> None:
+    """The dump thread cannot run while the main thread holds the GIL (a regex that backtracks for
+    ever): after ANSWER_S the launcher asks faulthandler's C handler, which still writes the stacks."""
+    spinning, failing = waiting_and_failing(tmp_path, 're.match(r"(a+)+$", "a" * 64 + "b")',
+                                            "backtracking_for_ever")
+    sup = make([answering(0, spinning, tmp_path), spec(1, failing, tmp_path)], dump_wait=5.0)
+    sup.start()
+    pids = worker_pids(sup)
+    assert finish(sup).status is RunStatus.FAILED
+    sup.close(dump_stacks=True)
+    assert not sup.workers[0].stacked
+    log = (tmp_path / "rank_0.log").read_text()
+    current = log[log.index("Current thread"):].split("\n\n")[0]
+    assert "backtracking_for_ever" in current, log  # the handler ran in the thread holding the GIL
     assert_gone(pids)
 
 

@@ -8,6 +8,7 @@ report is a few bytes; a write under ``PIPE_BUF`` is atomic, so records never in
     S<n>;        heartbeat(step=n)                D    the script finished (the bootstrap)
     B<name>;     a section begins                 !    the rank is failing (function mode)
     E<name>=<s>; a section ended after s seconds  F    a flight-recorder dump was written
+                                                  T    the stacks were written to stderr
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED = b".", b"o", b"D", b"!", b"F"
+HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED, STACKS = b".", b"o", b"D", b"!", b"F", b"T"
 
 
 STEP, BEGIN, END = "S", "B", "E"
 
 
 _SINGLE = {HEARTBEAT[0]: "beat", OUTPUT[0]: "output", DONE[0]: "done", FAILING[0]: "failing",
-           DUMPED[0]: "dumped"}
+           DUMPED[0]: "dumped", STACKS[0]: "stacks"}
 
 
 _RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end"}
@@ -44,7 +45,7 @@ def clean_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Beat:
-    """One decoded report: ``kind`` is beat, output, done, failing, dumped, step, begin or end."""
+    """One decoded report: ``kind`` is beat, output, done, failing, dumped, stacks, step, begin or end."""
 
     kind: str
     name: str = ""

@@ -128,14 +128,14 @@ def flight_recorder_env(env: Mapping[str, str], dump_prefix: str) -> dict[str, s
     can see, while it turns "rank 1 stopped first" into "rank 1 is missing from collective #31".
     Its dumps (torch's own on a NCCL timeout, and the one the launcher asks for on a hang) go to
     ``dump_prefix<rank>`` unless the user named a file; ``FR_DUMP_ENV`` tells the bootstrap
-    where, and that the launcher may ask for a dump.
+    where (empty: recorder off), and that the launcher may ask it for stacks and a record.
     """
     size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"))
     extra: dict[str, str] = {}
     if size is None:
         size = extra["TORCH_FR_BUFFER_SIZE"] = FR_BUFFER_DEFAULT
     if size is None or not size.strip().isdigit() or int(size) <= 0:
-        return extra
+        return {**extra, FR_DUMP_ENV: ""}  # no record; the launcher may still ask for the stacks
     target = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     if target is None:
         target = extra["TORCH_FR_DUMP_TEMP_FILE"] = dump_prefix

@@ -103,3 +103,33 @@ def fold_own_frames(text: str) -> str:
         out.append(line)
     flush()
     return "\n".join(out)
+
+
+_THREAD = re.compile(r"^\s*(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+
+
+def fold_own_threads(dump: str) -> str:
+    """faulthandler's stack dump without the threads that are multigpu's own (the rank's dump and
+    parent-watch threads: nothing but our frames and ``threading``'s), counted in one last line.
+
+    Runs in the launcher, on the report: a hang report shows where the user's threads are. The
+    rank's log keeps the whole dump."""
+    blocks: list[list[str]] = [[]]
+    for line in dump.splitlines():
+        if _THREAD.match(line):
+            blocks.append([])
+        blocks[-1].append(line)
+    kept = [block for block in blocks if not _own_thread(block)]
+    dropped = len(blocks) - len(kept)
+    lines = [line for block in kept for line in block]
+    if dropped:
+        while lines and not lines[-1].strip():
+            lines.pop()
+        lines.append(f"... {dropped} multigpu thread{'s' if dropped > 1 else ''} ...")
+    return "\n".join(lines)
+
+
+def _own_thread(block: list[str]) -> bool:
+    files = [m.group("file") for line in block if (m := _FILE_LINE.match(line))]
+    return (bool(block) and _THREAD.match(block[0]) is not None and any(own_file(f) for f in files)
+            and all(own_file(f) or os.path.basename(f) == "threading.py" for f in files))

@@ -1,13 +1,14 @@
 """The end-of-run report: the root cause first (the first failure in time), then one line for every
 other rank. Runs in the launcher, after the summary table. Tracebacks and stack dumps show the user's
-frames; runs of multigpu's own are folded into one line (``contract/frames.fold_own_frames``)."""
+frames; runs of multigpu's own are folded into one line (``contract/frames.fold_own_frames``), and a
+stack dump leaves out multigpu's own threads (``fold_own_threads``)."""
 
 from __future__ import annotations
 
 import time
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.contract.frames import fold_own_frames
+from multigpu.contract.frames import fold_own_frames, fold_own_threads
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
 
@@ -48,7 +49,8 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     elif root is not None:
         for failure in result.failures:
             lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
-            lines.append(_indent(fold_own_frames(failure.traceback or "(no stack dump arrived)")))
+            dump = fold_own_threads(failure.traceback) if failure.traceback else "(no stack dump arrived)"
+            lines.append(_indent(fold_own_frames(dump)))
     failed = {f.rank for f in result.failures}
     lines += [line for w in workers if w.rank not in failed and (line := other_rank_line(w))]
     return "\n".join(lines)

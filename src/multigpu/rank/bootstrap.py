@@ -19,7 +19,7 @@ from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
 from multigpu.rank.debug_server import start_if_asked as start_debug_server
-from multigpu.rank.dumps import arm_flight_recorder, register_stack_dumps
+from multigpu.rank.dumps import arm_dumps, register_stack_dumps
 from multigpu.rank.exiting import announce_failure, exit_failed, finish_like_exit
 from multigpu.rank.guard import guard_parent
 from multigpu.rank.preemption import install as record_preemption_warnings
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m multigpu.rank {script|module|function|exec} TARGET [ARGS...]")
     mode, target, *args = argv
     if mode != "exec":
-        arm_flight_recorder()  # first: the signal must be blocked before any thread starts
+        arm_dumps()  # first: the signal must be blocked before any thread starts
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     guard_parent(int(launcher) if launcher else None)
     apply_affinity()  # --numa-binding: before user code, so its threads inherit it

@@ -1,8 +1,9 @@
 """What a rank tells about itself on request: its Python stacks and torch's flight record.
 
-Runs in the rank. The launcher (``supervisor/dumps.py``) sends ``DUMP_SIGNAL`` for the stacks, which
-faulthandler writes to stderr, and ``FR_SIGNAL`` for the flight record, which a thread of this module
-writes to the file ``FR_DUMP_ENV`` names, then beats "F". The dump format is read back by
+Runs in the rank. The launcher (``supervisor/dumps.py``) sends ``FR_SIGNAL``: a thread of this module
+writes the stacks to stderr and beats "T", then writes the flight record to the file ``FR_DUMP_ENV``
+names and beats "F". To a rank without that thread, or whose thread does not answer, it sends
+``DUMP_SIGNAL``, which faulthandler's C handler answers with the stacks alone. The dump format is read back by
 ``contract/flight_dump.py``.
 """
 
@@ -16,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from multigpu.contract.beats import DUMPED
+from multigpu.contract.beats import DUMPED, STACKS
 from multigpu.contract.flight_dump import load_dump
 from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.contract.signals import DUMP_SIGNAL, FR_SIGNAL
@@ -24,33 +25,43 @@ from multigpu.rank.progress import DONE_WAIT_S, send
 
 
 def register_stack_dumps() -> None:
+    """faulthandler for crashes, and for ``DUMP_SIGNAL``: its C handler writes the stacks even while
+    a thread holds the GIL forever, where no Python code of ours can run."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
 
 
-def arm_flight_recorder() -> None:
-    """With ``FR_DUMP_ENV`` set, a thread waits for ``FR_SIGNAL`` and then writes torch's
-    collective flight record to ``<FR_DUMP_ENV><rank>`` and beats "F".
+def arm_dumps() -> None:
+    """With ``FR_DUMP_ENV`` set, a thread answers the launcher's ``FR_SIGNAL``: it writes every
+    thread's Python stacks to stderr and beats "T", then (where ``FR_DUMP_ENV`` names a prefix)
+    writes torch's collective flight record to ``<prefix><rank>`` and beats "F".
 
-    A thread, not a handler: a rank hung in a collective sits in C++ with the GIL released, where a
-    Python signal handler would never run but another thread can. The signal is blocked first, before
-    any other thread exists, so every thread inherits the block and only ``sigwait`` receives it.
+    The beats are why: the launcher knows the stacks are complete the moment "T" arrives, instead of
+    waiting for the rank's output to go quiet (a failed job's teardown waited ~45 ms for that). A
+    thread, not a handler: a rank hung in a collective sits in C++ with the GIL released, where a
+    Python signal handler would never run but another thread can. A rank whose thread does not
+    answer (a thread holds the GIL) gets ``DUMP_SIGNAL``, faulthandler's C handler, instead. The
+    signal is blocked first, before any other thread exists, so every thread inherits the block and
+    only ``sigwait`` receives it.
     """
     prefix = os.environ.get(FR_DUMP_ENV)
-    if not prefix:
+    if prefix is None:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {FR_SIGNAL})
-    threading.Thread(target=_flight_recorder_loop, args=(prefix,), name="multigpu-flight-recorder",
-                     daemon=True).start()
+    threading.Thread(target=_answer_dumps, args=(prefix,), name="multigpu-dumps", daemon=True).start()
 
 
-def _flight_recorder_loop(prefix: str) -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})  # stack dumps: taken by the other threads
+def _answer_dumps(prefix: str) -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})  # faulthandler's: taken by the other threads
     while True:
         signal.sigwait({FR_SIGNAL})
         with contextlib.suppress(Exception):  # a dump that fails must not take the rank down
-            write_dump(prefix)
-        send(DUMPED, wait_s=DONE_WAIT_S)
+            faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
+        send(STACKS, wait_s=DONE_WAIT_S)
+        if prefix:
+            with contextlib.suppress(Exception):
+                write_dump(prefix)
+            send(DUMPED, wait_s=DONE_WAIT_S)
 
 
 def write_dump(prefix: str) -> Path | None:

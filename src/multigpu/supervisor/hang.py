@@ -394,4 +394,5 @@ def feed_beats(book: ProgressBook, worker: Worker, data: bytes, now: float) -> s
     kinds = {b.kind for b in beats}
     worker.finished |= "done" in kinds
     worker.recorded |= "dumped" in kinds
+    worker.stacked |= "stacks" in kinds
     return kinds

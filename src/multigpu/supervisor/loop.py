@@ -334,7 +334,8 @@ class Supervisor:
             return None
         request = DumpRequest(targets, self._clock, self.options.dump_wait)
         while not request.done():
-            self.turn(0.02)
+            self.turn(request.next_check_in())
+        self._output.drain(s for w in targets for s in self._output.of(w))  # a beat can pass its stacks
         request.finish()
         return request
 

@@ -164,6 +164,8 @@ class Worker:
     decoder: BeatDecoder = field(default_factory=BeatDecoder)
     recorded: bool = False
     """It wrote its flight-recorder dump after the last request."""
+    stacked: bool = False
+    """Its dump thread wrote its stacks after the last request (all of them are in its stderr pipe)."""
     finished: bool = False
     """The bootstrap said its script returned and everything it left to do at exit is done."""
     late_death: str | None = None
