@@ -62,3 +62,35 @@ def test_sighup_captured_when_not_ignored() -> None:
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+def test_stop_requests_one_interrupt_a_second_press_and_the_signals_for_the_ranks() -> None:
+    """The first stop signal stops the run; a SIGINT with it (``timeout -s INT`` signals the launcher
+    and then its group) is the same interrupt; a SIGINT after the ranks were told to stop, and
+    ``SAME_INTERRUPT_S`` later, is Ctrl-C pressed again. SIGHUP/SIGUSR1 go to the ranks."""
+    from multigpu.supervisor.signals import SAME_INTERRUPT_S, StopRequests
+
+    now = [100.0]
+    woken: list[bool] = []
+    stops = StopRequests(lambda: now[0], lambda: woken.append(True))
+    stops.record(signal.SIGHUP)
+    stops.record(signal.SIGINT)
+    assert stops.seen() and woken == [True, True]  # recorded, not yet handled, already counts
+    assert stops.take(closing=False) == [signal.SIGHUP]
+    assert stops.signal == signal.SIGINT and not stops.kill_now
+    stops.told_at = now[0]
+    stops.record(signal.SIGINT)  # the group's copy of the same interrupt
+    stops.take(closing=True)
+    assert not stops.kill_now
+    now[0] += SAME_INTERRUPT_S + 0.01
+    stops.record(signal.SIGINT)
+    stops.take(closing=True)
+    assert stops.kill_now
+
+
+def test_a_stop_signal_during_teardown_does_not_become_the_runs() -> None:
+    from multigpu.supervisor.signals import StopRequests
+
+    stops = StopRequests(lambda: 0.0, lambda: None)
+    stops.record(signal.SIGTERM)
+    assert stops.take(closing=True) == [] and stops.signal is None

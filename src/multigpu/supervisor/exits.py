@@ -31,6 +31,29 @@ class Pending:
     until: float
 
 
+class StopRace:
+    """The ranks killed by an outside stop signal, waiting for the launcher's own (``STOP_RACE_S``)."""
+
+    def __init__(self) -> None:
+        self._waiting: list[Pending] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def hold(self, worker: Worker, rc: int, now: float) -> None:
+        self._waiting.append(Pending(worker, rc, now + STOP_RACE_S))
+
+    def next_due(self) -> float | None:
+        return min((p.until for p in self._waiting), default=None)
+
+    def due(self, now: float, all_of_them: bool) -> list[Pending]:
+        """The ranks to judge now: every one (``all_of_them``: ours came, or teardown), or those whose
+        window closed."""
+        ready = [p for p in self._waiting if all_of_them or now >= p.until]
+        self._waiting = [p for p in self._waiting if p not in ready]
+        return ready
+
+
 def outside_stop(worker: Worker, rc: int) -> bool:
     """The rank died of SIGTERM, SIGINT or SIGQUIT (we had sent none) and recorded no error of its own."""
     return rc < 0 and -rc in STOP_SIGNALS and not worker.finished and worker.own_record() is None

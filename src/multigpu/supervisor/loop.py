@@ -25,15 +25,15 @@ from collections import deque
 from collections.abc import Sequence
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.contract.signals import STOP_SIGNALS
 from multigpu.supervisor import exits, hang, reaping, spawning, teardown
-from multigpu.supervisor.console import active_writer
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.dumps import DumpRequest, flight_record
 from multigpu.supervisor.events import Events, read_ready
 from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
+from multigpu.supervisor.news import News
 from multigpu.supervisor.options import Hooks, SupervisorOptions
 from multigpu.supervisor.output import OutputSink, Stream, WorkerOutput
+from multigpu.supervisor.signals import StopRequests
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
 from multigpu.supervisor.states import (
     RunResult,
@@ -42,13 +42,6 @@ from multigpu.supervisor.states import (
     WorkerSpec,
     WorkerState,
 )
-
-PROGRESS_EVERY_S = 5.0
-"""How often step times go to the listener (run.json), besides the end of the attempt."""
-SAME_INTERRUPT_S = 0.3
-"""Stop signals this close together are one interrupt: ``timeout -s INT`` signals the launcher, then
-its whole process group, so two SIGINTs arrive from one event. A later SIGINT, after the ranks were
-told to stop, is a person pressing Ctrl-C again."""
 
 
 class Supervisor:
@@ -68,18 +61,13 @@ class Supervisor:
                                                  notify=self._notify)
         self._output = WorkerOutput(sink, self._notify, self._clock)
         self._events = Events()
-        self._signals: deque[tuple[int, float]] = deque()
+        self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
-        self._started = self._closed = self._closing = self._hung = self._kill_now = False
-        self._stop_signal: int | None = None
-        self._stop_at: float | None = None
-        self._told_at: float | None = None
+        self._started = self._closed = self._closing = self._hung = False
         self._failures: list[WorkerFailure] = []
-        self._pending: list[exits.Pending] = []  # ranks killed by a stop signal we did not send
-        self._last_tick = 0.0
-        self._published = float("-inf")
-        self._changed: dict[int, Worker] = {}
+        self._race = exits.StopRace()  # ranks killed by a stop signal we did not send
+        self._news = News(hooks, self.progress, self._clock, options.tick_period)
         self._detected: float | None = None
 
     # ---- start -------------------------------------------------------------------------------------
@@ -101,15 +89,14 @@ class Supervisor:
             raise
         if self.hooks.control is not None:
             self._events.watch(self.hooks.control.fileno(), "control", self.hooks.control)
-        self._tell_listener()
+        self._news.tell()
 
     # ---- signals and stop requests (safe from a signal handler or another thread) ---------------------
 
     def request_signal(self, signum: int) -> None:
         """Record a signal (and when it came) for the loop to act on; does nothing else, so it is safe
         in a handler."""
-        self._signals.append((signum, self._clock()))
-        self._events.wake()
+        self._stops.record(signum)
 
     def request_stop(self) -> None:
         self.request_signal(signal.SIGTERM)
@@ -139,16 +126,17 @@ class Supervisor:
             if remaining is not None and remaining <= 0:
                 return None
             period = _period(self.options, self.progress, self._output, self.workers, remaining)
-            if self._pending:
-                period = max(0.0, min(period, min(p.until for p in self._pending) - self._clock()))
+            due = self._race.next_due()
+            if due is not None:
+                period = max(0.0, min(period, due - self._clock()))
             self.turn(period)
 
     def _outcome(self) -> RunResult | None:
-        if (self._stop_signal is not None or self._failures) and self._detected is None:
+        stop = self._stops.signal
+        if (stop is not None or self._failures) and self._detected is None:
             self._detected = time.time()
-        if self._stop_signal is not None:
-            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), self._stop_signal,
-                             self._detected)
+        if stop is not None:
+            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), stop, self._detected)
         if self._failures:
             status = RunStatus.HUNG if self._hung else RunStatus.FAILED
             return RunResult(status, self._sorted_failures(), detected_time=self._detected)
@@ -188,25 +176,9 @@ class Supervisor:
             reaping.open_groups(self.workers)
         self._handle_signals()
         self._judge_pending()
-        self._tell_listener()
+        self._news.tell()
         self._check_hang()
-        self._maybe_tick()
-
-    def _maybe_tick(self) -> None:
-        now = self._clock()
-        if now - self._published >= PROGRESS_EVERY_S:
-            self.publish_progress()
-        if self.hooks.tick is not None and now - self._last_tick >= self.options.tick_period:
-            self._last_tick = now
-            self.hooks.tick()
-
-    def publish_progress(self) -> None:
-        """Hand every rank's step times to the listener (run.json), and keep the learned timeouts."""
-        self._published = self._clock()
-        self.progress.maybe_save(self._published, force=self._closing)
-        on_progress = getattr(self.hooks.listener, "on_progress", None)
-        if on_progress is not None:
-            on_progress(self.progress.snapshot())
+        self._news.tick(self._closing)
 
     def _read_beats(self, worker: Worker) -> None:
         fd = worker.heartbeat_read_fd
@@ -218,7 +190,7 @@ class Supervisor:
             worker.heartbeat_read_fd = None
         else:
             kinds = hang.feed_beats(self.progress, worker, data, self._clock())
-            if "failing" in kinds and self._stop_signal is None:
+            if "failing" in kinds and self._stops.signal is None:
                 self._mute_all_but(worker)
             if "failing" in kinds and self.hooks.on_failing is not None:
                 self.hooks.on_failing(worker)
@@ -246,25 +218,18 @@ class Supervisor:
         # A stop signal recorded but not yet handled counts: SLURM's scancel and time limit send SIGTERM
         # to every process of the step, and a rank may die of it a moment before this loop handles ours,
         # or before ours arrives at all: then the rank is judged a moment later (``exits.Pending``).
-        interrupted = self._stop_seen()
+        interrupted = self._stops.seen()
         if not (interrupted or self._closing) and exits.outside_stop(worker, rc):
-            self._pending.append(exits.Pending(worker, rc, self._clock() + exits.STOP_RACE_S))
+            self._race.hold(worker, rc, self._clock())
             return
         self._judge(worker, rc, interrupted)
 
-    def _stop_seen(self) -> bool:
-        """A stop signal came: handled, or recorded by the handler and not yet handled."""
-        return self._stop_signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._signals)
-
     def _judge_pending(self, now: bool = False) -> None:
         """Judge the ranks a stop signal killed, once ours came or the race window closed (``now``)."""
-        if not self._pending:
+        if not self._race:
             return
-        stop = self._stop_seen()
-        ripe = now or stop
-        due = [p for p in self._pending if ripe or self._clock() >= p.until]
-        self._pending = [p for p in self._pending if not (ripe or self._clock() >= p.until)]
-        for p in due:
+        stop = self._stops.seen()
+        for p in self._race.due(self._clock(), all_of_them=now or stop):
             self._judge(p.worker, p.rc, stop)
 
     def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
@@ -284,32 +249,13 @@ class Supervisor:
 
     def changed(self, worker: Worker) -> None:
         """Note a rank whose state changed; the listener hears of every change of a turn at once."""
-        self._changed[worker.rank] = worker
-
-    def _tell_listener(self) -> None:
-        """One call per turn (and one for the whole start), not one per rank: the listener rewrites
-        run.json on each call, and per rank that was 64 rewrites of a growing record while 64 ranks
-        started (0.7 s of the launcher's time, in series with the forks)."""
-        changed, self._changed = list(self._changed.values()), {}
-        if changed and self.hooks.listener is not None:
-            self.hooks.listener.on_workers_change(changed)
+        self._news.changed(worker)
 
     def _handle_signals(self) -> None:
         while self._external:
             self._failures.append(self._external.popleft())
-        while self._signals:
-            signum, at = self._signals.popleft()
-            if signum not in STOP_SIGNALS:
-                reaping.forward(self.workers, signum)
-            elif self._stop_signal is None and not self._closing:
-                self._stop_signal, self._stop_at = signum, at
-            elif signum == signal.SIGINT and self._second_press(at):
-                self._kill_now = True  # a second Ctrl-C: no more grace
-
-    def _second_press(self, at: float) -> bool:
-        """A SIGINT that came after the ranks were told to stop and not with the first stop signal."""
-        told = self._told_at is not None and at >= self._told_at
-        return told and (self._stop_at is None or at - self._stop_at >= SAME_INTERRUPT_S)
+        for signum in self._stops.take(self._closing):
+            reaping.forward(self.workers, signum)  # SIGHUP, SIGUSR1/2: the ranks decide
 
     def _check_hang(self) -> None:
         if self._failures or self._closing or self._hung:
@@ -353,32 +299,21 @@ class Supervisor:
                 self._closing = True  # from here on, an exit is the launcher's doing
                 if dump_stacks:
                     self.dump_stacks()
-                self._told_at = self._clock()
+                self._stops.told_at = self._clock()
                 teardown.stop_groups(self.workers, sig, grace, self, self.options, self._spawner.spared,
                                      self._notify)
                 for w in self.workers:
                     self._output.drain(self._output.of(w))
-                self.publish_progress()
+                self._news.publish(final=True)
         finally:
-            self._tell_listener()
-            self._release()
+            self._news.tell()
+            teardown.release(self.workers, self._output, self._events)
 
-    def _release(self) -> None:
-        writer = active_writer()
-        if writer is not None:
-            writer.on_room = None
-        self._output.close()
-        for w in self.workers:
-            for fd in (w.heartbeat_read_fd, w.pidfd):
-                if fd is not None:
-                    self._events.forget(fd, close=True)
-            w.heartbeat_read_fd = w.pidfd = None
-        self._events.close()
 
     @property
     def kill_now(self) -> bool:
         """A second Ctrl-C came: the teardown's grace is over."""
-        return self._kill_now
+        return self._stops.kill_now
 
     def __enter__(self) -> Supervisor:
         return self

@@ -15,7 +15,10 @@ from typing import Protocol
 
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import reaping
+from multigpu.supervisor.console import active_writer
+from multigpu.supervisor.events import Events
 from multigpu.supervisor.options import SupervisorOptions
+from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import Worker
 
 ORPHAN_WAIT_S = 1.0
@@ -69,6 +72,21 @@ def stop_groups(workers: Sequence[Worker], sig: int, grace: float, loop: Loop, o
     while reaping.open_groups(workers) and clock() < end:
         _reap_adopted(workers, options)
         time.sleep(0.005)
+
+
+def release(workers: Sequence[Worker], output: WorkerOutput, events: Events) -> None:
+    """The end of ``close()``: the pipes, pidfds and wake-up pipe closed, the console writer no
+    longer calling back into a loop that has stopped."""
+    writer = active_writer()
+    if writer is not None:
+        writer.on_room = None
+    output.close()
+    for w in workers:
+        for fd in (w.heartbeat_read_fd, w.pidfd):
+            if fd is not None:
+                events.forget(fd, close=True)
+        w.heartbeat_read_fd = w.pidfd = None
+    events.close()
 
 
 def _reap_adopted(workers: Sequence[Worker], options: SupervisorOptions) -> None:
