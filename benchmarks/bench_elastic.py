@@ -77,6 +77,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             return False
         return "median" not in theirs or ours["median"] <= theirs["median"]
 
-    measured = ", ".join(f"{case}: {ratio_text(res['summary'][case]['ratio_round'])}" for case in CASES)
+    def measured_text(case: str) -> str:
+        by = res["raw"][case]
+        ours, theirs = (cell([r["round_s"] for r in by[k]], "s") for k in (MULTIGPU, TORCHRUN))
+        return f"{case}: {ours}, torchrun {theirs}"
+
+    measured = ", ".join(measured_text(case) for case in CASES)
     return [target("elastic round", "every new round formed, no later than under torchrun (or torchrun's "
                    "never formed)", all(ok(case) for case in CASES), measured)]
