@@ -98,13 +98,14 @@ def machine() -> dict[str, Any]:
 
 
 def _commit() -> str:
-    """The commit measured, with ``+dirty`` when the tree had uncommitted changes."""
+    """The commit measured, with ``+dirty`` when the tree had uncommitted changes (the results this
+    run writes as it goes do not count: every section after the first would read as dirty)."""
     import subprocess
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True).stdout.strip()
 
-    dirty = "+dirty" if git("status", "--porcelain") else ""
+    dirty = "+dirty" if git("status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results") else ""
     return (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
 
 
