@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 
+from multigpu.contract.frames import fold_own_threads
 from multigpu.supervisor.hang import ProgressBook
 from multigpu.supervisor.states import Worker
 
@@ -82,12 +83,18 @@ def answer(control: ControlSocket, workers: Sequence[Worker], dump: Callable[[li
         if request == "stacks":
             live = [w for w in workers if w.alive]
             dump(live)
-            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + "\n".join(w.dump or ["(no answer)"]) + "\n\n"
+            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + _user_threads(w.dump) + "\n\n"
                            for w in live) or "no rank is running\n"
         else:
             text = "".join(status_line(w, progress, now) + "\n" for w in workers)
         with contextlib.suppress(OSError):
             conn.sendall(text.encode())
+
+
+def _user_threads(dump: Sequence[str]) -> str:
+    """A rank's dump as the report shows it: multigpu's own threads (the one that wrote the dump is
+    the dump's "current thread") counted in one line; the rank's log has them all."""
+    return fold_own_threads("\n".join(dump)) if dump else "(no answer)"
 
 
 def status_line(worker: Worker, book: ProgressBook, now: float) -> str:
