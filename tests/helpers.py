@@ -130,3 +130,26 @@ def supervisor_arguments(notes: list[str], **kwargs: Any) -> dict[str, Any]:
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     hooks = {k: kwargs.pop(k) for k in list(kwargs) if k in hook_names}
     return {"options": SupervisorOptions(**options), "hooks": Hooks(notify=notes.append, **hooks), **kwargs}
+
+
+NUMPY_SITE = Path(os.environ.get("MULTIGPU_TEST_NUMPY_SITE", "/tmp/multigpu-test-numpy"))
+"""A folder holding NumPy alone, put on ``PYTHONPATH`` for the runs a test makes "with NumPy installed"
+(the dev venv has none: torch's CPU wheel runs without it). Made once per machine by pip."""
+
+
+def numpy_site() -> Path | None:
+    """``NUMPY_SITE``, made on first use (under a lock: xdist workers race for it); None where pip
+    cannot install NumPy here (no registry), and the caller skips in one line."""
+    from filelock import FileLock  # torch's own dependency
+
+    NUMPY_SITE.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{NUMPY_SITE}.lock", timeout=300):
+        if (NUMPY_SITE / "numpy" / "__init__.py").exists():
+            return NUMPY_SITE
+        tmp = NUMPY_SITE.with_name(NUMPY_SITE.name + ".partial")
+        done = subprocess.run([PYTHON, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                               "--no-deps", "--target", str(tmp), "numpy"], capture_output=True, timeout=280)
+        if done.returncode != 0:
+            return None
+        os.replace(tmp, NUMPY_SITE)
+        return NUMPY_SITE

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, wait_for_lines, write_script
+from helpers import (
+    assert_gone,
+    free_port,
+    numpy_site,
+    pids_in,
+    run_cli,
+    start_cli,
+    wait_for_lines,
+    write_script,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -92,6 +101,49 @@ def test_a_rank_failing_on_one_node_ends_both_with_the_root_cause(tmp_path: Path
     # A bound on the mechanism, not a timing claim: without fate sharing node 0 would wait for gloo's
     # 30 s time-out; the latency itself is measured in benchmarks/fate_scale.py.
     assert ended_first - ended_second < 20, "node 0 must learn of node 1's failure from fate sharing"
+    assert_gone(pids_in(out0 + out1))
+
+
+ONE_RANK_EXITS_3 = """
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"pid={os.getpid()}", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
+def test_one_rank_per_node_forks_from_the_template_and_no_rank_dies_of_the_dump_signal(
+        tmp_path: Path, numpy: str) -> None:
+    """Issue 31, cases 2 and 4. One rank per node: the template imported torch with the rank's pools
+    unset (NumPy's OpenBLAS started a thread: 'could not fork ... plain processes'), and a forked rank
+    sized its OpenMP pool before the dump request signal was blocked, so the launcher's stack request
+    ended the survivor ('stopped by the launcher (signal 47)', no stacks in its log)."""
+    env = None
+    if numpy == "numpy":
+        site = numpy_site()
+        if site is None:
+            pytest.skip("pip could not install numpy here")
+        env = {"PYTHONPATH": str(site)}
+    script = write_script(tmp_path, "exit3.py", ONE_RANK_EXITS_3)
+    endpoint = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes = [start_cli(["run", "--nnodes", "2", "--node-rank", str(i), *endpoint, "--nproc-per-node", "1",
+                        "--output", str(tmp_path / f"out{i}"), str(script)], cwd=tmp_path, env=env)
+             for i in (0, 1)]
+    (rc0, out0, err0), (rc1, out1, err1) = (finish(n) for n in nodes)
+    assert (rc0, rc1) == (3, 3), err0 + err1  # the root cause's exit code, as torchrun's
+    for err in (err0, err1):
+        assert "root cause: rank 1 (node 1" in err and "exited with code 3" in err, err
+        assert "could not fork" not in err and "plain processes" not in err, err
+        assert "signal 47" not in err and "Traceback" not in err, err
+    assert "rank 0 (pid" in err0 and "SIGTERM" in err0, err0
+    log = (tmp_path / "out0" / "logs" / "attempt_0" / "rank_0.log").read_text()
+    assert "exit3.py" in log and "in <module>" in log, "the survivor's stacks are in its log"
     assert_gone(pids_in(out0 + out1))
 
 

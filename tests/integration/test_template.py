@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
-from helpers import assert_gone, pids_in, run_cli, start_cli, wait_gone, write_script
+from helpers import assert_gone, numpy_site, pids_in, run_cli, start_cli, wait_gone, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -82,6 +82,47 @@ def test_forked_ranks_look_fresh(tmp_path: Path) -> None:
         assert r["ppid"] != template[0]  # re-parented to the launcher
     assert forked[0]["argv"] == [str(job), "a1"]
     gone_after(warm.stdout + cold.stdout, template)
+
+
+POOLS = """
+import json, os, sys
+forked = "torch" in sys.modules
+import torch, threadpoolctl
+blas = {i["internal_api"]: i["num_threads"] for i in threadpoolctl.threadpool_info()
+        if i["user_api"] == "blas"}
+print("POOLS " + json.dumps({
+    "rank": int(os.environ["RANK"]), "pid": os.getpid(), "forked": forked, "numpy": "numpy" in sys.modules,
+    "torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(), "blas": blas}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
+@pytest.mark.parametrize(("nproc", "extra"), [("1", {}), ("2", {}), ("2", {"OPENBLAS_NUM_THREADS": "2"}),
+                                              ("1", {"MKL_NUM_THREADS": "1"})])
+def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(tmp_path: Path, numpy: str, nproc: str,
+                                                              extra: dict[str, str]) -> None:
+    """Issue 31, case 4: NumPy's OpenBLAS started its pool at the template's ``import torch`` (one rank
+    per node: OMP_NUM_THREADS=2 here) and the template refused to fork. Held to one thread there, each
+    rank sizes torch's and the BLAS pools from its own environment, as a fresh rank does."""
+    env = dict(extra)
+    if numpy == "numpy":
+        site = numpy_site()
+        if site is None:
+            pytest.skip("pip could not install numpy here")
+        env["PYTHONPATH"] = str(site)
+    job = write_script(tmp_path, "job.py", POOLS)
+    runs = {flag: run_cli(["run", "--cpu", nproc, "--status", "off", *flags, str(job)], cwd=tmp_path, env=env)
+            for flag, flags in (("warm", []), ("cold", ["--no-template"]))}
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr
+    assert "plain processes" not in runs["warm"].stderr, runs["warm"].stderr
+    seen = {flag: sorted((json.loads(line.split("POOLS ", 1)[1]) for line in done.stdout.splitlines()
+                          if "POOLS " in line), key=lambda r: r["rank"]) for flag, done in runs.items()}
+    assert_gone([r.pop("pid") for rs in seen.values() for r in rs])
+    assert len(seen["warm"]) == int(nproc) and all(r.pop("forked") for r in seen["warm"])
+    assert not any(r.pop("forked") for r in seen["cold"])
+    assert seen["warm"] == seen["cold"]
+    assert all(r["numpy"] == (numpy == "numpy") and bool(r["blas"]) == r["numpy"] for r in seen["warm"])
 
 
 STORE_AFTER_RANK0 = """

@@ -150,7 +150,7 @@ import json, os, socket, sys
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.template import server
 
-def as_rank(request, fds, control, middle):
+def as_rank(request, fds, control, middle, pools):
     # stands in for become_rank: the real wait for re-parenting, then what the rank was told
     server_child.wait_for_launcher(middle)
     with open("rank.json", "w") as out:
@@ -161,7 +161,7 @@ from multigpu.template import child as server_child
 server.become_rank = as_rank
 set_child_subreaper()  # as the launcher is: the rank is re-parented here
 ctl, other = socket.socketpair()
-answer = server.fork_rank({}, [], ctl)
+answer = server.fork_rank({}, [], ctl, server.Pools())
 os.waitpid(answer["pid"], 0)
 print(json.dumps({"launcher": os.getpid(), **answer}))
 """
@@ -179,3 +179,23 @@ def test_a_forked_rank_is_told_its_middle_process_by_the_middle_itself(tmp_path:
     assert rank["middle"] not in (launcher["launcher"], rank["pid"])
     assert rank["ppid"] == launcher["launcher"]  # re-parented before the bootstrap runs
     assert "did not exit" not in res.stderr
+
+
+def test_the_template_holds_every_pool_to_one_thread_whatever_the_ranks_get() -> None:
+    from multigpu.template.pools import HELD, held
+
+    env = held({"OMP_NUM_THREADS": "8", "OPENBLAS_NUM_THREADS": "4", "PATH": "/bin"})
+    assert env["PATH"] == "/bin" and all(env[name] == "1" for name in HELD)
+    assert {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"} <= set(HELD)
+
+
+def test_a_rank_sizes_a_pool_from_the_first_variable_its_library_reads() -> None:
+    from multigpu.template.pools import BLAS_READS, TORCH_READS, wanted
+
+    openblas = BLAS_READS["openblas"]
+    assert wanted(openblas, {"OMP_NUM_THREADS": "3"}, 9) == 3
+    assert wanted(openblas, {"OPENBLAS_NUM_THREADS": "2", "OMP_NUM_THREADS": "3"}, 9) == 2
+    assert wanted(openblas, {"OMP_NUM_THREADS": "4,2"}, 9) == 4  # OpenMP's nested list: the first level
+    assert wanted(openblas, {"OMP_NUM_THREADS": "0"}, 9) == 9  # not a count: the library's default
+    assert wanted(openblas, {}, 9) == 9
+    assert wanted(TORCH_READS, {"MKL_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}, 9) == 5  # torch: MKL wins

@@ -47,8 +47,19 @@ def arm_dumps() -> None:
     prefix = os.environ.get(FR_DUMP_ENV)
     if prefix is None:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {FR_SIGNAL})
+    block_dump_requests()
     threading.Thread(target=_answer_dumps, args=(prefix,), name="multigpu-dumps", daemon=True).start()
+
+
+def block_dump_requests() -> None:
+    """Block ``FR_SIGNAL`` in the calling thread, and so in every thread it starts from now on.
+
+    Its default action ends the process, and the kernel hands a process-directed signal to any thread
+    that does not block it: one thread started before this (a forked rank's OpenMP or BLAS pool,
+    sized before the bootstrap ran) and the launcher's dump request killed the rank with signal 47.
+    A rank forked from the template calls this first thing (``template/child.py``), a fresh one in
+    ``arm_dumps``, before any other thread exists."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {FR_SIGNAL})
 
 
 def _answer_dumps(prefix: str) -> None:

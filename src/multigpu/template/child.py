@@ -8,7 +8,8 @@ place, so C code's ``getenv`` sees it too: CUDA reads ``CUDA_VISIBLE_DEVICES`` o
 which comes later), its working directory, ``sys.argv`` and ``sys.path[0]`` as ``-m`` sets them;
 stdout/stderr buffered as a fresh interpreter would buffer them; Python's signal dispositions;
 NumPy's and torch's default random state drawn anew (Python's own ``random`` is reseeded by its
-at-fork hook), and a new multiprocessing auth key. The template had one thread, so nothing
+at-fork hook), a new multiprocessing auth key, and its thread pools sized by its own environment
+(``pools.py``: the template's are held to one thread). The template had one thread, so nothing
 inherited runs. The parent watchdog is the bootstrap's own, pointed at the launcher, once the
 kernel has re-parented this process there (the middle process exits right after forking it).
 
@@ -31,12 +32,14 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from multigpu.rank.dumps import block_dump_requests
+from multigpu.template.pools import Pools
+
 REPARENT_WAIT_S = 5.0
-TEMPLATE_OMP = os.environ.get("OMP_NUM_THREADS")
-"""The template's own value, read at its start: torch sized its thread pool defaults from it."""
 
 
-def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket, middle: int) -> NoReturn:
+def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket, middle: int,
+                pools: Pools) -> NoReturn:
     """Turn this fresh fork of ``middle`` into the rank ``request`` describes and run it; never returns.
 
     ``middle`` comes from the middle process itself: read here with ``getppid()`` it would already be
@@ -45,6 +48,7 @@ def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket,
     """
     code = 1
     try:
+        block_dump_requests()  # before any thread starts here (the pools below start some)
         os.setsid()
         place_descriptors(fds, list(request["fds"]), control.detach())
         reset_signals()
@@ -53,6 +57,7 @@ def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket,
         sys.path[0] = request["cwd"]
         reopen_std_streams()
         reseed()
+        pools.apply(os.environ)
         disown_template_finalizers()
         wait_for_launcher(middle)
         code = run_bootstrap(list(request["argv"][3:]))
@@ -127,9 +132,6 @@ def reseed() -> None:
     import torch
 
     torch.default_generator.seed()
-    omp = os.environ.get("OMP_NUM_THREADS")
-    if omp != TEMPLATE_OMP and omp is not None and omp.isdigit() and int(omp) > 0:
-        torch.set_num_threads(int(omp))
 
 
 def disown_template_finalizers() -> None:

@@ -170,7 +170,7 @@ def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[
 
     The template gets what every rank's environment shares that torch may read at import: the
     launcher's environment, ``--env`` settings, and the ranks' default ``OMP_NUM_THREADS``. A rank
-    whose value differs still gets it (``child.reseed`` applies it as torch would have).
+    whose value differs still gets it (``pools.Pools.apply`` sizes its pools as torch would have).
     """
     use = config.supervision.template and config.start.run_mode == "python" and not config.function
     why = "--no-python" if config.start.run_mode == "exec" else "--no-template"

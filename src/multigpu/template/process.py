@@ -6,9 +6,10 @@ command starts the template here before it imports anything else (``start_early`
 store socket, meeting its peers) instead of following it. What the launcher only knows once it has
 parsed its command line (the store's socket, ``--preload``) reaches the template in its first message
 (``configure``), which it reads after its ``import torch``. ``client.NodeSpawner`` adopts the early
-template when it was started with the environment the ranks share (``OMP_NUM_THREADS`` aside: a rank
-whose value differs gets it from ``child.reseed``, as torch would have); otherwise it is ended and a
-template is started as before.
+template when it was started with the environment the ranks share (``OMP_NUM_THREADS`` aside); otherwise
+it is ended and a template is started as before. Whatever the ranks get, the template itself runs with
+every thread pool held to one thread (``pools.held``): a process with threads must not fork, and each
+rank sizes its pools from its own environment once forked (``pools.Pools.apply``).
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from multigpu.contract.environment import omp_threads, usable_cpu_count
 from multigpu.contract.limits import lift_open_file_limit
+from multigpu.template.pools import held
 from multigpu.template.wire import receive, send
 
 READY_TIMEOUT_S = 600.0
 """A first ``import torch`` from a cold shared file system can take minutes; a dead template is seen
 at once (its end of the socket closes), so this only bounds a template that hangs."""
 OMP = "OMP_NUM_THREADS"
-NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--cpu")
 NOT_A_JOB = ("-h", "--help")
 
 
@@ -53,7 +53,7 @@ class TemplateProcess:
         argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
                 "--launcher-pid", str(os.getpid())]
         try:
-            self.process = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(argv, env=held(env), stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, start_new_session=True,
                                             pass_fds=[theirs.fileno()])
         except BaseException:
@@ -132,30 +132,14 @@ _early: TemplateProcess | None = None
 
 
 def start_early(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> None:
-    """``multigpu run ...``: start the template now, with the environment the ranks will most likely
-    share (the launcher's, and the default ``OMP_NUM_THREADS`` for a worker count given on the command
-    line). Anything else (another command, ``--help``) starts nothing."""
+    """``multigpu run ...``: start the template now, with the launcher's environment, which the ranks
+    will most likely share (its thread pools are held to one thread whatever the ranks get, so the
+    worker count need not be known yet). Anything else (another command, ``--help``) starts nothing."""
     global _early
     if _early is not None or not argv or argv[0] != "run" or any(a in NOT_A_JOB for a in argv[1:]):
         return
-    env = dict(environ)
-    nproc = _worker_count(argv[1:])
-    if OMP not in env and nproc is not None:
-        env[OMP] = str(omp_threads(usable_cpu_count(), nproc))
     with contextlib.suppress(OSError):
-        _early = TemplateProcess(env)
-
-
-def _worker_count(args: Sequence[str]) -> int | None:
-    """The worker count an option before the script names (``--cpu 2``, ``--nproc-per-node=4``)."""
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in NPROC_OPTIONS:
-            text = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            return int(text) if text.isdigit() and int(text) > 0 else None
-        if not arg.startswith("-"):
-            return None  # the script: what follows is its own
-    return None
+        _early = TemplateProcess(dict(environ))
 
 
 def take_early(env: Mapping[str, str], python: str) -> TemplateProcess | None:

@@ -44,6 +44,7 @@ from typing import Any
 
 from multigpu.contract.prctl import set_pdeathsig
 from multigpu.template.child import become_rank
+from multigpu.template.pools import Pools
 from multigpu.template.wire import receive, send
 
 
@@ -55,9 +56,10 @@ def warm_up() -> None:
     import torch.distributed  # noqa: F401
 
 
-def configure(control: socket.socket) -> Store | None:
-    """Read the launcher's first message: import what ``--preload`` names, freeze the heap, and serve
-    the store if this node hosts it. None if the launcher closed the channel instead.
+def configure(control: socket.socket) -> tuple[Store, Pools] | None:
+    """Read the launcher's first message: import what ``--preload`` names, find the BLAS pools the
+    ranks will size (``pools.py``), freeze the heap, and serve the store if this node hosts it. None
+    if the launcher closed the channel instead.
 
     Every object so far is frozen out of the garbage collector (``gc.freeze``, as pre-fork servers do),
     so a rank's collections and its exit-time scan for unflushed files walk only what the rank made
@@ -67,11 +69,12 @@ def configure(control: socket.socket) -> Store | None:
         return None
     for name in message.get("preload") or ():
         importlib.import_module(name)
+    pools = Pools()
     gc.freeze()
     store = Store(fds[0] if fds else None, message.get("store_host") or "127.0.0.1",
                   int(message.get("store_port") or 0))
     store.renew()
-    return store
+    return store, pools
 
 
 def start_store(listen_fd: int, host: str, port: int) -> int:
@@ -99,7 +102,8 @@ def serve_forever(listen_fd: int, host: str, port: int) -> None:
         signal.pause()
 
 
-def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -> dict[str, Any]:
+def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket,
+              pools: Pools) -> dict[str, Any]:
     """Fork the rank (twice: it ends up the launcher's child); the answer for the launcher."""
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         return {"error": "the template has threads; forking it would not be safe"}
@@ -112,7 +116,7 @@ def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket) -
             rank = os.fork()
             if rank == 0:
                 os.close(pid_w)
-                become_rank(request, fds, control, me)  # never returns
+                become_rank(request, fds, control, me, pools)  # never returns
             os.write(pid_w, f"{rank}\n".encode())
         finally:
             os._exit(0)
@@ -140,13 +144,16 @@ class Store:
         return {"store_pid": self.pid}
 
 
-def serve_requests(control: socket.socket, store: Store) -> None:
+def serve_requests(control: socket.socket, store: Store, pools: Pools) -> None:
     while True:
         request, fds = receive(control)
         if request is None:
             return
         try:
-            answer = store.renew() if request.get("op") == "store" else fork_rank(request, fds, control)
+            if request.get("op") == "store":
+                answer = store.renew()
+            else:
+                answer = fork_rank(request, fds, control, pools)
         except OSError as exc:
             answer = {"error": f"{request.get('op', 'fork')} failed: {exc}"}
         send(control, answer)
@@ -190,14 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         try:
             warm_up()
-            store = configure(control)
-            if store is None:
+            configured = configure(control)
+            if configured is None:
                 return  # the launcher needed no template after all
+            store, pools = configured
         except Exception as exc:  # the launcher falls back to plain processes and says why
             send(control, {"error": f"{type(exc).__name__}: {exc}"})
             return
         send(control, {"ready": True, "pid": os.getpid(), "store_pid": store.pid})
-        serve_requests(control, store)
+        serve_requests(control, store, pools)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the launcher closed the channel before we answered: it needs us no more
     finally:
