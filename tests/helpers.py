@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +153,42 @@ def numpy_site() -> Path | None:
             return None
         os.replace(tmp, NUMPY_SITE)
         return NUMPY_SITE
+
+
+def own_memory_cgroup() -> Path | None:
+    """This process's cgroup v1 memory folder, where one is mounted and readable."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                path = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+                return path if (path / "memory.limit_in_bytes").exists() else None
+    return None
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: str) -> Iterator[Path]:
+    """A child memory cgroup of this process's own with ``limit`` (and no swapping out of it); the
+    test skips in one line where the machine does not let this process make one. Removed after: every
+    process in it is gone by then (the test proves it)."""
+    import uuid
+
+    import pytest
+
+    parent = own_memory_cgroup()
+    if parent is None:
+        pytest.skip("no cgroup v1 memory controller for this process")
+    path = parent / f"multigpu-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(limit)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        pytest.skip(f"cannot make a child memory cgroup here: {exc.strerror}")
+    with contextlib.suppress(OSError):  # where swap is accounted, no swapping out of the OOM either
+        (path / "memory.memsw.limit_in_bytes").write_text(limit)
+    try:
+        yield path
+    finally:
+        path.rmdir()

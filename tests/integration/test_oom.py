@@ -5,16 +5,14 @@ not let this process make a memory cgroup."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, pids_in, write_script
+from helpers import MULTIGPU, assert_gone, clean_env, memory_cgroup, pids_in, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -31,35 +29,10 @@ JOB = """
 """
 
 
-def own_memory_cgroup() -> Path | None:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, rel = line.split(":", 2)
-            if "memory" in controllers.split(","):
-                path = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
-                return path if (path / "memory.limit_in_bytes").exists() else None
-    return None
-
-
 @pytest.fixture
 def small_cgroup() -> Iterator[Path]:
-    parent = own_memory_cgroup()
-    if parent is None:
-        pytest.skip("no cgroup v1 memory controller for this process")
-    path = parent / f"multigpu-test-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "memory.limit_in_bytes").write_text(LIMIT)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-        pytest.skip(f"cannot make a child memory cgroup here: {exc.strerror}")
-    with contextlib.suppress(OSError):  # where swap is accounted, no swapping out of the OOM either
-        (path / "memory.memsw.limit_in_bytes").write_text(LIMIT)
-    try:
+    with memory_cgroup(LIMIT) as path:
         yield path
-    finally:
-        path.rmdir()  # every process in it is gone by now (the test proves it), so this succeeds
 
 
 def test_a_rank_the_oom_killer_ends_is_reported_as_such(tmp_path: Path, small_cgroup: Path) -> None:
