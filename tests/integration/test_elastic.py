@@ -252,7 +252,7 @@ def test_the_same_failure_in_two_rounds_in_a_row_stops_every_node_as_a_crash_loo
         assert record["crash_loop"] == loop.removeprefix("multigpu: ")
         incidents = [(i["attempt"], i["kind"], i["rank"]) for i in record["incidents"]]
         assert incidents == [(0, "failed", 3), (1, "failed", 3)], record["incidents"]
-        assert all("RuntimeError: rank 3 broke again" in i["what"] for i in incidents), incidents
+        assert all("RuntimeError: rank 3 broke again" in i["what"] for i in record["incidents"]), record
         assert not list((tmp_path / name).glob(".multigpu*.lock")), "the output claim is released"
     assert len(pids_in(out0 + out1)) == 8, "4 ranks in each of the two rounds"
     assert_gone([*pids_in(out0 + out1), first.pid, second.pid])
