@@ -218,6 +218,46 @@ def test_a_failure_with_no_restart_left_ends_every_node_with_the_same_root_cause
     assert_gone(pids_in(out0 + out1))
 
 
+RANK_3_ALWAYS_FAILS = REPORT + """
+    dist.barrier()
+    if rank == 3:
+        raise RuntimeError("rank 3 broke again")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+"""
+
+
+def test_the_same_failure_in_two_rounds_in_a_row_stops_every_node_as_a_crash_loop(tmp_path: Path) -> None:
+    """Issue 31, case 5: the elastic job runs the static job's loop, so the second identical failure
+    stops every node with exit 76 and restarts left, and each node's run record has the incidents."""
+    from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+
+    script = write_script(tmp_path, "job.py", RANK_3_ALWAYS_FAILS)
+    at = script.read_text().splitlines().index('    raise RuntimeError("rank 3 broke again")') + 1
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = node(tmp_path, "a", endpoint, script, restarts=5)
+    second = node(tmp_path, "b", endpoint, script, restarts=5)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(first), finish(second)
+    assert (rc0, rc1) == (EXIT_CRASH_LOOP, EXIT_CRASH_LOOP), err0[-3000:] + err1[-3000:]
+    for name, out, err in (("a", out0, err0), ("b", out1, err1)):
+        assert sorted({restart for _, _, _, restart, _ in rounds(out)}) == [0, 1], "two rounds, not six"
+        assert err.count("restarting every node: restart 1 of 5") == 1 and "restart 2 of 5" not in err
+        [loop] = [text for text in err.splitlines() if "crash loop" in text]
+        assert loop == (f"multigpu: crash loop: rank 3 failed with RuntimeError at {script}:{at} on two "
+                        f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue until "
+                        "the cause is fixed)")
+        [path] = (tmp_path / name).glob("run_*.json")
+        record = json.loads(path.read_text())
+        assert (record["status"], record["exit_code"]) == ("failed", EXIT_CRASH_LOOP)
+        assert record["crash_loop"] == loop.removeprefix("multigpu: ")
+        incidents = [(i["attempt"], i["kind"], i["rank"]) for i in record["incidents"]]
+        assert incidents == [(0, "failed", 3), (1, "failed", 3)], record["incidents"]
+        assert all("RuntimeError: rank 3 broke again" in i["what"] for i in record["incidents"]), record
+        assert not list((tmp_path / name).glob(".multigpu*.lock")), "the output claim is released"
+    assert len(pids_in(out0 + out1)) == 8, "4 ranks in each of the two rounds"
+    assert_gone([*pids_in(out0 + out1), first.pid, second.pid])
+
+
 EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
 
 

@@ -12,7 +12,9 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,56 @@ def test_a_node_that_missed_the_warning_learns_it_from_the_store(tmp_path: Path)
     assert len(stops) == 2 and stops[0] == stops[1], out
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     assert_gone(pids_in(out))
+
+
+def test_an_elastic_job_hears_the_warning_on_every_node_and_its_store_host_requeues(tmp_path: Path) -> None:
+    """The elastic job runs the static job's attempts loop: the warning reaches the launcher that did
+    not get it through the store, both stop at the same step, and the store's host requeues."""
+    script = write_script(tmp_path, "train.py", TRAIN)
+    env = _slurm(tmp_path)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for name in "ab":  # a serves the store (it binds the endpoint first), b joins
+        nodes.append(start_cli(["run", "--cpu", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+                                "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=30",
+                                "--grace-period", "2", "--output", str(tmp_path / name), str(script)],
+                               tmp_path, env))
+        if name == "a":
+            _wait_served(endpoint)
+    try:
+        logs = [tmp_path / name / "logs" / "attempt_0" / "rank_0.log" for name in "ab"]
+        deadline = time.monotonic() + 90
+        while not any(log.exists() and "ready" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, "the two-node round never trained"
+            time.sleep(0.1)
+        nodes[1].send_signal(signal.SIGUSR1)
+        (out0, err0), (out1, err1) = (node.communicate(timeout=90) for node in nodes)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert [node.returncode for node in nodes] == [EXIT_PREEMPTED, EXIT_PREEMPTED], err0 + err1
+    assert "preemption warning (from another node, through the store)" in err0
+    assert "the store's host requeues the job" in err1 and "requeued job 4242" in err0
+    stops = re.findall(r"stop step=(\d+) preempted=True", out0 + out1)
+    assert len(stops) == 2 and stops[0] == stops[1], out0 + out1
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    for name in "ab":
+        [path] = (tmp_path / name).glob("run_*.json")
+        assert json.loads(path.read_text())["status"] == "preempted"
+    assert_gone([*pids_in(out0 + out1), *(node.pid for node in nodes)])
+
+
+def _wait_served(endpoint: str, timeout: float = 60) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing served {endpoint} within {timeout}s")
 
 
 UNAWARE = """

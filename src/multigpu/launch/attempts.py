@@ -1,24 +1,29 @@
-"""Script and module mode: turn a RunConfig into attempts of supervised workers, and an exit code."""
+"""Script and module mode: turn a RunConfig into attempts of supervised workers, and an exit code.
+
+One attempts loop for every membership (``membership.py``: one node, a fixed set of nodes, elastic
+rounds), so what holds across attempts (the output claim, the allocation folder, the run record and its
+incidents, the crash-loop stop, the preemption watch and requeue) is written here once. Runs in the
+launcher.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import LEARNED_FROM_SILENCE
+from multigpu.contract.errors import MEMBERSHIP_CHANGE, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.launch.attempt import exit_code, run_attempt
-from multigpu.launch.meeting import LOOPBACK, Rendezvous, meet_again, node_spawner, rendezvous
+from multigpu.launch.membership import Meeting, Membership, StaticMembership
 from multigpu.launch.preemption import PreemptWatch, finish_preempted
 from multigpu.launch.record import RunRecord
 from multigpu.launch.report import format_report
@@ -27,8 +32,6 @@ from multigpu.launch.rundir import check_run_id, claim_output, raise_open_file_l
 from multigpu.launch.specs import AttemptContext, build_specs
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.fate import serve_until_all_done
-from multigpu.rendezvous.job import JobStore
-from multigpu.rendezvous.store import bind_store_socket
 from multigpu.supervisor.console import ConsoleWriter, say
 from multigpu.supervisor.sentinel import close_node_sentinel
 from multigpu.supervisor.signals import end_with_signal
@@ -62,42 +65,31 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
-    if is_elastic(config):  # torch's dynamic rendezvous; imports torch
-        from multigpu.launch.elastic import launch_elastic
-
-        return launch_elastic(config, base_env, cvd, devices)
-    endpoint = config.rdzv.endpoint or LOOPBACK
-    sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
-    folder = None
-    spawner = None
+    members = open_membership(config, base_env)
+    run: Run | None = None
     try:
-        spawner = node_spawner(config, sock, say, base_env)
-        rdzv = replace(rendezvous(config, sock), spawner=spawner)
-        check_run_id(rdzv.run_id, "the run id agreed at rendezvous")
-        output_dir = allocation_dir((config.output.dir or Path("multigpu_runs") / rdzv.run_id).resolve(),
+        output_dir = allocation_dir((config.output.dir or Path("multigpu_runs") / members.run_id).resolve(),
                                     base_env)
-        folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
-        name = f"run_node{config.group_rank}.json" if config.multi_node else "run.json"
-        record = RunRecord.create(output_dir / name, config, rdzv.run_id, devices)
-        what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
-            else f"{config.nproc} CPU worker(s)"
-        say(f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
-            f"output in {output_dir}")
-        if config.start.debug_server is not None and config.base_rank == 0:
-            say(f"debug server (torch's, rank 0's node): http://{config.start.debug_server}/")
+        folder = claim_output(output_dir, members.run_id, members.claim)
         try:
-            code = run_attempts(Run(config, rdzv, record, output_dir, base_env, cvd))  # finishes the record
-        except BaseException:
-            record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
-            raise
-        return code, record
-    finally:
-        if folder is not None:
+            record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices)
+            for line in members.opening(output_dir):
+                say(line)
+            run = Run(config, members, record, output_dir, base_env, cvd)
+            return run_attempts(run), record  # finishes the record
+        finally:
             folder.release()
-        if spawner is not None:
-            spawner.close()
-        if sock is not None and sock.fileno() >= 0:
-            sock.close()
+    finally:
+        members.close(over=run is not None and run.over)
+
+
+def open_membership(config: RunConfig, base_env: Mapping[str, str]) -> Membership:
+    """This node's membership of the job, met (its run id agreed): elastic rounds or a fixed set."""
+    if is_elastic(config):  # torch's dynamic rendezvous; imports torch
+        from multigpu.launch.elastic import ElasticMembership
+
+        return ElasticMembership(config, base_env)
+    return StaticMembership(config, base_env)
 
 
 @dataclass
@@ -105,7 +97,7 @@ class Run:
     """One run on this node, for all its attempts: what each attempt starts from."""
 
     config: RunConfig
-    rdzv: Rendezvous
+    members: Membership
     record: RunRecord
     output_dir: Path
     base_env: Mapping[str, str]
@@ -114,12 +106,17 @@ class Run:
     reaper: bool = False
     """This launcher is a child subreaper: it ends and reaps what left the ranks' groups."""
     watch: PreemptWatch | None = None
+    over: bool = False
+    """The job is over for every node (an elastic rendezvous is then closed: a latecomer is told so)."""
 
 
 def run_attempts(run: Run) -> int:
     """Attempts until one succeeds, restarts run out, a crash loop shows, or a preemption warning came;
-    the record is finished here, and a preempted SLURM job is requeued as the very last act."""
-    config, rdzv, record = run.config, run.rdzv, run.record
+    the record is finished here, and a preempted SLURM job is requeued as the very last act.
+
+    One loop for every membership (torch elastic's agent runs one ``_invoke_run`` whatever its
+    rendezvous): meet, run the attempt, then decide (``_verdict``) whether the run ends or meets again."""
+    config, record = run.config, run.record
     run.reaper = set_child_subreaper()
     run.base_env = base_env = requeue.preemption_env(config, run.output_dir, run.base_env)
     resumed, previous = int(base_env[RESUMED_ENV]), base_env.get(PREVIOUS_OUTPUT_ENV)
@@ -127,61 +124,83 @@ def run_attempts(run: Run) -> int:
     if resumed:
         say(f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
             f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)")
-    run.watch = watch = PreemptWatch(requeue.warning_names(config), grace=config.preemption.grace,
-                                     job=rdzv.job) if config.preemption.signals else None
-    policy, code = CrashLoopPolicy(), 1
+    run.watch = PreemptWatch(requeue.warning_names(config), grace=config.preemption.grace,
+                             job=run.members.job) if config.preemption.signals else None
+    policy = CrashLoopPolicy(run.members.failures)
     try:
-        for attempt in range(config.supervision.max_restarts + 1):
-            result, workers, job, worker_store = _attempt(run, attempt)
-            code = exit_code(result)
-            if result.status is RunStatus.SUCCEEDED and not (watch is not None and watch.warned):
-                if job is not None and config.base_rank == 0:
-                    serve_until_all_done(job)
-                break
-            if result.status is not RunStatus.SUCCEEDED:
-                say(format_report(result, workers, attempt=attempt))
-            if watch is not None and watch.warned and not _interrupted_by_user(result):
-                return finish_preempted(config, job, record, watch, result, base_env)
-            last = attempt == config.supervision.max_restarts
-            if result.status is RunStatus.INTERRUPTED or last or _node_gone(result):
-                break
-            loop = policy.check(result.root_cause if result.status is RunStatus.FAILED else None)
-            if loop is not None:
-                say(loop)
-                record.data["crash_loop"] = loop
-                code = EXIT_CRASH_LOOP
-                break
-            every = " on every node" if rdzv.job is not None else ""
-            say(f"restarting{every}: attempt {attempt + 1} of {config.supervision.max_restarts} restart(s)")
-            del worker_store  # the failed attempt's workers are gone: so is their store
+        while True:
+            meeting = run.members.meet()
+            result, workers = _attempt(run, meeting)
+            code = _verdict(run, meeting, result, workers, policy)
+            if code is not None:
+                return code
+    except BaseException as exc:
+        record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
+        run.over = run.over or isinstance(exc, RendezvousError)  # a refused or failed rendezvous: over
+        raise
     finally:
-        if watch is not None:
-            watch.close()
-    record.finish("succeeded" if code == 0 else "failed", code)
-    return code
+        if run.watch is not None:
+            run.watch.close()
 
 
-def _attempt(run: Run, attempt: int) -> tuple[RunResult, list[Worker], JobStore | None, Any]:
-    """One attempt, from meeting again (several nodes) to its recorded result; with its job scope and
-    the store its workers use on node 0 of a restart, which must live while any node's workers may."""
-    rdzv, record = run.rdzv, run.record
-    job, master_port, worker_store = rdzv.job, rdzv.master_port, None
-    if job is not None and attempt > 0:
-        job, master_port, worker_store = meet_again(run.config, job, rdzv.master_addr, attempt)
-    context = AttemptContext(rdzv.run_id, run.output_dir, attempt, rdzv.master_addr, master_port, run.cvd)
-    specs = build_specs(run.config, context, run.base_env)
-    record.begin_attempt(attempt, rdzv.master_addr, master_port)
-    result, workers = run_attempt(run.config, specs, record, run.reaper, attempt, job, run.watch,
-                                  rdzv.spawner)
+def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
+    """One attempt, from its meeting to its recorded result."""
+    record = run.record
+    context = AttemptContext(run.members.run_id, run.output_dir, meeting.attempt, meeting.master_addr,
+                             meeting.master_port, run.cvd)
+    specs = build_specs(meeting.config, context, run.base_env)
+    for spec in specs:  # elastic rounds of one restart count share a log folder: no stale error record
+        if spec.error_file is not None:
+            spec.error_file.unlink(missing_ok=True)
+    record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
+    result, workers = run_attempt(meeting.config, specs, record, run.reaper, meeting.attempt, meeting.job,
+                                  run.watch, run.members.spawner)
     record.end_attempt(result)
-    return result, workers, job, worker_store
+    return result, workers
+
+
+def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker],
+             policy: CrashLoopPolicy) -> int | None:
+    """After an attempt: None to meet again, else the run's exit code (its record finished).
+
+    torchrun's rules: a node waiting to join ends the round without counting as a restart; a failed
+    attempt counts once, job-wide, while ``--max-restarts`` allows; every node reads the same root
+    cause, so every node comes to the same answer (the crash-loop stop included)."""
+    config, members, watch = run.config, run.members, run.watch
+    warned = watch is not None and watch.warned
+    if result.status is RunStatus.SUCCEEDED and not warned:
+        if meeting.job is not None and members.serves_store:  # it leaves last: every node read the end
+            serve_until_all_done(meeting.job)
+        return _finish(run, 0)
+    root = result.root_cause
+    if root is not None and root.error_type == MEMBERSHIP_CHANGE:
+        say(f"{root.message}; stopping this round on every node")
+        return None
+    if result.status is not RunStatus.SUCCEEDED:
+        say(format_report(result, workers, attempt=meeting.attempt))
+    if watch is not None and warned and not _interrupted_by_user(result):
+        run.over = True
+        return finish_preempted(meeting.config, meeting.job, run.record, watch, result, run.base_env,
+                                leads=members.serves_store or meeting.job is None)
+    if result.status is RunStatus.INTERRUPTED:
+        return _finish(run, exit_code(result), over=False)  # this node leaves; an elastic job goes on
+    if meeting.attempt >= config.supervision.max_restarts or not members.can_meet_again(result):
+        return _finish(run, exit_code(result))
+    loop = policy.check(root if result.status is RunStatus.FAILED else None, meeting.attempt)
+    if loop is not None:
+        say(loop)
+        run.record.data["crash_loop"] = loop
+        return _finish(run, EXIT_CRASH_LOOP)
+    say(members.restart(meeting))
+    return None
+
+
+def _finish(run: Run, code: int, *, over: bool = True) -> int:
+    run.over = over
+    run.record.finish("succeeded" if code == 0 else "failed", code)
+    return code
 
 
 def _interrupted_by_user(result: RunResult) -> bool:
     """Ctrl-C ends the run, warned or not; SIGTERM after a warning is SLURM ending the allocation."""
     return result.status is RunStatus.INTERRUPTED and result.signal == signal.SIGINT
-
-
-def _node_gone(result: RunResult) -> bool:
-    """A static job cannot meet again without the store's host or one of its fixed nodes."""
-    return any(f.error_type in LEARNED_FROM_SILENCE for f in result.failures)

@@ -29,6 +29,7 @@ from multigpu.config.run import RunConfig
 from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from multigpu.contract.signals import signal_name
 from multigpu.launch.record import RunRecord
+from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.fate import mark_done, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import say
@@ -168,25 +169,28 @@ class PreemptWatch:
 
 
 def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch: PreemptWatch,
-                     result: RunResult, env: Mapping[str, str]) -> int:
-    """After a warning: wait for the other nodes (node 0), finish the record, then requeue the job.
+                     result: RunResult, env: Mapping[str, str], *, leads: bool) -> int:
+    """After a warning: wait for the other nodes (the leader), finish the record, then requeue the job.
 
-    Every node says it is done only once its record says "preempted": node 0 requeues the moment all
-    are done, and SLURM then ends every node's launcher, wherever it is."""
+    ``leads``: this node serves the job's store (node 0 of a static job, the store's host of an elastic
+    one; a job of one node leads itself). Every node says it is done only once its record says
+    "preempted": the leader requeues the moment all are done, and SLURM then ends every node's
+    launcher, wherever it is."""
     info: dict[str, Any] = {"signal": signal_name(watch.signum or 0), "time": watch.time,
                             "source": watch.source, "ranks": result.status.value,
                             "requeue": config.preemption.requeue}
     record.data["preemption"] = info
     if result.status is RunStatus.SUCCEEDED and job is not None:
-        if config.base_rank != 0:
+        if not leads:
             _record_preempted(record)
         mark_done(job)
-        if config.base_rank == 0:
+        if leads:
             serve_until_all_done(job)
     ok = result.status is RunStatus.SUCCEEDED
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
-    if not config.preemption.requeue or config.base_rank != 0:
-        reason = ("node 0 requeues the job" if config.preemption.requeue else "not requeued (--no-requeue)"
+    if not config.preemption.requeue or not leads:
+        leader = "the store's host" if is_elastic(config) else "node 0"
+        reason = (f"{leader} requeues the job" if config.preemption.requeue else "not requeued (--no-requeue)"
                   if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
         say(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
         _record_preempted(record)

@@ -7,9 +7,10 @@ Everything here runs before the first worker starts, so a problem is one line an
   user gave it, the environment did (SLURM) or another node's launcher did (adopted at rendezvous).
 * Two live runs never write into the same folder: the first takes an exclusive lock on
   ``<folder>/.multigpu.lock`` (``.multigpu-node<N>.lock`` on a multi-node run, whose nodes share
-  the folder) for its whole life; a second one refuses, naming the first. The run removes the file
-  as it ends (still holding it; a run that locked the removed file sees that and locks anew). A
-  folder reused by a later run is that run's: its logs and records are replaced.
+  the folder; ``.multigpu-<host>-<pid>.lock`` for an elastic launcher) for its whole life; a second
+  one refuses, naming the first. The run removes the file as it ends (still holding it; a run that
+  locked the removed file sees that and locks anew). A folder reused by a later run is that run's:
+  its logs and records are replaced.
 * The launcher's open-file limit is raised to its hard limit; when even that is too low for the ranks
   asked for, one line says so.
 """
@@ -79,9 +80,11 @@ class RunFolder:
             self._lock_fd = None
 
 
-def claim_output(path: Path, run_id: str, node: int | None = None) -> RunFolder:
-    """Create ``path``, prove it writable with room to spare, and lock it for this run."""
-    lock = path / (".multigpu.lock" if node is None else f".multigpu-node{node}.lock")
+def claim_output(path: Path, run_id: str, node: int | str | None = None) -> RunFolder:
+    """Create ``path``, prove it writable with room to spare, and lock it for this run (``node``: this
+    node's lock in a folder the job's nodes share; an elastic launcher's is its ``host-pid``)."""
+    label = None if node is None else f"node{node}" if isinstance(node, int) else node
+    lock = path / (".multigpu.lock" if label is None else f".multigpu-{label}.lock")
     fd = _lock(path, lock)
     while not _still_there(fd, lock):  # the run before removed it as this one locked it: lock anew
         os.close(fd)
