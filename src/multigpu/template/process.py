@@ -71,7 +71,8 @@ class TemplateProcess:
         modules to import besides torch. The template reads it once its ``import torch`` is done."""
         message = {"op": "configure", "preload": list(preload),
                    "store_host": store.host if store else None, "store_port": store.port if store else None}
-        send(self.control, message, [store.fd] if store is not None else [])
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: wait_ready says how
+            send(self.control, message, [store.fd] if store is not None else [])
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str | None:
         """None once the template is ready; otherwise why it is not."""
