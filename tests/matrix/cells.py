@@ -66,7 +66,7 @@ FAULTS = {f.name: f for f in (
     Fault("kill0", (None, 1), "node 0"),
     Fault("kill1", (1, None), "node 1", survivor_stacks=True),
     Fault("mismatch", (1, 1), "the nodes would run different things"),
-    Fault("nevercomes", (1, None), "node 1", nodes=(0,), launcher_args=("--rdzv-timeout", "4")),
+    Fault("nevercomes", (1, None), "joined", nodes=(0,), launcher_args=("--rdzv-timeout", "4")),
     Fault("oom", (137, 137), "OOM killer", survivor_stacks=True),
 )}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
 from multigpu.contract.errors import STORE_LOST
+from multigpu.launch.meeting import check_fingerprints
 from multigpu.launch.membership import Meeting
 from multigpu.launch.restarts import FailureMemory, StoreFailures
 from multigpu.launch.rundir import check_run_id
@@ -42,7 +43,8 @@ class ElasticMembership:
         before the first round, since a node still importing torch would look lost."""
         assert config.rdzv.endpoint is not None
         self.config = config
-        settings = settings_from(config.rdzv.conf)
+        # --rdzv-timeout (or join_timeout in --rdzv-conf: the CLI resolved both into one) bounds the join.
+        settings = dataclasses.replace(settings_from(config.rdzv.conf), join_timeout=config.rdzv.timeout)
         store, hosted = open_store(config.rdzv.endpoint, settings)
         self.run_id = settle_run_id(store, config.output.run_id, new_run_id())
         check_run_id(self.run_id, "the run id agreed at rendezvous")
@@ -73,6 +75,7 @@ class ElasticMembership:
         """Join the next round (torch's rules); its layout, as this node's attempt."""
         self.rdzv.handler.worker_store = None  # the last round's workers are gone: so is their store
         rnd = self.rdzv.next_round()
+        check_fingerprints(rnd.job, self.config.rdzv.allow_mismatch)  # every node of the round refuses
         last = rnd.base_rank + self.config.nproc - 1
         say(f"node {rnd.group_rank} of {rnd.group_world_size}: ranks {rnd.base_rank}..{last} of "
             f"{rnd.world_size}, restart count {rnd.restart_count}")

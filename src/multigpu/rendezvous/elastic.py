@@ -28,6 +28,7 @@ from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import RendezvousError, UsageError
 from multigpu.contract.values import integer, seconds
 from multigpu.rendezvous.fate import BEAT_S
+from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
 
@@ -263,6 +264,9 @@ class ElasticRendezvous:
         hosted = int(rstore.get(WATCHER_KEY)) if rstore.check([WATCHER_KEY]) else None
         job.watcher_base = sum(nprocs[:hosted]) if hosted is not None else 0
         job.watcher_hosts_store = hosted is not None
+        # What this node would run, for every node of the round to compare once all joined (the
+        # launcher checks: ``launch/meeting.check_fingerprints``), as a static job's nodes do.
+        job.publish_fingerprint(fingerprint(self.config.target, self.config.target_args, self.config.device))
         job.join(self.settings.read_timeout)
         store_info = info.bootstrap_store_info
         return Round(group_rank, group_world, base_rank, world_size, store_info.master_addr,
