@@ -20,13 +20,15 @@ from multigpu.contract.signals import signal_name
 HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "Hang", "NodeLost", "StoreLost", "MembershipChange"
 REFUSED = "Refused"
 """A node's layout refused at the rendezvous (the job's abort record says why)."""
+INTERRUPTED = "Interrupted"
+"""A node's launcher was told to stop (SIGTERM, Ctrl-C): the record's ``signal`` says which."""
 """The kinds of failure the launcher names itself (``WorkerFailure.error_type``); a rank that raised has
 its exception's type name there instead."""
-NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE, REFUSED})
+NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE, REFUSED, INTERRUPTED})
 """No exception was raised, even when a stack dump is attached."""
-LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST, REFUSED})
-"""Known from a peer's or the store's silence (or the store's refusal): nothing to publish, nothing to
-ask the store."""
+LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST, REFUSED, INTERRUPTED})
+"""Known from a peer's or the store's silence (or the store's refusal, or a peer's word that it was
+told to stop): nothing to publish, nothing to ask the store."""
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
 """What a collective's error says when the rank only saw a peer die (gloo's words): such a failure is
 the consequence of another rank's, never preferred to it as the root cause."""
@@ -83,7 +85,8 @@ class WorkerFailure:
     def explains(self, other: WorkerFailure) -> bool:
         """This lost node (or store) caused ``other``, a rank that only saw a peer's connection close:
         cause before effect, whatever the clocks say (a lost node is dated when its silence was seen)."""
-        return self.rank < 0 and self.error_type in (NODE_LOST, STORE_LOST) and other.saw_a_peer_die
+        gone = self.error_type in (NODE_LOST, STORE_LOST, INTERRUPTED)
+        return self.rank < 0 and gone and other.saw_a_peer_die
 
     @property
     def launcher_exit_code(self) -> int:
@@ -110,6 +113,8 @@ class WorkerFailure:
             return f"node {self.node} (it serves the store) was lost: {self.message}"
         if self.error_type == REFUSED:
             return f"the rendezvous refused a node: {self.message}"
+        if self.error_type == INTERRUPTED:
+            return f"node {self.node} was stopped: its launcher received {self.signal}"
         return f"{self.error_type or 'the job'}: {self.message}"
 
     def to_dict(self, log_tail_lines: int | None = None) -> dict[str, Any]:

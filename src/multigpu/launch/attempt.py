@@ -8,16 +8,16 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import MEMBERSHIP_CHANGE
+from multigpu.contract.errors import INTERRUPTED, MEMBERSHIP_CHANGE, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.launch.preemption import PreemptWatch
 from multigpu.launch.record import RunRecord, complete_error_files
 from multigpu.launch.report import plain_summary
-from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure
+from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure, share_interrupt
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import PrefixedConsole, active_writer, say
 from multigpu.supervisor.control import ControlSocket, socket_name
@@ -76,7 +76,13 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
         result = share_failure(job, _lost_node_first(result, monitor))
     if result.status is RunStatus.INTERRUPTED:
         sig = result.signal or signal.SIGTERM
-        say(f"{signal_name(sig)} received: stopping every rank "
+        told = monitor.verdict if monitor is not None else None
+        if told is None or told.error_type != INTERRUPTED:
+            told = None
+            if job is not None:
+                share_interrupt(job, sig)  # before our ranks go: the other nodes stop theirs at once
+        where = f"node {told.node}'s launcher" if told is not None else "this launcher"
+        say(f"{where} received {signal_name(sig)}: stopping every rank "
             f"(grace {config.supervision.grace_period:g}s; Ctrl-C again to kill now)")
         supervisor.close(sig=sig)
     else:
@@ -91,6 +97,20 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     if job is not None and result.status is RunStatus.SUCCEEDED and not warned:
         mark_done(job)  # after a preemption warning: once the record says so (preemption.finish_preempted)
     return result
+
+
+def _on_remote(supervisor: Supervisor, job: JobStore) -> Callable[[WorkerFailure], None]:
+    """What a failure elsewhere in the job does here (the fate monitor's thread calls it): a node told
+    to stop stops a static job's every node, with its signal, as ``scancel`` would; anything else
+    (and a stopped node in an elastic job: it left) ends this attempt as failed."""
+
+    def act(failure: WorkerFailure) -> None:
+        if failure.error_type == INTERRUPTED and job.interrupt_stops_job and failure.signal:
+            supervisor.request_signal(int(signal.Signals[failure.signal]))
+        else:
+            supervisor.abort(failure)
+
+    return act
 
 
 @contextlib.contextmanager
@@ -136,7 +156,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         supervisor.start()
         monitor = None
         if job is not None:
-            monitor = FateMonitor(job, supervisor.abort)
+            monitor = FateMonitor(job, _on_remote(supervisor, job))
             monitor.start()
             stack.callback(monitor.stop)
         result = supervisor.wait()

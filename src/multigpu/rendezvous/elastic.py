@@ -140,7 +140,10 @@ class Round:
 
 class ElasticJobStore(JobStore):
     """The round's fate-sharing keys (in torch's per-round prefix store), plus: a node waiting to join
-    is a membership change that ends the round on every node (the watcher asks, and publishes it)."""
+    is a membership change that ends the round on every node (the watcher asks, and publishes it). A
+    node told to stop leaves the job: the others go on to a new round where ``--max-restarts`` allows."""
+
+    interrupt_stops_job = False
 
     def __init__(self, store: Any, rdzv: ElasticRendezvous, **layout: int) -> None:
         super().__init__(store, **layout)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from multigpu.contract.errors import (
+    INTERRUPTED,
     LEARNED_FROM_SILENCE,
     MEMBERSHIP_CHANGE,
     NODE_LOST,
@@ -27,6 +28,7 @@ from multigpu.contract.errors import (
     STORE_LOST,
     WorkerFailure,
 )
+from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
 from multigpu.supervisor.states import RunResult, RunStatus
@@ -48,6 +50,19 @@ def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
 def node_lost(node: int, why: str, kind: str = NODE_LOST, at: float | None = None) -> WorkerFailure:
     return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type=kind, message=why,
                          time=time.time() if at is None else at)
+
+
+def node_interrupted(node: int, signum: int) -> WorkerFailure:
+    """This node's launcher was told to stop (``signum``): the other nodes hear it at once, not from
+    its silence a beat later, while their ranks' collectives fail on its closed connections."""
+    failure = node_lost(node, f"its launcher received {signal_name(signum)}", INTERRUPTED)
+    failure.signal = signal_name(signum)
+    return failure
+
+
+def share_interrupt(job: JobStore, signum: int) -> None:
+    """Publish that this node was told to stop, before its ranks are (bounded: the store may be gone)."""
+    _bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
 
 
 def store_lost(why: str) -> WorkerFailure:

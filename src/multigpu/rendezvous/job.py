@@ -34,6 +34,10 @@ class JobStore:
 
     RUN_ID_KEY = "multigpu/run_id"
 
+    interrupt_stops_job = True
+    """A node told to stop (SIGTERM, Ctrl-C) stops every node of a static job, as ``scancel`` does; an
+    elastic job's other nodes take it as the node leaving (``ElasticJobStore``)."""
+
     def __init__(self, store: Any, *, node: int, base_rank: int, nproc: int, world_size: int) -> None:
         self.store = store
         self.node, self.base_rank, self.nproc, self.world_size = node, base_rank, nproc, world_size
