@@ -49,6 +49,21 @@ def launcher_argv(launcher: str, nproc: int | str, script: str, args: Sequence[s
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+def two_node_argv(launcher: str, node_rank: int, port: int, script: str, args: Sequence[str] = (),
+                  output: Path | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """Node ``node_rank`` of a static two-node job on loopback, one rank a node: the same torchrun line
+    for both launchers (multigpu's ``--output`` and ``extra`` flags go before the script)."""
+    nodes = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", LOOPBACK,
+             "--master-port", str(port), "--nproc-per-node", "1"]
+    target = [str(WORKERS / script), *args]
+    if launcher == MULTIGPU:
+        out = ["--output", str(output)] if output is not None else []
+        return [PYTHON, "-m", "multigpu", "run", *nodes, *out, *extra, *target]
+    if launcher == TORCHRUN:
+        return [*torchrun_argv(), *nodes, *extra, *target]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
 def alternate(i: int, names: Sequence[str] = LAUNCHERS) -> list[str]:
     """Run i's order: rotated by one each run, so no launcher always goes first."""
     k = i % len(names)
@@ -283,6 +298,32 @@ def run_floor(root: Path, nproc: int, script: str, args: Sequence[str] = (),
     if any(c != 0 for c in codes) or any(e is None for e in ends):
         return None, codes
     return max(e for e in ends if e is not None) - started, codes
+
+
+def numpy_site(path: Path) -> Path | None:
+    """A folder holding NumPy for PYTHONPATH (the harness's venv has none), made once with
+    ``pip install --target`` and kept for later runs; None where pip cannot install it (no registry)."""
+    if (path / "numpy" / "__init__.py").exists():
+        return path
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        done = subprocess.run([PYTHON, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                               "--no-deps", "--target", str(tmp), "numpy"], capture_output=True, timeout=280)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0:
+        return None
+    os.replace(tmp, path)
+    return path
+
+
+def with_pythonpath(env: dict[str, str], folder: Path | None) -> dict[str, str]:
+    """``env`` with ``folder`` ahead on PYTHONPATH (kept as is when folder is None)."""
+    if folder is None:
+        return env
+    rest = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": str(folder) + (os.pathsep + rest if rest else "")}
 
 
 def rmtree_quiet(path: Path) -> None:
