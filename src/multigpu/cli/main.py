@@ -405,8 +405,14 @@ def cmd_status(argv: Sequence[str]) -> int:
     return cmd_ask("status", argv)
 
 
+def cmd_store(argv: Sequence[str]) -> int:
+    from multigpu.cli.store import cmd_store as store
+
+    return store(argv)
+
+
 COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices, "report": cmd_report,
-            "stacks": cmd_stacks, "status": cmd_status}
+            "stacks": cmd_stacks, "status": cmd_status, "store": cmd_store}
 
 HELP = f"""usage: multigpu [--version] COMMAND [ARGS...]
 
@@ -419,6 +425,7 @@ commands:
   report    where a run's time went: its incidents, and a timeline in report.html
   stacks    every live rank's Python stacks of a running job, without stopping it
   status    one line per rank of a running job
+  store     serve elastic jobs' rendezvous store off the training nodes
 
 'multigpu COMMAND --help' describes each command. Version {__version__}.
 """

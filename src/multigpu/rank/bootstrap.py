@@ -48,7 +48,10 @@ def write_error_file(path: str, exc: BaseException) -> None:
     announce_failure()
 
 
-PEER_LOST_QUIET_S = 0.5
+PEER_LOST_QUIET_S = 3.0
+"""Long enough for the launcher to learn that a peer's whole node is gone (a killed launcher is
+found by its silence, a second or two on a loaded machine) and stop this rank. A peer rank that
+died on a live node is reported by its launcher at once, so that stop comes in milliseconds."""
 
 
 def quiet_if_stopping(exc: BaseException) -> None:

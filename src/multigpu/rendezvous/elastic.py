@@ -115,13 +115,17 @@ def open_store(endpoint: Endpoint, settings: ElasticSettings) -> tuple[Any, bool
 
 
 def settle_run_id(store: Any, wanted: str | None, fresh: str) -> str:
-    """The job's run id: the first launcher publishes its own (or a fresh one); a launcher asking for
-    another one is refused and writes nothing the live job reads."""
-    current = str(store.compare_set(JobStore.RUN_ID_KEY, "", wanted or fresh).decode())
-    if wanted is not None and current != wanted:
-        raise RendezvousError(f"another job (run id {current!r}) already uses this rendezvous store; "
-                              "pick another --rdzv-endpoint or the same --rdzv-id")
-    return current
+    """The job's run id: its ``--rdzv-id``; without one, the first launcher's fresh id, which every
+    launcher without one then shares (as torchrun's nodes share its default id, ``none``).
+
+    Each id has its own key, as every other key of the job lives under its run id: one store serves
+    job after job (``multigpu store``), and a job never reads another's state."""
+    key = f"{JobStore.RUN_ID_KEY}/{wanted or RDZV_ID_UNSET}"
+    return str(store.compare_set(key, "", wanted or fresh).decode())
+
+
+RDZV_ID_UNSET = "none"
+"""torchrun's default ``--rdzv-id``: the namespace of launchers that name none."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,6 @@ def _handler_class() -> Any:
 class ElasticRendezvous:
     """torch's dynamic rendezvous for this node, and the rank layout of each round."""
 
-    RESTARTS_KEY = "multigpu/restart_count"
 
     def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
                  hosted: bool) -> None:
@@ -216,7 +219,8 @@ class ElasticRendezvous:
             run_id, store, self.backend, config.rdzv.min_nodes, config.rdzv.max_nodes, local_addr=self.addr,
             timeout=timeout, keep_alive_interval=settings.keep_alive_interval,
             keep_alive_max_attempt=settings.keep_alive_max_attempt)
-        store.compare_set(self.RESTARTS_KEY, "", "0")
+        self.restarts_key = f"multigpu/{run_id}/restart_count"  # the job's, under its run id
+        store.compare_set(self.restarts_key, "", "0")
         self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=hosted)
         self.liveness.start()
 
@@ -251,7 +255,7 @@ class ElasticRendezvous:
         barrier) in the round's own keys."""
         group_rank, group_world, rstore = info.rank, info.world_size, info.store
         if group_rank == 0:
-            rstore.set("multigpu/restart_count", self.store.get(self.RESTARTS_KEY))
+            rstore.set("multigpu/restart_count", self.store.get(self.restarts_key))
         if self.hosted:  # before our nproc key: whoever has read every nproc key sees it
             rstore.set(WATCHER_KEY, str(group_rank))
         rstore.set(f"multigpu/nproc/{group_rank}", str(self.config.nproc))
@@ -281,7 +285,7 @@ class ElasticRendezvous:
     def count_restart(self, seen: int) -> int:
         """The job-wide restart count after a failed round: every node of the round moves it from
         ``seen`` to ``seen + 1`` (compare-and-set, so it moves once)."""
-        self.store.compare_set(self.RESTARTS_KEY, str(seen), str(seen + 1))
+        self.store.compare_set(self.restarts_key, str(seen), str(seen + 1))
         return seen + 1
 
     def shutdown(self, *, close: bool) -> None:
