@@ -42,7 +42,8 @@ def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "
     layout = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-conf", "is_host=false", "--rdzv-id", rdzv_id]
     return start_cli(["run", *layout, "--max-restarts", "2", "--nproc-per-node", "1", "--grace-period", "1",
-                      "--output", str(tmp_path / f"{rdzv_id}{i}"), "loop.py"], cwd=tmp_path, env={"STEPS": steps})
+                      "--output", str(tmp_path / f"{rdzv_id}{i}"), "loop.py"],
+                     cwd=tmp_path, env={"STEPS": steps})
 
 
 def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(tmp_path: Path) -> None:
