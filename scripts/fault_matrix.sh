@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Issue 31's fault matrix across nodes: every fault x {static, elastic} x {quiet, two busy CPUs} x
-# {NumPy, none}, two launchers on 127.0.0.1 per cell (tests/matrix/). Run after the suite in CI.
-# Usage: scripts/fault_matrix.sh [pytest args...], e.g. -k load to run the loaded half.
-set -euo pipefail
+# {NumPy, none}, two launchers on 127.0.0.1 per cell (tests/matrix/). CI runs it after the suite.
+# The quiet half runs first; then two CPU hogs (started here, ended here by PID) run beside the
+# loaded half. Extra arguments go to pytest, e.g. scripts/fault_matrix.sh -x.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python -m pytest tests/matrix -m "" -n 2 -p no:cacheprovider "$@"
+py=.venv/bin/python
+run() { "$py" -m pytest tests/matrix -m "" -n 2 -p no:cacheprovider -q "$@"; }
+run -k quiet "$@"; quiet=$?
+hogs=()
+for _ in 1 2; do "$py" -c "while True: pass" & hogs+=($!); done
+MULTIGPU_MATRIX_HOGS=outside run -k load "$@"; loaded=$?
+kill "${hogs[@]}"; wait "${hogs[@]}" 2>/dev/null
+echo "fault matrix: quiet half exit $quiet, loaded half exit $loaded"
+[ "$quiet" = 0 ] && [ "$loaded" = 0 ]

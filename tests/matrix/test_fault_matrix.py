@@ -6,7 +6,7 @@ falling back from the template, the stacks of every rank alive at the verdict in
 documented exit code, and nothing left running: every process a cell starts carries a marker in its
 environment, and none may carry it afterwards (one that does is ended by PID and the cell fails).
 
-The whole matrix runs with ``-m matrix`` (``scripts/fault_matrix.sh``, after the suite in CI); a few
+The whole matrix runs with ``-m ""`` (``scripts/fault_matrix.sh``, after the suite in CI); a few
 quiet cells run in the suite itself.
 """
 
@@ -44,8 +44,11 @@ def cells() -> Iterator[object]:
 
 @contextlib.contextmanager
 def busy_cpus(load: str) -> Iterator[None]:
-    """Two processes spinning on a CPU each for the cell's length (none on a quiet cell)."""
-    hogs = [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(2 if load == "load" else 0)]
+    """Two processes spinning on a CPU each for the cell's length (none on a quiet cell). Where
+    ``scripts/fault_matrix.sh`` runs the loaded half, it keeps two running beside the whole half
+    (``MULTIGPU_MATRIX_HOGS=outside``): two cells at once must not mean four."""
+    own = load == "load" and os.environ.get("MULTIGPU_MATRIX_HOGS") != "outside"
+    hogs = [subprocess.Popen([PYTHON, "-c", "while True: pass"]) for _ in range(2 if own else 0)]
     try:
         yield
     finally:
