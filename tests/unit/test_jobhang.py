@@ -138,12 +138,13 @@ WAITING = ['Thread 0x00007f0000000002 (most recent call first):',
 
 
 def states() -> list[RankState]:
-    return [RankState(0, 0, 0, 1000, True, None, 5.1, WAITING), RankState(1, 0, 1, 2000, True, None, 5.3, STUCK)]
+    return [RankState(0, 0, 0, 1000, True, None, 5.1, WAITING),
+            RankState(1, 0, 1, 2000, True, None, 5.3, STUCK)]
 
 
 def notice(node: int = 0) -> WorkerFailure:
-    return WorkerFailure(-1, -1, None, node=node, error_type=HANG, message="no progress for 5.0s (--hang-timeout 5s)",
-                         time=1000.0)
+    return WorkerFailure(-1, -1, None, node=node, error_type=HANG,
+                         message="no progress for 5.0s (--hang-timeout 5s)", time=1000.0)
 
 
 def test_the_verdict_names_the_rank_outside_the_collective_with_file_and_line() -> None:
