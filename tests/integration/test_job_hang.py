@@ -101,6 +101,30 @@ def test_a_healthy_job_printing_from_rank_0_only_is_not_hung(tmp_path: Path, hog
     assert_gone(rank_pids(tmp_path))
 
 
+NO_COLLECTIVE_FOR_A_WHILE = """
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for i in range(8):  # 8 s without a collective: rank 1 silent, rank 0 printing every second
+        time.sleep(1.0)
+        if rank == 0:
+            print(f"working {i}", flush=True)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"rank {rank} sum={int(t.item())}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_a_silent_node_lives_on_another_nodes_progress(tmp_path: Path) -> None:
+    """No collective to count: node 1 knows the job is alive only from node 0's output, via the store."""
+    script = write_script(tmp_path, "train.py", NO_COLLECTIVE_FOR_A_WHILE)
+    (rc0, out0, err0), (rc1, out1, err1) = two_nodes(tmp_path, script, "--hang-timeout", "4")
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert "working 7" in out0 and "rank 1 sum=2" in out1 and "hang" not in err0 + err1
+    assert_gone(rank_pids(tmp_path))
+
+
 def verdict_of(err: str) -> str:
     found = re.findall(r"^multigpu: attempt 0 hung: (.*)$", err, re.M)
     assert len(found) == 1, err
