@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments, write_script
 from multigpu.contract.beats import BeatDecoder
 from multigpu.contract.errors import HANG, WorkerFailure
 from multigpu.rank import progress
@@ -20,7 +22,8 @@ from multigpu.rendezvous.hangs import Exchange, StoreHangs
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.hang import HangPolicy, ProgressBook
 from multigpu.supervisor.jobhang import JobProgress, RankState, decide, job_failures
-from multigpu.supervisor.states import Worker, WorkerSpec
+from multigpu.supervisor.loop import Supervisor
+from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec
 
 WAIT_S = 10.0  # a bound on a thread's work: reached only when the behaviour is broken
 
@@ -240,3 +243,74 @@ def test_the_notice_is_the_jobs_abort_record_and_the_earliest_stands() -> None:
     record = jobs[1].read_abort()
     assert record is not None and record["error_type"] == HANG and record["rank"] == -1
     assert record["message"] == "no progress for 5.0s (--hang-timeout 5s)" and record["node"] == 0
+
+
+# ---- the supervisor's side, with real (tiny, torch-free) ranks and the store faked ---------------------
+
+
+class Answer:
+    """A ``Pending`` that is done at once: this node's states plus a remote rank's, and their verdict."""
+
+    def __init__(self, mine: list[RankState], remote: RankState, notice: WorkerFailure) -> None:
+        self.states = sorted([*mine, remote], key=lambda s: s.rank)
+        self.verdict = decide(self.states, notice)
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[list[RankState], dict[str, Any]] | None:
+        return self.states, self.verdict
+
+
+class FakeExchange:
+    """The store as one node sees it: its own notice comes back to it (as the fate monitor would hand
+    it over), and node 1's rank 1 answers from another node, stuck outside the collective."""
+
+    def __init__(self) -> None:
+        self.supervisor: Any = None
+        self.notices: list[str] = []
+        self.shared: list[RankState] = []
+
+    def declare(self, notice: str) -> None:
+        self.notices.append(notice)
+        self.supervisor.abort(WorkerFailure(-1, -1, None, node=0, error_type=HANG, message=notice,
+                                            time=time.time()))
+
+    def exchange(self, mine: list[RankState], notice: WorkerFailure) -> Answer:
+        self.shared = mine
+        return Answer(mine, RankState(1, 0, 1, 4242, True, None, 9.0, STUCK), notice)
+
+
+def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "waits.py", """
+        import time
+
+        def waiting_here():
+            time.sleep(60)
+
+        waiting_here()
+    """)
+    rank0 = WorkerSpec(rank=0, local_rank=0, argv=[PYTHON, "-m", "multigpu.rank", "script", str(script)],
+                       env=clean_env({"RANK": "0", "WORLD_SIZE": "2"}), log_path=tmp_path / "rank_0.log")
+    exchange, notes = FakeExchange(), []
+    sup = Supervisor([rank0], **supervisor_arguments(notes, hang_timeout=1.0, grace_period=0.3,
+                                                     job_hang=exchange))
+    exchange.supervisor = sup
+    try:
+        sup.start()
+        pid = sup.workers[0].pid
+        result = sup.wait(timeout=20)
+    finally:
+        sup.close(grace_period=0)
+    assert result is not None and result.status is RunStatus.HUNG
+    assert len(exchange.notices) == 1 and exchange.notices[0].startswith("no progress for ")
+    assert [n for n in notes if n.startswith("hang: ")] == [f"hang: {exchange.notices[0]}; "
+                                                            "collecting every rank's stacks"]
+    assert [s.rank for s in exchange.shared] == [0] and "waiting_here" in "\n".join(exchange.shared[0].dump)
+    root = result.root_cause
+    assert root is not None and (root.rank, root.node, root.pid) == (1, 1, 4242)
+    assert root.message is not None and root.message.startswith("rank 1 stopped progressing first")
+    assert [f.rank for f in result.failures] == [1, 0]
+    assert "waiting_here" in (tmp_path / "rank_0.log").read_text()
+    assert pid is not None
+    assert_gone([pid])

@@ -254,9 +254,7 @@ class Supervisor:
     def _handle_signals(self) -> None:
         while self._external:
             failure = self._external.popleft()
-            if failure.error_type == HANG and self.hooks.job_hang is not None and not self._hung:
-                self._job_hang(failure, self.hooks.job_hang)
-            else:
+            if not self._job_hang(failure):
                 self._failures.append(failure)
         for signum in self._stops.take(self._closing):
             reaping.forward(self.workers, signum)  # SIGHUP, SIGUSR1/2: the ranks decide
@@ -266,26 +264,31 @@ class Supervisor:
             return
         running = [w for w in self.workers if w.alive]
         hang = self.progress.check([w.rank for w in running], self._clock())
-        if hang is None:
-            return
-        if self.hooks.job_hang is not None:  # every node hears of it through the store, this one too
+        if hang is not None and self.hooks.job_hang is not None:  # every node hears of it, this one too
             self._declared = True
             self.hooks.job_hang.declare(hang.notice)
-            return
-        self._notify(f"hang: {hang.notice}; collecting every rank's stacks")
-        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
-        request = self.dump_stacks(running)
-        since = request.wall_start if request is not None else time.time()
-        flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
-        self._failures.extend(hang_failures(hang, running, flight, time.time()))
+        elif hang is not None:
+            since = self._collect_stacks(hang.notice)
+            flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
+            self._failures.extend(hang_failures(hang, running, flight, time.time()))
 
-    def _job_hang(self, notice: WorkerFailure, exchange: jobhang.HangExchange) -> None:
-        """The job hangs (some node said so): dump this node's ranks, then judge with every node."""
-        self._notify(f"hang: {notice.message}; collecting every rank's stacks")
-        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
-        self.dump_stacks([w for w in self.workers if w.alive])
+    def _job_hang(self, notice: WorkerFailure) -> bool:
+        """The job hangs (a node said so through the store): dump this node's ranks, then judge with
+        every node (``jobhang.py``). False for any other failure from outside."""
+        exchange = self.hooks.job_hang
+        if notice.error_type != HANG or exchange is None or self._hung or self._closing:
+            return False
+        self._collect_stacks(notice.message or "")
         self._failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
                                                      self.turn, self._clock, self._stops.seen))
+        return True
+
+    def _collect_stacks(self, notice: str) -> float:
+        """Say what is known, then dump every live rank's stacks; when the request went out."""
+        self._notify(f"hang: {notice}; collecting every rank's stacks")
+        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
+        request = self.dump_stacks([w for w in self.workers if w.alive])
+        return request.wall_start if request is not None else time.time()
 
     # ---- teardown ----------------------------------------------------------------------------------
 
