@@ -274,10 +274,11 @@ class Supervisor:
 
     def _job_hang(self, notice: WorkerFailure) -> bool:
         """The job hangs (a node said so through the store): dump this node's ranks, then judge with
-        every node (``jobhang.py``). False for any other failure from outside."""
+        every node (``jobhang.py``). False for any other failure from outside, and once this node has
+        an outcome of its own."""
         exchange = self.hooks.job_hang
-        if notice.error_type != HANG or exchange is None or self._hung or self._closing:
-            return False
+        if notice.error_type != HANG or exchange is None or self._hung or self._closing or self._failures:
+            return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
         self._failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
                                                      self.turn, self._clock, self._stops.seen))
