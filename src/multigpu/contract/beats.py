@@ -8,7 +8,7 @@ report is a few bytes; a write under ``PIPE_BUF`` is atomic, so records never in
     S<n>;        heartbeat(step=n)                D    the script finished (the bootstrap)
     B<name>;     a section begins                 !    the rank is failing (function mode)
     E<name>=<s>; a section ended after s seconds  F    a flight-recorder dump was written
-                                                  T    the stacks were written to stderr
+    C<n>;        n collectives entered so far     T    the stacks were written to stderr
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED, STACKS = b".", b"o", b"D", b"!", b"F", b"T"
 
 
-STEP, BEGIN, END = "S", "B", "E"
+STEP, BEGIN, END, COLLECTIVES = "S", "B", "E", "C"
 
 
 _SINGLE = {HEARTBEAT[0]: "beat", OUTPUT[0]: "output", DONE[0]: "done", FAILING[0]: "failing",
            DUMPED[0]: "dumped", STACKS[0]: "stacks"}
 
 
-_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end"}
+_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end", ord(COLLECTIVES): "collectives"}
 
 
 MAX_NAME = 64
@@ -45,7 +45,8 @@ def clean_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Beat:
-    """One decoded report: ``kind`` is beat, output, done, failing, dumped, stacks, step, begin or end."""
+    """One decoded report: ``kind`` is beat, output, done, failing, dumped, stacks, step, begin, end or
+    collectives."""
 
     kind: str
     name: str = ""
@@ -88,8 +89,8 @@ class BeatDecoder:
 
 def _record(kind: str, body: str) -> Beat | None:
     try:
-        if kind == "step":
-            return Beat("step", value=float(int(body)))
+        if kind in ("step", "collectives"):
+            return Beat(kind, value=float(int(body)))
         if kind == "end":
             name, _, seconds = body.rpartition("=")
             return Beat("end", name, max(0.0, float(seconds)))

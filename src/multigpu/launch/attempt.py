@@ -18,10 +18,12 @@ from multigpu.launch.preemption import PreemptWatch
 from multigpu.launch.record import RunRecord, complete_error_files
 from multigpu.launch.report import plain_summary
 from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure, share_interrupt
+from multigpu.rendezvous.hangs import StoreHangs
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import PrefixedConsole, active_writer, say
 from multigpu.supervisor.control import ControlSocket, socket_name
 from multigpu.supervisor.hang import progress_book
+from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.options import Hooks, SupervisorOptions
 from multigpu.supervisor.sentinel import node_sentinel
@@ -144,7 +146,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         sentinel = node_sentinel()
         control = stack.enter_context(open_control(record))
         hooks = Hooks(listener=record, tick=live.refresh if live else None, control=control,
-                      guard=sentinel.watch if sentinel is not None else None)
+                      guard=sentinel.watch if sentinel is not None else None,
+                      job_hang=StoreHangs(job) if job is not None else None)
         supervisor = Supervisor(specs, sink=live or console, options=options, hooks=hooks,
                                 progress=progress_book(config, record.path.parent, specs), spawner=spawner)
         stack.callback(supervisor.close)
@@ -156,7 +159,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         supervisor.start()
         monitor = None
         if job is not None:
-            monitor = FateMonitor(job, _on_remote(supervisor, job))
+            monitor = FateMonitor(job, _on_remote(supervisor, job), progress=JobProgress(supervisor.progress))
             monitor.start()
             stack.callback(monitor.stop)
         result = supervisor.wait()

@@ -47,13 +47,22 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     if root is not None and result.status is not RunStatus.HUNG:
         lines.append("root cause: " + format_failure(root))
     elif root is not None:
-        for failure in result.failures:
+        for failure in first_per_rank([f for f in result.failures if f.rank >= 0]):
             lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
             dump = fold_own_threads(failure.traceback) if failure.traceback else "(no stack dump arrived)"
             lines.append(_indent(fold_own_frames(dump)))
     failed = {f.rank for f in result.failures}
     lines += [line for w in workers if w.rank not in failed and (line := other_rank_line(w))]
     return "\n".join(lines)
+
+
+def first_per_rank(failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    """Each rank once, at its first place: a rank that also died while its stacks were read has one
+    dump on the console, not two (the job's hang notice, no rank, has none)."""
+    first: dict[int, WorkerFailure] = {}
+    for f in failures:
+        first.setdefault(f.rank, f)
+    return list(first.values())
 
 
 def other_rank_line(w: Worker) -> str | None:

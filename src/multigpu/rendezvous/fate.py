@@ -31,6 +31,7 @@ from multigpu.contract.errors import (
 from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
+from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 
 BEAT_S = 0.2
@@ -78,8 +79,10 @@ class FateMonitor:
 
     def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
                  beat_s: float = BEAT_S, watcher: bool | None = None, latency: Latency | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, progress: JobProgress | None = None) -> None:
         self.job = job
+        self.progress = progress
+        """This node's ranks' progress, shared with the job's once per beat (``jobhang.JobProgress``)."""
         self.watcher = job.is_watcher if watcher is None else watcher
         self.latency = latency or Latency()
         self._on_failure = on_remote_failure
@@ -200,6 +203,7 @@ class FateMonitor:
         elastic membership); on a node watching a watcher that does not serve the store, one read of
         that counter. True once this found the job dead (then it has published and fired)."""
         self._timed(self.job.beat)
+        self._share_progress()
         if self._watched is None:
             self._watched = self._timed(self._to_watch, measure=False)
         if self.watcher:
@@ -219,6 +223,12 @@ class FateMonitor:
         why = (f"its launcher{f' ({launcher})' if launcher else ''} stopped beating for {seconds:.1f}s "
                "(killed, or its network is down)")
         return self._publish(node_lost(node, why, at=time.time() - seconds))
+
+    def _share_progress(self) -> None:
+        """One more small call per beat: this node's progress into the job's counter, the others' out."""
+        progress = self.progress
+        if progress is not None:
+            self._timed(lambda: progress.share(self.job.add_progress), measure=False)
 
     def _to_watch(self) -> dict[int, int]:
         members = self.job.members()

@@ -14,7 +14,9 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
   over), the timeout is C. Inside a known section it is ``clamp(F x slowest time of that section, L, C)``.
 * Progress of such a rank is a step, a section boundary or ``multigpu.heartbeat()``; not its output.
 * A rank that never reported a step is judged as before: the run hangs when no rank has shown any
-  progress, output included, for C.
+  progress, output or a collective entered included, for C.
+* Across nodes the silence is the job's: another node's progress (``remote_progress``, learned through
+  the job's store once per fate beat, ``jobhang.JobProgress``) counts as much as this node's own.
 
 On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named.
 """
@@ -125,6 +127,8 @@ class Hang:
     line: str
     quiet: dict[int, float]
     """Seconds since each running rank's last progress, when the hang was called."""
+    notice: str = ""
+    """What is known before any stack is read, naming no rank: the first line on the console."""
 
 
 class ProgressBook:
@@ -143,6 +147,8 @@ class ProgressBook:
         now = clock()
         self.ranks = {r: RankProgress(r, now, now) for r in ranks}
         self.last_finish = -math.inf
+        self.job_at = -math.inf
+        """When another node of the job last showed progress (this clock); set from the fate thread."""
         self._dirty = False
         self._saved_at = -math.inf
         self._straggler_at = -math.inf
@@ -161,6 +167,14 @@ class ProgressBook:
         if not p.beats:
             p.last_progress = p.last_output
 
+    def remote_progress(self, now: float | None = None) -> None:
+        """Another node's ranks made progress: the job is not silent (called from the fate thread)."""
+        self.job_at = self._clock() if now is None else now
+
+    def mark(self) -> float:
+        """This node's latest progress (this clock): a larger mark than the last one shared is news."""
+        return max(self.last_finish, *(p.last_progress for p in list(self.ranks.values())), -math.inf)
+
     def finished(self, rank: int, now: float | None = None) -> None:
         """The rank exited successfully: progress for the others (they may have waited on it)."""
         self.last_finish = self._clock() if now is None else now
@@ -171,7 +185,7 @@ class ProgressBook:
         if beats:
             p.beats = True
         for beat in beats:
-            if beat.kind == "output":
+            if beat.kind in ("output", "collectives"):
                 if not p.reports_steps:
                     p.last_progress = now
             elif beat.kind == "beat":
@@ -251,13 +265,14 @@ class ProgressBook:
             suspects = {r for r, _ in late} | {r for r in running
                                                 if not self.ranks[r].reports_steps and quiet[r] >= since}
             return self._hang(running, quiet, late[0][1], suspects)
-        silent = now - max(self.last_finish, *(self.ranks[r].last_progress for r in running))
+        silent = now - max(self.last_finish, self.job_at, *(self.ranks[r].last_progress for r in running))
         if silent >= ceiling:
             why = f"no rank has shown progress for {silent:.1f}s, --hang-timeout {ceiling:g}s"
-            return self._hang(running, quiet, Timeout(ceiling, why), set(running))
+            return self._hang(running, quiet, Timeout(ceiling, why), set(running), silent)
         return None
 
-    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, late: set[int]) -> Hang:
+    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, late: set[int],
+              silent: float | None = None) -> Hang:
         culprits = self.order(running, late)
         first = culprits[0]
         p = self.ranks[first]
@@ -274,7 +289,17 @@ class ProgressBook:
         why = limit.why if limit.why.startswith("no rank") else f"timeout {limit.seconds:.3g}s, {limit.why}"
         line = (f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} "
                 f"({why})" + (f"; {rest}" if rest else ""))
-        return Hang(tied + others, line, quiet)
+        notice = self._notice(running, quiet[first] if silent is None else silent, limit)
+        return Hang(tied + others, line, quiet, notice)
+
+    def _notice(self, running: list[int], silent: float, limit: Timeout) -> str:
+        """``no progress for 5.0s since step 29 (--hang-timeout 5s)``: the silence and the last step any
+        rank here reached, before the stacks say who holds the job up."""
+        steps = [s for r in running if (s := self.ranks[r].step) is not None]
+        since = f" since step {max(steps)}" if steps else ""
+        why = f"--hang-timeout {limit.seconds:g}s" if limit.why.startswith(("no rank", "--hang")) \
+            else f"timeout {limit.seconds:.3g}s, {limit.why}"
+        return f"no progress for {silent:.1f}s{since} ({why})"
 
     def shortest_timeout(self) -> float | None:
         """The shortest timeout any rank has now: how often the loop must look."""

@@ -24,8 +24,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import WorkerFailure
-from multigpu.supervisor import exits, hang, reaping, spawning, teardown
+from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.supervisor import exits, hang, jobhang, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.dumps import DumpRequest, flight_record
 from multigpu.supervisor.events import Events, read_ready
@@ -64,7 +64,7 @@ class Supervisor:
         self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
-        self._started = self._closed = self._closing = self._hung = False
+        self._started = self._closed = self._closing = self._hung = self._declared = False
         self._failures: list[WorkerFailure] = []
         self._race = exits.StopRace()  # ranks killed by a stop signal we did not send
         self._news = News(hooks, self.progress, self._clock, options.tick_period)
@@ -253,23 +253,43 @@ class Supervisor:
 
     def _handle_signals(self) -> None:
         while self._external:
-            self._failures.append(self._external.popleft())
+            failure = self._external.popleft()
+            if not self._job_hang(failure):
+                self._failures.append(failure)
         for signum in self._stops.take(self._closing):
             reaping.forward(self.workers, signum)  # SIGHUP, SIGUSR1/2: the ranks decide
 
     def _check_hang(self) -> None:
-        if self._failures or self._closing or self._hung:
+        if self._failures or self._closing or self._hung or self._declared:
             return
         running = [w for w in self.workers if w.alive]
         hang = self.progress.check([w.rank for w in running], self._clock())
-        if hang is None:
-            return
-        self._notify(f"hang: {hang.line}; dumping every rank's stacks and stopping the run")
+        if hang is not None and self.hooks.job_hang is not None:  # every node hears of it, this one too
+            self._declared = True
+            self.hooks.job_hang.declare(hang.notice)
+        elif hang is not None:
+            since = self._collect_stacks(hang.notice)
+            flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
+            self._failures.extend(hang_failures(hang, running, flight, time.time()))
+
+    def _job_hang(self, notice: WorkerFailure) -> bool:
+        """The job hangs (a node said so through the store): dump this node's ranks, then judge with
+        every node (``jobhang.py``). False for any other failure from outside, and once this node has
+        an outcome of its own."""
+        exchange = self.hooks.job_hang
+        if notice.error_type != HANG or exchange is None or self._hung or self._closing or self._failures:
+            return False  # a rank here failed already: that failure and the notice are ordered by time
+        self._collect_stacks(notice.message or "")
+        self._failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
+                                                     self.turn, self._clock, self._stops.seen))
+        return True
+
+    def _collect_stacks(self, notice: str) -> float:
+        """Say what is known, then dump every live rank's stacks; when the request went out."""
+        self._notify(f"hang: {notice}; collecting every rank's stacks")
         self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
-        request = self.dump_stacks(running)
-        since = request.wall_start if request is not None else time.time()
-        flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
-        self._failures.extend(hang_failures(hang, running, flight, time.time()))
+        request = self.dump_stacks([w for w in self.workers if w.alive])
+        return request.wall_start if request is not None else time.time()
 
     # ---- teardown ----------------------------------------------------------------------------------
 

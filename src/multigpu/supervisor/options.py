@@ -8,11 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from multigpu.config.run import SupervisionConfig
 from multigpu.supervisor.console import say
 from multigpu.supervisor.control import ControlSocket
 from multigpu.supervisor.states import SupervisorListener, Worker
+
+if TYPE_CHECKING:
+    from multigpu.supervisor.jobhang import HangExchange
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,6 @@ class Hooks:
     guard: Callable[[int, int], bool] | None = None
     """``multigpu run``: hand each started rank (pid, pidfd) to the node's sentinel
     (``sentinel.NodeSentinel.watch``); its ranks then fork no sentinel of their own."""
+    job_hang: HangExchange | None = None
+    """A job of several nodes: a hang is declared for the job and judged from every node's stacks
+    (``jobhang.py``; the job's store behind it)."""
