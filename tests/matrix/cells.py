@@ -77,7 +77,11 @@ signal, a node that fell back from the template."""
 
 
 def our_frames(console: str) -> list[str]:
-    """Traceback lines from multigpu's own code or torch's on a launcher's console (the user's
-    script's frames are the point of a root cause and may appear)."""
+    """What a launcher's console must never show: a frame of multigpu's own code or of torch's store
+    and elastic machinery, and a traceback of rank 0, which only saw rank 1's fault (its record and
+    its log keep it). The user's frames are the point of a root cause, and a hang report shows where
+    each rank waits (torch's collective included): those may appear."""
+    bad = ("/multigpu/", "/torch/distributed/elastic/", "rendezvous", "TCPStore")
     return [line for line in console.splitlines()
-            if line.strip().startswith('File "') and ("/multigpu/" in line or "/torch/" in line)]
+            if (line.strip().startswith('File "') and any(b in line for b in bad))
+            or ("rank 0]" in line and "Traceback" in line)]

@@ -221,7 +221,11 @@ class ElasticRendezvous:
             keep_alive_max_attempt=settings.keep_alive_max_attempt)
         self.restarts_key = f"multigpu/{run_id}/restart_count"  # the job's, under its run id
         store.compare_set(self.restarts_key, "", "0")
-        self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=hosted)
+        # The launcher that serves the store evicts; with the store elsewhere (``multigpu store``,
+        # ``is_host=false``) no launcher serves it, and every one evicts (aging a silent node's
+        # keep-alive is the same act whoever does it): else a lost node held the next round 15 s.
+        evicts = hosted or settings.is_host is False
+        self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=evicts)
         self.liveness.start()
 
     def next_round(self) -> Round:
@@ -302,8 +306,8 @@ class Liveness:
     torch drops a participant only after ``keep_alive_interval * keep_alive_max_attempt`` (15 s by
     default) without its keep-alive, and until then the survivors of a lost node wait in the next
     round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
-    nodes); only the launcher that serves the store (``evicts``) reads the others' counters, with one
-    ``multi_get``, and ages the keep-alive of one silent for ``lost_after_s`` on the store, so torch's
+    nodes); the launcher that serves the store (``evicts``; every launcher, where none does) reads the
+    others' counters, with one ``multi_get``, and ages the keep-alive of one silent for ``lost_after_s`` on the store, so torch's
     own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
     torch's rule.
     """
