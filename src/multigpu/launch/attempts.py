@@ -87,8 +87,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             say(f"debug server (torch's, rank 0's node): http://{config.start.debug_server}/")
         try:
             code = run_attempts(Run(config, rdzv, record, output_dir, base_env, cvd))  # finishes the record
-        except BaseException:
-            record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
+        except BaseException as exc:  # whatever ended it, run.json does not stay "running"
+            record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", 1)))
             raise
         return code, record
     finally:
