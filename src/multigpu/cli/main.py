@@ -453,19 +453,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"multigpu: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        interrupted(exc)
+        interrupted(exc, argv[0])
         return 130
 
 
-def interrupted(exc: KeyboardInterrupt) -> None:
+def interrupted(exc: KeyboardInterrupt, command: str | None) -> None:
     """A Ctrl-C that reached the command line: one line saying what stopped (``Interrupted`` knows;
-    anywhere else every ``finally`` on the way out has stopped what this command started), then the
-    launcher dies of SIGINT, as Python does, so a shell loop around it stops too."""
+    anywhere else no rank had started yet, and every ``finally`` on the way out has stopped what the
+    command started), then the launcher dies of SIGINT, as Python does, so a shell loop stops too."""
     from multigpu.supervisor.signals import end_with_signal
     from multigpu.template.process import close_early
 
-    text = str(exc) if isinstance(exc, Interrupted) and str(exc) else "interrupted (SIGINT); nothing it " \
-        "started is left running"
+    text = "interrupted (SIGINT)"
+    if isinstance(exc, Interrupted) and str(exc):
+        text = str(exc)
+    elif command in ("run", "demo"):
+        text += " while starting, before any rank started; nothing is left running"
     print(f"multigpu: {text}", file=sys.stderr)
     close_early()
     end_with_signal(signal.SIGINT)

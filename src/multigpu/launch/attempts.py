@@ -13,7 +13,7 @@ from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import LEARNED_FROM_SILENCE
+from multigpu.contract.errors import LEARNED_FROM_SILENCE, Interrupted
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
@@ -89,6 +89,9 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             code = run_attempts(Run(config, rdzv, record, output_dir, base_env, cvd))  # finishes the record
         except BaseException as exc:  # whatever ended it, run.json does not stay "running"
             record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", 1)))
+            if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+                raise Interrupted("interrupted (SIGINT); every rank it started has stopped, nothing is "
+                                  "left running") from None
             raise
         return code, record
     finally:
