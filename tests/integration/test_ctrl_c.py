@@ -127,3 +127,24 @@ def test_a_node_waiting_for_the_stores_host_says_so_then_ctrl_c(
     assert re.fullmatch(rf"multigpu: node 1: interrupted \(SIGINT\) while waiting for {where}; no rank was "
                         r"started\n", err), err
     assert_gone([proc.pid, *started], timeout=10)
+
+
+@pytest.mark.slow
+def test_an_elastic_node_waiting_for_its_round_says_who_then_ctrl_c(
+        tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
+    job = write_script(tmp_path, "job.py", "print('never runs')\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["run", "--cpu", "1", "--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-conf", "join_timeout=300", "--output", str(tmp_path / "out"), str(job)]
+    proc = start(args, tmp_path, launched)
+    joined = rf"127\.0\.0\.1 pid {proc.pid}"
+    seen = read_until(proc, rf"waiting for 1 more node\(s\) for the round \(2:2 nodes; joined: {joined}\); "
+                            r"4m\d\ds left \(join_timeout\)")
+    started, rc, err = ctrl_c(proc)
+    assert rc == -signal.SIGINT, seen + err
+    line = (rf"multigpu: interrupted \(SIGINT\) while waiting for a rendezvous round at {endpoint} "
+            rf"\(joined: {joined}\); no rank of it was started\n")
+    assert re.fullmatch(line, err), err
+    records = list((tmp_path / "out").glob("run_*.json"))
+    assert [json.loads(p.read_text())["status"] for p in records] == ["interrupted"]
+    assert_gone([proc.pid, *started], timeout=10)

@@ -14,7 +14,8 @@ import pytest
 
 from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError
-from multigpu.launch.meeting import JoinWait, duration_text, wait_line
+from multigpu.contract.values import duration_text
+from multigpu.launch.meeting import JoinWait, wait_line
 from multigpu.launch.record import (
     LOST,
     RunRecord,
@@ -163,3 +164,14 @@ def test_a_ctrl_c_while_waiting_is_one_line() -> None:
         wait.join()
     assert str(caught.value) == ("node 0: interrupted (SIGINT) while waiting for node(s) 2 to join "
                                  "(joined: 0, 1); no rank was started")
+
+
+def test_the_elastic_round_wait_line() -> None:
+    from multigpu.rendezvous.elastic import round_wait_line
+
+    config = RunConfig(target="t.py", rdzv=RendezvousConfig(min_nodes=2, max_nodes=3))
+    assert round_wait_line(["n1 pid 7"], config, 297.5) == (
+        "waiting for 1 more node(s) for the round (2:3 nodes; joined: n1 pid 7); 4m57s left (join_timeout)")
+    assert round_wait_line(["n1 pid 7", "n2 pid 9"], config, 100).startswith(
+        "the round has its 2 node(s); waiting for more up to last_call_timeout (2:3 nodes; joined: n1 pid 7, "
+        "n2 pid 9)")

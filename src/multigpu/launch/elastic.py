@@ -60,6 +60,9 @@ def launch_elastic(config: RunConfig, base_env: Mapping[str, str], cvd: str | No
         record.finish("failed", 1)
         over = True
         raise
+    except KeyboardInterrupt:  # a Ctrl-C outside a round's ranks (waiting for a round): it says so
+        record.finish("interrupted", 130)
+        raise
     finally:
         spawner.close()
         rdzv.shutdown(close=over)

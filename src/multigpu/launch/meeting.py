@@ -17,6 +17,7 @@ from typing import Any
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
 from multigpu.contract.errors import Interrupted, RendezvousError
+from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
 from multigpu.rendezvous.fingerprint import differences, fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
@@ -107,20 +108,6 @@ def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int)
         job.store.set(key, str(port))
     JoinWait(config, job).join()  # every rank claimed again: the port is published
     return job, int(job.store.get(key)), store
-
-
-WAIT_LINE_EVERY_S = 30.0
-"""A node that waits for its peers says so at once, then every this many seconds."""
-
-
-def duration_text(seconds: float) -> str:
-    """``45s``, ``9m58s``, ``1h02m``: the time left, as a person reads it."""
-    total = max(0, int(seconds))
-    if total < 60:
-        return f"{total}s"
-    if total < 3600:
-        return f"{total // 60}m{total % 60:02d}s"
-    return f"{total // 3600}h{total % 3600 // 60:02d}m"
 
 
 def node_list(nodes: list[int]) -> str:
