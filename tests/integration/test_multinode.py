@@ -134,8 +134,6 @@ def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> N
     alone = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
                      "--rdzv-timeout", "1.5", "--output", str(tmp_path / "a"), str(script)], tmp_path)
     assert alone.returncode == 1
-    waiting = r"node 0: waiting for node\(s\) 1 \(joined: 0\); \ds left \(--rdzv-timeout\)"
-    assert re.search(waiting, alone.stderr), alone.stderr
     assert "node(s) 1 never joined within 1.5s (--rdzv-timeout)" in alone.stderr
     orphan = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
                       "--rdzv-timeout", "1.5", "--output", str(tmp_path / "b"), str(script)], tmp_path)

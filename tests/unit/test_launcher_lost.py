@@ -140,16 +140,17 @@ def _wait(job: _Job, clock: list[float], said: list[str]) -> JoinWait:
     return JoinWait(config, job, clock=lambda: clock[0], notify=said.append)  # type: ignore[arg-type]
 
 
-def test_the_wait_is_said_at_once_then_every_30_s() -> None:
+def test_the_wait_is_said_after_a_second_then_every_30_s() -> None:
     said: list[str] = []
     clock = [100.0]
     job = _Job({0: 0, 2: 2}, [])
     wait = _wait(job, clock, said)
-    for now, left in [(100.0, 599.9), (110.0, 590.0), (129.9, 570.1), (130.0, 570.0), (150.0, 550.0)]:
+    for now, left in [(100.0, 599.9), (100.9, 599.1), (101.0, 599.0), (110.0, 590.0), (130.9, 569.1),
+                      (131.0, 569.0), (150.0, 550.0)]:
         clock[0] = now
         wait(left)
     assert said == ["node 0: waiting for node(s) 1 (joined: 0, 2); 9m59s left (--rdzv-timeout)",
-                    "node 0: waiting for node(s) 1 (joined: 0, 2); 9m30s left (--rdzv-timeout)"]
+                    "node 0: waiting for node(s) 1 (joined: 0, 2); 9m29s left (--rdzv-timeout)"]
 
 
 def test_the_time_out_names_the_missing_nodes() -> None:

@@ -120,15 +120,19 @@ def wait_line(node: int, joined: list[int], missing: list[int], left_s: float) -
             f"{duration_text(left_s)} left (--rdzv-timeout)")
 
 
+FIRST_LINE_S = 1.0
+"""A wait says nothing before this: peers started together meet within it (every restart meets again)."""
+
+
 class JoinWait:
     """A node waiting for the others to join: which nodes came, which did not, and the time left,
-    said when the wait begins and every ``WAIT_LINE_EVERY_S``; a time-out or a Ctrl-C names the
-    missing nodes in one line. Runs in the launcher, on the thread that joins."""
+    said once the wait lasts ``FIRST_LINE_S``, then every ``WAIT_LINE_EVERY_S``; a time-out or a Ctrl-C
+    names the missing nodes in one line. Runs in the launcher, on the thread that joins."""
 
     def __init__(self, config: RunConfig, job: JobStore, clock: Callable[[], float] = time.monotonic,
                  notify: Callable[[str], None] = say) -> None:
         self.config, self.job, self._clock, self._notify = config, job, clock, notify
-        self._next: float | None = None
+        self._next = clock() + FIRST_LINE_S
 
     def join(self) -> None:
         try:
@@ -152,7 +156,7 @@ class JoinWait:
             raise RendezvousError(f"node(s) {node_list(missing)} never joined within "
                                   f"{self.config.rdzv.timeout:g}s (--rdzv-timeout); check that every node "
                                   "started with the same --rdzv-endpoint and --world-size")
-        if self._next is not None and now < self._next:
+        if now < self._next:
             return
         self._next = now + WAIT_LINE_EVERY_S
         joined, missing = self.nodes()
@@ -164,7 +168,7 @@ def wait_for_store_host(config: RunConfig, host: str, port: int, clock: Callable
     """Wait until the store's port answers, saying so every ``WAIT_LINE_EVERY_S``, and return the
     seconds left for the rest of the rendezvous. A plain TCP connect, closed at once: torch's store
     client would retry in C++, where neither a line nor a Ctrl-C gets through until it gives up."""
-    deadline, due = clock() + config.rdzv.timeout, clock()
+    deadline, due = clock() + config.rdzv.timeout, clock() + FIRST_LINE_S
     where = f"node 0 (the store's host, {host}:{port})"
     try:
         while True:
