@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import time
@@ -160,3 +161,67 @@ def test_stacks_and_status_from_another_shell_leave_the_job_running(tmp_path: Pa
     assert after.returncode == 2 and "is not running (interrupted)" in after.stderr
     data = json.loads((out / "run.json").read_text())
     assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])
+
+
+def test_a_killed_launcher_is_named_lost_and_its_record_closed(tmp_path: Path) -> None:
+    """Issue 31: after ``kill -9`` of the launcher, ``status`` and ``report`` say it is gone (pid and
+    host), and the run's own user closes the record as ``launcher lost``; its ranks die with it."""
+    from helpers import start_cli
+
+    job = write_script(tmp_path, "job.py", LONG)
+    out = tmp_path / "out"
+    proc = start_cli(["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready_{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the ranks never got going"
+            time.sleep(0.05)
+        data = json.loads((out / "run.json").read_text())
+        assert data["launcher"]["pid"] == proc.pid and data["status"] == "running"
+        alive = run_cli(["status", str(out)], cwd=tmp_path)
+        assert alive.returncode == 0, alive.stderr  # a live launcher is still asked, as before
+        proc.kill()
+        proc.communicate(timeout=30)  # reaped: no zombie left to look alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    lost = f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says " \
+           "running)"
+    status = run_cli(["status", str(out)], cwd=tmp_path)
+    assert status.returncode == 1 and lost in status.stderr, status.stderr
+    assert "Traceback" not in status.stderr
+    closed = json.loads((out / "run.json").read_text())
+    assert closed["status"] == "launcher lost" and closed["end_time"] is not None
+    report = run_cli(["report", str(out)], cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.splitlines()[0].endswith(": launcher lost, 1 attempt(s), 0 incident(s)")
+    assert f"launcher lost: pid {proc.pid} on {socket.gethostname()} was found gone at" in report.stdout
+    assert_gone([r["pid"] for r in data["attempts"][0]["ranks"].values() if r["pid"]], timeout=10)
+
+
+def test_report_on_a_killed_launcher_says_lost_before_status_does(tmp_path: Path) -> None:
+    """``report`` alone finds the loss too (the record said ``running``) and closes the record."""
+    from helpers import start_cli
+
+    job = write_script(tmp_path, "job.py", LONG)
+    out = tmp_path / "out"
+    proc = start_cli(["run", "--cpu", "1", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready_0").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the rank never got going"
+            time.sleep(0.05)
+        proc.kill()
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    report = run_cli(["report", str(out)], cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says " \
+           "running)" in report.stdout, report.stdout
+    data = json.loads((out / "run.json").read_text())
+    assert data["status"] == "launcher lost"
+    assert_gone([r["pid"] for r in data["attempts"][0]["ranks"].values() if r["pid"]], timeout=10)

@@ -15,14 +15,20 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    from multigpu.supervisor.console import ensure_std_fds
-    from multigpu.template.process import close_early, start_early
-
-    ensure_std_fds()  # before the early template's socket can take a closed 0-2
-    start_early(args)
     try:
-        from multigpu.cli.main import main as cli_main
+        from multigpu.supervisor.console import ensure_std_fds
+        from multigpu.template.process import close_early, start_early
 
-        return cli_main(args)
-    finally:
-        close_early()
+        ensure_std_fds()  # before the early template's socket can take a closed 0-2
+        start_early(args)
+        try:
+            from multigpu.cli.main import main as cli_main
+
+            return cli_main(args)
+        finally:
+            close_early()
+    except KeyboardInterrupt as exc:  # a Ctrl-C while the launcher itself starts (its imports)
+        from multigpu.cli.main import interrupted
+
+        interrupted(exc, args[0] if args else None)
+        return 130

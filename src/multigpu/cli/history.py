@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multigpu.contract.errors import UsageError
+from multigpu.contract.errors import MultiGPUError, UsageError
 from multigpu.launch.incidents import PHASES, phase_seconds
+from multigpu.launch.record import LOST, read_fate
 
 COLOURS = {"succeeded": "#2e7d32", "failed": "#c62828", "stopped": "#9e9e9e", "running": "#1565c0",
-           "hung": "#ef6c00", "interrupted": "#6a1b9a"}
+           "hung": "#ef6c00", "interrupted": "#6a1b9a", "launcher lost": "#616161"}
 
 
 def find_run(arg: str | None) -> Path:
@@ -117,7 +118,14 @@ def cmd_report(argv: Sequence[str]) -> int:
                         "./multigpu_runs)")
     folder = find_run(parser.parse_args(argv).run_dir)
     data = json.loads((folder / "run.json").read_text())
+    fate = read_fate(folder / "run.json", data)
     print("\n".join(table(data)))
+    if fate is not None and fate.state != "alive":
+        print(fate.line)
+    elif data["status"] == LOST:
+        launcher = data["launcher"]
+        print(f"{LOST}: pid {launcher['pid']} on {launcher['host']} was found gone at "
+              f"{launcher.get('lost_found_time_utc', '?')}; the record keeps what it last wrote")
     out = folder / "report.html"
     out.write_text(page(data))
     print(f"timeline: {out}")
@@ -137,6 +145,10 @@ def cmd_ask(request: str, argv: Sequence[str]) -> int:
                         "./multigpu_runs)")
     folder = find_run(parser.parse_args(argv).run_dir)
     data = json.loads((folder / "run.json").read_text())
+    fate = read_fate(folder / "run.json", data)
+    if fate is not None and fate.state != "alive":
+        raise MultiGPUError(f"run {data['run_id']}: {fate.line}; multigpu report {folder} says what it "
+                            "last recorded")
     name = data.get("control_socket")
     if data.get("end_time") is not None or not name:
         raise UsageError(f"run {data['run_id']} is not running ({data['status']}); multigpu report "

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import zipfile
@@ -37,7 +38,7 @@ from multigpu.config.run import (
     SupervisionConfig,
 )
 from multigpu.contract.environment import inside_launched_worker, usable_cpu_count
-from multigpu.contract.errors import MultiGPUError, UsageError
+from multigpu.contract.errors import Interrupted, MultiGPUError, UsageError
 from multigpu.contract.exitcodes import EXIT_USAGE
 from multigpu.contract.names import DEBUG_SERVER_ENV
 from multigpu.contract.values import integer, seconds
@@ -458,8 +459,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MultiGPUError as exc:
         print(f"multigpu: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        interrupted(exc, argv[0])
         return 130
+
+
+def interrupted(exc: KeyboardInterrupt, command: str | None) -> None:
+    """A Ctrl-C that reached the command line: one line saying what stopped (``Interrupted`` knows;
+    anywhere else no rank had started yet, and every ``finally`` on the way out has stopped what the
+    command started), then the launcher dies of SIGINT, as Python does, so a shell loop stops too."""
+    from multigpu.supervisor.signals import end_with_signal
+    from multigpu.template.process import close_early
+
+    text = "interrupted (SIGINT)"
+    if isinstance(exc, Interrupted) and str(exc):
+        text = str(exc)
+    elif command in ("run", "demo"):
+        text += " while starting, before any rank started; nothing is left running"
+    print(f"multigpu: {text}", file=sys.stderr)
+    close_early()
+    end_with_signal(signal.SIGINT)
 
 
 if __name__ == "__main__":

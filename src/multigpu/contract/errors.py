@@ -46,6 +46,12 @@ class RendezvousError(MultiGPUError):
     """The group could not be formed: a port is taken, peers never came, or layouts disagree."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C caught where the launcher knows what it was doing: its one line says what stopped
+    (``multigpu: node 0: interrupted (SIGINT) while waiting for node(s) 1 to join; no rank was
+    started``). The command line prints it and ends the launcher with SIGINT, as Python does."""
+
+
 def exit_status(returncode: int | None) -> tuple[int | None, str | None]:
     """(exit code, signal name) from ``Popen``'s returncode (< 0: killed by signal -returncode)."""
     if returncode is not None and returncode < 0:

@@ -16,6 +16,21 @@ if TYPE_CHECKING:
 
 
 
+WAIT_LINE_EVERY_S = 30.0
+"""A node that waits for its peers (to join, for the store's host, for a round) says so at once, then
+this often: each line names who is there, who is missing and the time left."""
+
+
+def duration_text(seconds: float) -> str:
+    """``45s``, ``9m58s``, ``1h02m``: a time left, as a person reads it (the one way it is written)."""
+    total = max(0, int(seconds))
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"
+
+
 def seconds(value: str, flag: str, *, positive: bool = False) -> float:
     """A number of seconds; at least 0, or more than 0 with ``positive``."""
     try:

@@ -18,7 +18,7 @@ from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import MEMBERSHIP_CHANGE, RendezvousError
+from multigpu.contract.errors import MEMBERSHIP_CHANGE, Interrupted, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
@@ -134,9 +134,12 @@ def run_attempts(run: Run) -> int:
             code = _verdict(run, meeting, result, workers, policy)
             if code is not None:
                 return code
-    except BaseException as exc:
-        record.finish("failed", 1)  # whatever ended it, run.json does not stay "running"
+    except BaseException as exc:  # whatever ended it, run.json does not stay "running"
+        record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", 1)))
         run.over = run.over or isinstance(exc, RendezvousError)  # a refused or failed rendezvous: over
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted("interrupted (SIGINT); every rank it started has stopped, nothing is "
+                              "left running") from None
         raise
     finally:
         if run.watch is not None:

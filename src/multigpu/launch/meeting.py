@@ -7,14 +7,17 @@ launcher serves it and every launcher joins the job's membership (``rendezvous/j
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
-from multigpu.contract.errors import RendezvousError
+from multigpu.contract.errors import Interrupted, RendezvousError
+from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
 from multigpu.rendezvous.fingerprint import differences, fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
@@ -52,14 +55,14 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
         store = serve_store_on(sock, endpoint.bind_host, timeout_s=config.rdzv.timeout)
     else:
         port = endpoint.port
-        store = connect_store(endpoint.host, port, config.rdzv.timeout)
+        left = wait_for_store_host(config, endpoint.host, port)
+        store = connect_store(endpoint.host, port, left)
     job = JobStore(store, node=config.group_rank, base_rank=config.base_rank, nproc=config.nproc,
                    world_size=config.resolved_world_size)
     run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
-    say(f"node {config.group_rank}: joined run {run_id} at {endpoint}; waiting for "
-        f"{config.resolved_world_size} rank(s)")
+    say(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
     job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
-    job.join(config.rdzv.timeout)
+    JoinWait(config, job).join()
     check_fingerprints(job, config.rdzv.allow_mismatch)
     return Rendezvous(endpoint.host, port, run_id, one_node=False, job=job)
 
@@ -103,5 +106,83 @@ def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int)
         port = sock.getsockname()[1]
         store = serve_store_on(sock, Endpoint(master_addr, 0).bind_host, timeout_s=config.rdzv.timeout)
         job.store.set(key, str(port))
-    job.join(config.rdzv.timeout)  # every rank claimed again: the port is published
+    JoinWait(config, job).join()  # every rank claimed again: the port is published
     return job, int(job.store.get(key)), store
+
+
+def node_list(nodes: list[int]) -> str:
+    return ", ".join(map(str, nodes)) if nodes else "none"
+
+
+def wait_line(node: int, joined: list[int], missing: list[int], left_s: float) -> str:
+    """``node 1: waiting for node(s) 0 (joined: 1); 9m58s left (--rdzv-timeout)``."""
+    return (f"node {node}: waiting for node(s) {node_list(missing)} (joined: {node_list(joined)}); "
+            f"{duration_text(left_s)} left (--rdzv-timeout)")
+
+
+FIRST_LINE_S = 1.0
+"""A wait says nothing before this: peers started together meet within it (every restart meets again)."""
+
+
+class JoinWait:
+    """A node waiting for the others to join: which nodes came, which did not, and the time left,
+    said once the wait lasts ``FIRST_LINE_S``, then every ``WAIT_LINE_EVERY_S``; a time-out or a Ctrl-C
+    names the missing nodes in one line. Runs in the launcher, on the thread that joins."""
+
+    def __init__(self, config: RunConfig, job: JobStore, clock: Callable[[], float] = time.monotonic,
+                 notify: Callable[[str], None] = say) -> None:
+        self.config, self.job, self._clock, self._notify = config, job, clock, notify
+        self._next = clock() + FIRST_LINE_S
+
+    def join(self) -> None:
+        try:
+            self.job.join(self.config.rdzv.timeout, on_wait=self)
+        except KeyboardInterrupt:
+            joined, missing = self.nodes()
+            raise Interrupted(f"node {self.config.group_rank}: interrupted (SIGINT) while waiting for "
+                              f"node(s) {node_list(missing)} to join (joined: {node_list(joined)}); "
+                              "no rank was started") from None
+
+    def nodes(self) -> tuple[list[int], list[int]]:
+        """(joined, missing) node indices, from the job's member list."""
+        joined = sorted(set(self.job.members().values()))
+        return joined, [n for n in range(self.config.group_world_size) if n not in joined]
+
+    def __call__(self, left_s: float) -> None:
+        """Told at each poll of the wait (``JobStore.join``): say where things stand when due."""
+        now = self._clock()
+        if left_s <= 0:
+            _, missing = self.nodes()
+            raise RendezvousError(f"node(s) {node_list(missing)} never joined within "
+                                  f"{self.config.rdzv.timeout:g}s (--rdzv-timeout); check that every node "
+                                  "started with the same --rdzv-endpoint and --world-size")
+        if now < self._next:
+            return
+        self._next = now + WAIT_LINE_EVERY_S
+        joined, missing = self.nodes()
+        self._notify(wait_line(self.config.group_rank, joined, missing, left_s))
+
+
+def wait_for_store_host(config: RunConfig, host: str, port: int, clock: Callable[[], float] = time.monotonic,
+                        poll_s: float = 0.5) -> float:
+    """Wait until the store's port answers, saying so every ``WAIT_LINE_EVERY_S``, and return the
+    seconds left for the rest of the rendezvous. A plain TCP connect, closed at once: torch's store
+    client would retry in C++, where neither a line nor a Ctrl-C gets through until it gives up."""
+    deadline, due = clock() + config.rdzv.timeout, clock() + FIRST_LINE_S
+    where = f"node 0 (the store's host, {host}:{port})"
+    try:
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=poll_s):
+                return max(deadline - clock(), 1.0)
+            if clock() >= deadline:
+                raise RendezvousError(f"{where} never answered within {config.rdzv.timeout:g}s "
+                                      "(--rdzv-timeout); check that it runs multigpu with the same "
+                                      "--rdzv-endpoint and that the port is reachable")
+            if clock() >= due:
+                due = clock() + WAIT_LINE_EVERY_S
+                say(f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
+                    "left (--rdzv-timeout)")
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        raise Interrupted(f"node {config.group_rank}: interrupted (SIGINT) while waiting for {where}; "
+                          "no rank was started") from None

@@ -13,10 +13,11 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,7 @@ class RunRecord:
             "exit_code": None,
             "attempts": [],
             "incidents": [],
+            "launcher": launcher_identity(),
         }
         self._write_error: str | None = None
         self._created = False
@@ -209,3 +211,95 @@ class RunRecord:
                     f"until a write succeeds")
             return
         self._write_error = None
+
+
+# ---- is the launcher that writes a record still there? (read by ``multigpu status`` and ``report``) ----
+
+LOST = "launcher lost"
+"""The status a record gets when its launcher is gone without finishing it (``close_if_lost``)."""
+
+SAME_START_S = 1.0
+"""Two start times this close are one process: psutil derives them from the boot time, which a clock
+step can move by a fraction of a second; a reused pid started well after the launcher it replaced."""
+
+
+def boot_id() -> str | None:
+    """This boot of this machine's kernel: a pid (and its start time) means nothing across a reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def start_time_of(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds, from /proc through psutil), or None when no live
+    process has that pid (a zombie has ended: only its reaping is left)."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else float(process.create_time())
+    except psutil.Error:
+        return None
+
+
+def launcher_identity() -> dict[str, Any]:
+    """What tells this launcher apart from any later process: its pid, the pid's start time (a reused
+    pid has another), the host and the boot it runs in, and its user. Runs in the launcher."""
+    started = start_time_of(os.getpid())
+    return {"pid": os.getpid(), "start_time": started if started is not None else time.time(),
+            "host": socket.gethostname(), "boot_id": boot_id(), "uid": os.getuid()}
+
+
+@dataclass(frozen=True)
+class LauncherFate:
+    """What a reader can tell of a record's launcher: ``alive``, ``gone`` or ``unknown`` (another
+    host or boot, or a record that names none), and the line that says so."""
+
+    state: str
+    line: str
+
+
+def launcher_fate(data: dict[str, Any], host: str, boot: str | None,
+                  started: Callable[[int], float | None] = start_time_of) -> LauncherFate:
+    """Whether the launcher of an unfinished record is still running, judged from this host."""
+    launcher = data.get("launcher")
+    if not isinstance(launcher, dict):
+        return LauncherFate("unknown", "its run.json does not name its launcher (an older multigpu wrote "
+                                       "it): cannot tell whether it is still running")
+    pid, where = launcher["pid"], launcher["host"]
+    if where != host or launcher.get("boot_id") != boot:
+        other = f"on {where}" if where != host else f"on {where} in an earlier boot"
+        return LauncherFate("unknown", f"its launcher (pid {pid}) runs {other}, and this is {host}: cannot "
+                                       "tell whether it is still running; ask there")
+    now = started(pid)
+    if now is None or abs(now - float(launcher["start_time"])) > SAME_START_S:
+        return LauncherFate("gone", f"{LOST}: pid {pid} on {where} is gone (its run.json still says "
+                                    f"{data.get('status')})")
+    return LauncherFate("alive", f"its launcher, pid {pid} on {where}, is running")
+
+
+def read_fate(path: Path, data: dict[str, Any]) -> LauncherFate | None:
+    """The launcher's fate for a record still open (None for one that ended); a record whose launcher is
+    gone is closed as ``launcher lost`` when its own user reads it. Runs in the reader's shell."""
+    if data.get("end_time") is not None:
+        return None
+    fate = launcher_fate(data, socket.gethostname(), boot_id())
+    if fate.state == "gone":
+        close_if_lost(path, data)
+    return fate
+
+
+def close_if_lost(path: Path, data: dict[str, Any]) -> bool:
+    """End the record of a launcher that is gone, as ``launcher lost``, if this reader owns it (another
+    user's reader only says so). The record keeps what the launcher last wrote (its ranks' states as
+    they were then); ``end_time`` is when the loss was found."""
+    try:
+        if path.stat().st_uid != os.getuid():
+            return False
+        data.update(status=LOST, end_time=time.time(), exit_code=None)
+        data["launcher"]["lost_found_time"] = data["end_time"]
+        atomic_write_json(path, with_utc_times(data))
+    except OSError:
+        return False
+    return True

@@ -5,10 +5,14 @@ stack dump leaves out multigpu's own threads (``fold_own_threads``)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
+from collections.abc import Iterable
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.contract.frames import fold_own_frames, fold_own_threads
+from multigpu.contract.frames import fold_own_frames, fold_own_threads, library_file
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
 
@@ -52,7 +56,9 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
             dump = fold_own_threads(failure.traceback) if failure.traceback else "(no stack dump arrived)"
             lines.append(_indent(fold_own_frames(dump)))
     failed = {f.rank for f in result.failures}
-    lines += [line for w in workers if w.rank not in failed and (line := other_rank_line(w))]
+    ctrl_c = result.status is RunStatus.INTERRUPTED and result.signal == signal.SIGINT
+    lines += [line for w in workers if w.rank not in failed
+              and (line := (ctrl_c and interrupted_line(w)) or other_rank_line(w))]
     return "\n".join(lines)
 
 
@@ -63,6 +69,57 @@ def first_per_rank(failures: list[WorkerFailure]) -> list[WorkerFailure]:
     for f in failures:
         first.setdefault(f.rank, f)
     return list(first.values())
+
+
+def interrupted_line(w: Worker) -> str | None:
+    """``rank 1 interrupted in train.py:42 (model = DDP(model))``: where the user's Ctrl-C found a
+    rank, from its ``KeyboardInterrupt`` traceback (its error file, else its last lines), which went
+    to its log only (``output.InterruptTracebacks``); None when it left no such traceback."""
+    record = w.own_record() if w.state is WorkerState.STOPPED else None
+    text = record.traceback if record is not None and record.error_type == "KeyboardInterrupt" else None
+    text = text or last_interrupt_traceback(w.tail)
+    if text is None:
+        return None
+    where = innermost_user_frame(text)
+    return f"rank {w.rank} interrupted in {where}" if where else \
+        f"rank {w.rank} interrupted while starting, before its script ran"
+
+
+def last_interrupt_traceback(lines: Iterable[str]) -> str | None:
+    """The last traceback in ``lines`` when it ends in ``KeyboardInterrupt``."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in lines]  # torch's excepthook's prefix
+    heads = [i for i, line in enumerate(lines) if line.rstrip() == "Traceback (most recent call last):"]
+    if not heads:
+        return None
+    block = lines[heads[-1]:]
+    ends = [line for line in block[1:] if line[:1] not in ("", " ", "\t")]
+    return "\n".join(block) if ends and ends[0].startswith("KeyboardInterrupt") else None
+
+
+_FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
+
+
+def innermost_user_frame(traceback: str) -> str | None:
+    """``file:line (source)`` of the innermost frame of the user's own code in a traceback's text
+    (neither ours, nor the standard library's, nor an installed package's), or None."""
+    lines = traceback.splitlines()
+    found = None
+    for i, line in enumerate(lines):
+        match = _FRAME.match(line)
+        if match is None or library_file(match.group(2)):
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        source = nxt.strip() if nxt.startswith(match.group(1) + " ") and not _FRAME.match(nxt) else ""
+        found = f"{_display_path(match.group(2))}:{match.group(3)}"
+        if source and source.strip("^~ "):
+            found += f" ({source})"
+    return found
+
+
+def _display_path(path: str) -> str:
+    """A file as the user would name it: relative to here when it lies below, else as written."""
+    relative = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if relative.startswith("..") else relative
 
 
 def other_rank_line(w: Worker) -> str | None:

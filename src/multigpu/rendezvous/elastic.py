@@ -25,12 +25,13 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
-from multigpu.contract.errors import RendezvousError, UsageError
-from multigpu.contract.values import integer, seconds
+from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
+from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
 from multigpu.rendezvous.fate import BEAT_S
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
+from multigpu.supervisor.console import say
 
 WAITING_POLL_S = 0.5
 EVICT_AFTER_S = 3.0
@@ -242,8 +243,13 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
         try:
-            return self.handler.next_rendezvous()
+            with wait:
+                return self.handler.next_rendezvous()
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted (SIGINT) while waiting for a rendezvous round at {where} "
+                              f"({wait.last or 'no node joined yet'}); no rank of it was started") from None
         except api.RendezvousTimeoutError:
             raise RendezvousError(f"fewer than {self.config.rdzv.min_nodes} node(s) joined the rendezvous at "
                                   f"{where} within join_timeout={self.settings.join_timeout:g}s") from None
@@ -300,6 +306,61 @@ class ElasticRendezvous:
                 self.handler.shutdown()
 
 
+class RoundWait:
+    """A node waiting for a rendezvous round to form says who joined, how many more it needs and the
+    time left (``join_timeout``): after ``first_s`` (a round that forms at once says nothing), then
+    every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
+    torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
+
+    def __init__(self, backend: Any, config: RunConfig, timeout_s: float, notify: Callable[[str], None] = say,
+                 first_s: float = 2.0) -> None:
+        self.backend, self.config, self.timeout_s, self._notify = backend, config, timeout_s, notify
+        self.first_s = first_s
+        self.last: str | None = None
+        """Who had joined at the last look, for a Ctrl-C's line."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="multigpu-round-wait", daemon=True)
+
+    def __enter__(self) -> RoundWait:
+        self._deadline = time.monotonic() + self.timeout_s
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        every = self.first_s
+        while not self._stop.wait(every):
+            every = WAIT_LINE_EVERY_S
+            with contextlib.suppress(Exception):  # the store is gone: the rendezvous itself says so
+                joined = self.joined()
+                if not self._stop.is_set():
+                    self._notify(round_wait_line(joined, self.config, self._deadline - time.monotonic()))
+
+    def joined(self) -> list[str]:
+        """The nodes in the round being formed (and those waiting for the next), as ``host pid N``."""
+        current = self.backend.get_state()
+        state = pickle.loads(current[0]) if current is not None else None
+        nodes = [*state.participants, *state.wait_list] if state is not None else []
+        names = sorted(f"{node.addr} pid {node.pid}" for node in nodes)
+        self.last = f"joined: {', '.join(names)}" if names else None
+        return names
+
+
+def round_wait_line(joined: list[str], config: RunConfig, left_s: float) -> str:
+    """``waiting for 1 more node(s) for the round (2:3 nodes; joined: n1 pid 7); 4m58s left
+    (join_timeout)``; once the minimum is there, torch's last call waits for more."""
+    low, high = config.rdzv.min_nodes, config.rdzv.max_nodes
+    more = max(0, (low or 0) - len(joined))
+    nodes = f"{low}:{high} nodes; joined: {', '.join(joined) or 'none'}"
+    if not more:
+        return f"the round has its {low} node(s); waiting for more up to last_call_timeout ({nodes})"
+    return (f"waiting for {more} more node(s) for the round ({nodes}); {duration_text(left_s)} left "
+            "(join_timeout)")
+
+
 class Liveness:
     """Our launchers' own beats on the store, and the eviction of silent ones from torch's state.
 
@@ -307,8 +368,8 @@ class Liveness:
     default) without its keep-alive, and until then the survivors of a lost node wait in the next
     round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
     nodes); the launcher that serves the store (``evicts``; every launcher, where none does) reads the
-    others' counters, with one ``multi_get``, and ages the keep-alive of one silent for ``lost_after_s`` on the store, so torch's
-    own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
+    others' counters, with one ``multi_get``, and ages the keep-alive of one silent for
+    ``lost_after_s`` on the store, so torch's own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
     torch's rule.
     """
 

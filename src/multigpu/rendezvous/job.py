@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -95,8 +95,10 @@ class JobStore:
         self.run_id = current
         return current
 
-    def join(self, timeout_s: float, poll_s: float = 0.1) -> None:
-        """Claim this node's ranks, check the world size, and wait until every rank is claimed."""
+    def join(self, timeout_s: float, poll_s: float = 0.1,
+             on_wait: Callable[[float], None] | None = None) -> None:
+        """Claim this node's ranks, check the world size, and wait until every rank is claimed;
+        ``on_wait`` hears the seconds left at each poll that still waits (it may say so, or raise)."""
         # The token makes every launcher distinct: the same command started twice is refused too.
         me = (f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
               f"{socket.gethostname()} pid {os.getpid()})")
@@ -113,7 +115,7 @@ class JobStore:
             owner = self.store.compare_set(self.key("rank", rank), "", me).decode()
             if owner != me:
                 self._refuse(f"rank {rank} is claimed by both {owner} and {me}")
-        self._wait_for_all(timeout_s, poll_s)
+        self._wait_for_all(timeout_s, poll_s, on_wait)
 
     def publish_fingerprint(self, fingerprint: Mapping[str, str]) -> None:
         """What this node would run (``fingerprint.py``), for every node to compare once all joined."""
@@ -192,14 +194,16 @@ class JobStore:
         """Block until our wake key is set (the store's server answers when it is)."""
         self.store.wait([self.key("wake", self.base_rank)], WAKE_WAIT)
 
-    def _wait_for_all(self, timeout_s: float, poll_s: float) -> None:
-
+    def _wait_for_all(self, timeout_s: float, poll_s: float,
+                      on_wait: Callable[[float], None] | None = None) -> None:
         keys = [self.key("rank", r) for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_abort()
             if self.store.check(keys):  # one call per poll, however many ranks
                 return
+            if on_wait is not None:
+                on_wait(deadline - time.monotonic())
             if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise RendezvousError(f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "

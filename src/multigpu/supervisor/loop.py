@@ -320,6 +320,8 @@ class Supervisor:
                 if dump_stacks:
                     self.dump_stacks()
                 self._stops.told_at = self._clock()
+                if sig == signal.SIGINT:  # the user's Ctrl-C: the report says where each rank was
+                    self._output.hide_interrupts()
                 teardown.stop_groups(self.workers, sig, grace, self, self.options, self._spawner.spared,
                                      self._notify)
                 for w in self.workers:

@@ -1,0 +1,76 @@
+"""Issue 31: after the user's Ctrl-C a rank's ``KeyboardInterrupt`` traceback goes to its log only
+(``supervisor/output.InterruptTracebacks``), and the report names where each rank was in one line
+(``launch/report.innermost_user_frame``). Pure: lines in, lines out."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+from multigpu.launch.report import innermost_user_frame, last_interrupt_traceback
+from multigpu.supervisor.output import InterruptTracebacks
+
+TORCH = os.path.join(sysconfig.get_paths()["purelib"], "torch", "nn", "parallel", "distributed.py")
+USER = os.path.join(os.getcwd(), "train.py")
+
+INTERRUPTED = f"""Traceback (most recent call last):
+  File "{USER}", line 42, in <module>
+    model = DDP(model)
+            ^^^^^^^^^^
+  File "{TORCH}", line 842, in __init__
+    torch._dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
+  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load
+KeyboardInterrupt""".splitlines()
+
+FAILED = f"""Traceback (most recent call last):
+  File "{USER}", line 7, in <module>
+    raise ValueError("loss is NaN")
+ValueError: loss is NaN""".splitlines()
+
+
+def feed(lines: list[str], chunk: int = 3) -> list[str]:
+    """Through the filter a few lines at a time, as pipe reads arrive; then the pipe ends."""
+    filt, shown = InterruptTracebacks(), []
+    data = [line.encode() for line in lines]
+    for i in range(0, len(data), chunk):
+        shown += filt.feed(data[i:i + chunk])
+    return [line.decode() for line in shown + filt.flush()]
+
+
+def test_an_interrupt_traceback_is_dropped_and_what_surrounds_it_shown() -> None:
+    assert feed(["saving checkpoint", *INTERRUPTED, "", "bye"]) == ["saving checkpoint", "bye"]
+
+
+def test_torch_excepthooks_rank_prefix_is_seen_through() -> None:
+    prefixed = [f"[rank1]: {line}" for line in INTERRUPTED]
+    assert feed(["before", *prefixed, "after"]) == ["before", "after"]
+
+
+def test_a_chain_that_ends_in_an_interrupt_is_dropped_whole() -> None:
+    chain = [*FAILED, "", "During handling of the above exception, another exception occurred:", "",
+             *INTERRUPTED]
+    assert feed([*chain, "next"]) == ["next"]
+
+
+def test_any_other_traceback_is_shown_whole_and_in_order() -> None:
+    assert feed(["a", *FAILED, "b"]) == ["a", *FAILED, "b"]
+    chain = [*INTERRUPTED, "", "The above exception was the direct cause of the following exception:", "",
+             *FAILED]
+    assert feed(chain, chunk=1) == chain  # ends in ValueError: every line shows
+
+
+def test_a_traceback_cut_short_shows_when_the_pipe_ends() -> None:
+    assert feed(INTERRUPTED[:4]) == INTERRUPTED[:4]
+
+
+def test_the_innermost_frame_of_the_users_own_code_with_its_source() -> None:
+    assert innermost_user_frame("\n".join(INTERRUPTED)) == "train.py:42 (model = DDP(model))"
+    assert innermost_user_frame("\n".join(INTERRUPTED[:1] + INTERRUPTED[4:])) is None  # torch's frames only
+
+
+def test_the_last_interrupt_traceback_in_a_ranks_last_lines() -> None:
+    tail = ["step 3", *FAILED, "step 4", *[f"[rank0]: {line}" for line in INTERRUPTED]]
+    found = last_interrupt_traceback(tail)
+    assert found is not None and innermost_user_frame(found) == "train.py:42 (model = DDP(model))"
+    assert last_interrupt_traceback(["step 3", *FAILED]) is None
+    assert last_interrupt_traceback(["step 3"]) is None
