@@ -369,8 +369,8 @@ class Liveness:
     round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
     nodes); the launcher that serves the store (``evicts``; every launcher, where none does) reads the
     others' counters, with one ``multi_get``, and ages the keep-alive of one silent for
-    ``lost_after_s`` on the store, so torch's own sanitizer removes it at its next sync. Nodes that never beat (a torchrun among us) are left to
-    torch's rule.
+    ``lost_after_s`` on the store, so torch's own sanitizer removes it at its next sync. Nodes that
+    never beat (a torchrun among us) are left to torch's rule.
     """
 
     def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
