@@ -403,3 +403,46 @@ def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_c
     settled = _with_root(mine, failure_record(lost))
     assert settled.root_cause is not None and settled.root_cause.error_type == "NodeLost"
     assert _with_root(RunResult(RunStatus.FAILED, [own]), failure_record(lost)).root_cause is own
+
+
+def test_a_node_told_to_stop_is_one_record_with_its_signal_and_exit_code() -> None:
+    import signal as signals
+
+    from multigpu.contract.errors import INTERRUPTED, LEARNED_FROM_SILENCE
+    from multigpu.rendezvous.fate import failure_from_record, failure_record, node_interrupted
+
+    told = failure_from_record(failure_record(node_interrupted(1, signals.SIGTERM)))
+    assert told.error_type == INTERRUPTED and told.signal == "SIGTERM" and told.node == 1
+    assert told.describe() == "node 1 was stopped: its launcher received SIGTERM"
+    assert told.launcher_exit_code == 143  # every node exits as the stopped one does
+    assert INTERRUPTED in LEARNED_FROM_SILENCE  # the receivers publish nothing back
+
+
+def test_a_static_job_stops_with_the_signal_an_elastic_one_takes_it_as_a_node_leaving() -> None:
+    import signal as signals
+
+    from multigpu.launch.attempt import _on_remote
+    from multigpu.rendezvous.elastic import ElasticJobStore
+    from multigpu.rendezvous.fate import node_interrupted, node_lost
+    from multigpu.rendezvous.job import JobStore
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.signals: list[int] = []
+            self.aborts: list[object] = []
+
+        def request_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+        def abort(self, failure: object) -> None:
+            self.aborts.append(failure)
+
+    told, lost = node_interrupted(1, signals.SIGTERM), node_lost(1, "silent")
+    for job_type, stops in ((JobStore, True), (ElasticJobStore, False)):
+        sup = Recorder()
+        job = job_type.__new__(job_type)  # only the class's rule is read
+        act = _on_remote(sup, job)  # type: ignore[arg-type]
+        act(told)
+        act(lost)
+        assert sup.signals == ([signals.SIGTERM] if stops else [])
+        assert sup.aborts == ([lost] if stops else [told, lost])
