@@ -26,9 +26,9 @@ from multigpu.launch.restarts import CrashLoopPolicy
 from multigpu.launch.rundir import check_run_id, claim_output, raise_open_file_limit
 from multigpu.launch.specs import AttemptContext, build_specs
 from multigpu.rendezvous.elastic import is_elastic
-from multigpu.rendezvous.fate import serve_until_all_done
+from multigpu.rendezvous.fate import finish_job, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
-from multigpu.rendezvous.store import bind_store_socket
+from multigpu.rendezvous.store import STORE_NOTES, bind_store_socket
 from multigpu.supervisor.console import ConsoleWriter, say
 from multigpu.supervisor.sentinel import close_node_sentinel
 from multigpu.supervisor.signals import end_with_signal
@@ -70,6 +70,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     sock = bind_store_socket(endpoint) if config.base_rank == 0 else None
     folder = None
     spawner = None
+    rdzv: Rendezvous | None = None
+    record: RunRecord | None = None
     try:
         spawner = node_spawner(config, sock, say, base_env)
         rdzv = replace(rendezvous(config, sock), spawner=spawner)
@@ -78,6 +80,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
                                     base_env)
         folder = claim_output(output_dir, rdzv.run_id, config.group_rank if config.multi_node else None)
         name = f"run_node{config.group_rank}.json" if config.multi_node else "run.json"
+        if config.multi_node:  # what torch said when a store call failed, out of the console
+            STORE_NOTES.attach(output_dir / f"store_node{config.group_rank}.log")
         record = RunRecord.create(output_dir / name, config, rdzv.run_id, devices)
         what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
             else f"{config.nproc} CPU worker(s)"
@@ -98,6 +102,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             spawner.close()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
+        if rdzv is not None and (record is None or record.stop_signal is None):  # not after a Ctrl-C
+            finish_job(rdzv.job, hosts_store=config.base_rank == 0)  # the store's host goes last
 
 
 @dataclass
