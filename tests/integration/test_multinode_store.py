@@ -109,8 +109,14 @@ def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_lat
     kids = watch_children([second])
     time.sleep(1.0)  # node 1 waits in its join poll when node 0 comes (the order the race needs)
     first = launcher(tmp_path, scripts[0], 0, port)
-    kids += watch_children([first])
-    results = [finish(first), finish(second)]
+    try:
+        kids += watch_children([first])
+        results = [finish(first), finish(second)]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     for rc, out, err in results:
         assert rc == 1, err[-3000:]  # the refusal's documented code, on the refusing and the refused node
         assert_clean(out + err)
@@ -124,16 +130,22 @@ def test_node_0_launcher_killed_is_one_line_on_node_1_and_nothing_is_left(tmp_pa
     script = write_script(tmp_path, "sleep.py", SLEEP)
     port = free_port()
     nodes = [launcher(tmp_path, script, rank, port) for rank in (0, 1)]
-    kids = watch_children(nodes)
-    logs = [tmp_path / f"out{r}" / "logs" / "attempt_0" / f"rank_{r}.log" for r in (0, 1)]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(log.exists() and "pid=" in log.read_text() for log in logs):
-        time.sleep(0.05)
-    ranks = pids_in("".join(log.read_text() for log in logs if log.exists()))
-    assert len(ranks) == 2, [log.read_text() for log in logs if log.exists()]
-    os.kill(nodes[0].pid, signal.SIGKILL)
-    rc, out, err = finish(nodes[1], timeout=30)
-    nodes[0].communicate()
+    try:
+        kids = watch_children(nodes)
+        logs = [tmp_path / f"out{r}" / "logs" / "attempt_0" / f"rank_{r}.log" for r in (0, 1)]
+        deadline = time.monotonic() + 60  # a generous bound: a loaded machine starts ranks slowly
+        while time.monotonic() < deadline and not all(log.exists() and "pid=" in log.read_text()
+                                                      for log in logs):
+            time.sleep(0.05)
+        ranks = pids_in("".join(log.read_text() for log in logs if log.exists()))
+        assert len(ranks) == 2, [log.read_text() for log in logs if log.exists()]
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        rc, out, err = finish(nodes[1], timeout=30)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
     assert rc != 0, err[-3000:]
     assert_clean(out + err)
     lost = [line for line in err.splitlines() if "the store's host" in line]

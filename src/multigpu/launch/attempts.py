@@ -102,7 +102,7 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             spawner.close()
         if sock is not None and sock.fileno() >= 0:
             sock.close()
-        if rdzv is not None and (record is None or record.stop_signal is None):  # not after a Ctrl-C
+        if rdzv is not None and (record is None or record.stop_signal != signal.SIGINT):  # Ctrl-C: now
             finish_job(rdzv.job, hosts_store=config.base_rank == 0)  # the store's host goes last
 
 
