@@ -36,24 +36,30 @@ SLEEP = """
 """
 
 SLOW_POLL = """
-    # A loaded node: its join poll wakes 0.7 s apart, so node 0 (joining last) reaches the verdict and
+    # A loaded node: its join poll wakes 2.5 s apart, so node 0 (joining last) reaches the verdict and
     # would be gone well before this node reads the store again; the launcher is otherwise unchanged.
     import sys
     import multigpu.rendezvous.job as job
     wait_for_all = job.JobStore._wait_for_all
-    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1: wait_for_all(self, timeout_s, 0.7)
+    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1: wait_for_all(self, timeout_s, 2.5)
     from multigpu.cli.entry import main
     sys.exit(main())
 """
 
 
 def launcher(tmp_path: Path, script: Path, rank: int, port: int, entry: list[str] | None = None,
-             ) -> subprocess.Popen[str]:
-    args = ["run", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+             nnodes: int = 2) -> subprocess.Popen[str]:
+    args = ["run", "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
             "--master-port", str(port), "--nproc-per-node", "1", "--grace-period", "1",
             "--rdzv-timeout", "30", "--output", str(tmp_path / f"out{rank}"), str(script)]
-    return subprocess.Popen([*(entry or MULTIGPU), *args], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / f"node{rank}.out", "w") as out, open(tmp_path / f"node{rank}.err", "w") as err:
+        return subprocess.Popen([*(entry or MULTIGPU), *args], cwd=tmp_path, env=clean_env(),
+                                stdout=out, stderr=err, text=True)
+
+
+def console(tmp_path: Path, rank: int) -> tuple[str, str]:
+    """What node ``rank``'s launcher wrote to its stdout and stderr (files: read while it runs)."""
+    return (tmp_path / f"node{rank}.out").read_text(), (tmp_path / f"node{rank}.err").read_text()
 
 
 def children_of(pid: int) -> list[int]:
@@ -81,14 +87,23 @@ def watch_children(procs: list[subprocess.Popen[str]], want: int = 1, timeout: f
         time.sleep(0.02)
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 40) -> tuple[int, str, str]:
+def finish(tmp_path: Path, proc: subprocess.Popen[str], rank: int, timeout: float = 60,
+           ) -> tuple[int, str, str]:
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        proc.wait()
         raise
-    return proc.returncode, out, err
+    return (proc.returncode, *console(tmp_path, rank))
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Whatever a failed test left running, ended by PID."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def assert_clean(console: str) -> None:
@@ -106,17 +121,18 @@ def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_lat
     slow = write_script(tmp_path, "slow_poll.py", SLOW_POLL)
     port = free_port()
     second = launcher(tmp_path, scripts[1], 1, port, entry=[PYTHON, str(slow)])
-    kids = watch_children([second])
-    time.sleep(1.0)  # node 1 waits in its join poll when node 0 comes (the order the race needs)
-    first = launcher(tmp_path, scripts[0], 0, port)
+    procs = [second]
     try:
+        kids = watch_children([second])
+        deadline = time.monotonic() + 60
+        while "joined run" not in console(tmp_path, 1)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)  # node 1 must wait in its join poll when node 0 comes: the race's order
+        time.sleep(0.5)  # its rank claims follow the line at once
+        procs.append(first := launcher(tmp_path, scripts[0], 0, port))
         kids += watch_children([first])
-        results = [finish(first), finish(second)]
+        results = [finish(tmp_path, first, 0), finish(tmp_path, second, 1)]
     finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        stop(procs)
     for rc, out, err in results:
         assert rc == 1, err[-3000:]  # the refusal's documented code, on the refusing and the refused node
         assert_clean(out + err)
@@ -140,12 +156,9 @@ def test_node_0_launcher_killed_is_one_line_on_node_1_and_nothing_is_left(tmp_pa
         ranks = pids_in("".join(log.read_text() for log in logs if log.exists()))
         assert len(ranks) == 2, [log.read_text() for log in logs if log.exists()]
         os.kill(nodes[0].pid, signal.SIGKILL)
-        rc, out, err = finish(nodes[1], timeout=30)
+        rc, out, err = finish(tmp_path, nodes[1], 1, timeout=30)
     finally:
-        for proc in nodes:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+        stop(nodes)
     assert rc != 0, err[-3000:]
     assert_clean(out + err)
     lost = [line for line in err.splitlines() if "the store's host" in line]
@@ -155,3 +168,30 @@ def test_node_0_launcher_killed_is_one_line_on_node_1_and_nothing_is_left(tmp_pa
     notes = (tmp_path / "out1" / "store_node1.log").read_text()
     assert "DistNetworkError" in notes  # torch's own words: in the node's log, not on its console
     assert_gone([*ranks, nodes[1].pid, *kids], timeout=10)
+
+
+def test_node_0_launcher_killed_while_the_nodes_meet_is_one_line_on_node_1(tmp_path: Path) -> None:
+    """A 3-node job whose third node never comes: both launchers wait in the join when node 0's launcher
+    is killed; node 1 says so in one line and exits 1, before any rank started."""
+    script = write_script(tmp_path, "sleep.py", SLEEP)
+    port = free_port()
+    nodes = [launcher(tmp_path, script, rank, port, nnodes=3) for rank in (0, 1)]
+    try:
+        kids = watch_children(nodes)
+        deadline = time.monotonic() + 60
+
+        def both_joined() -> bool:
+            return all("joined run" in console(tmp_path, r)[1] for r in (0, 1))
+        while time.monotonic() < deadline and not both_joined():
+            time.sleep(0.05)
+        assert both_joined(), console(tmp_path, 1)
+        time.sleep(0.5)  # node 1 polls the join again meanwhile
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        rc, out, err = finish(tmp_path, nodes[1], 1, timeout=30)
+    finally:
+        stop(nodes)
+    assert rc == 1, err[-3000:]
+    assert_clean(out + err)
+    assert err.splitlines()[-1] == ("multigpu: error: node 0, the store's host, ended (its launcher was "
+                                    "killed?); stopping"), err
+    assert_gone([nodes[1].pid, *kids], timeout=10)
