@@ -123,6 +123,7 @@ def job_of(store: FakeStore, nodes: int) -> list[JobStore]:
         job.store.compare_set(job.key("world_size"), "", str(nodes))
         job.store.add(job.key("beat", job.base_rank), 0)
         job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+        job.member = True
     return jobs
 
 
@@ -433,6 +434,9 @@ def test_the_store_hosts_wait_is_bounded_when_a_node_never_leaves() -> None:
     store = FakeStore()
     host, first, _silent = job_of(store, 3)
     first.leave()
+    latecomer = JobStore(store, node=2, base_rank=2, nproc=1, world_size=3)  # refused, never a member
+    latecomer.run_id = "r"
+    leave_job(latecomer)  # writes nothing: base rank 2 is a live member's
     assert outlive_readers(host, timeout_s=0.3) == [2]
     assert outlive_readers(job_of(FakeStore(), 1)[0], timeout_s=WAIT_S) == []  # alone: nobody to wait for
 

@@ -31,6 +31,7 @@ SCRIPT = """
     for job in (host, node):
         job.run_id = "r"
         job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+        job.member = True
     assert outlive_readers(host, timeout_s=0.2) == [1]  # bounded: node 1 has not left
     leave_job(node)
     assert outlive_readers(host, timeout_s=10) == []

@@ -46,6 +46,8 @@ class JobStore:
         """Whether the watcher serves the store: then its death is the store's, and nobody watches it."""
         self.waiter_store: Any = None
         """A second connection, for the one blocking wait (see ``with_own_client``)."""
+        self.member = False
+        """This launcher joined the job's membership: the store's host waits for it to leave."""
 
     @property
     def is_watcher(self) -> bool:
@@ -106,6 +108,7 @@ class JobStore:
         self.with_own_client()
         self.store.add(self.key("beat", self.base_rank), 0)
         self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
+        self.member = True
         for rank in range(self.base_rank, self.base_rank + self.nproc):
             owner = self.store.compare_set(self.key("rank", rank), "", me).decode()
             if owner != me:
@@ -168,8 +171,11 @@ class JobStore:
         return "/".join(["multigpu", self.run_id, "left", str(base_rank)])
 
     def leave(self) -> None:
-        """Say this node will ask the store nothing more: its host may go once every node has said so."""
-        self.store.set(self.left_key(self.base_rank), "1")
+        """Say this node will ask the store nothing more: its host may go once every node has said so.
+        A launcher refused before it became a member (a latecomer, another run id) writes nothing: its
+        base rank may be a live member's."""
+        if self.member:
+            self.store.set(self.left_key(self.base_rank), "1")
 
     def still_reading(self) -> list[int]:
         """The other joined nodes (base ranks) that have not left yet: one ``check`` when all have."""
