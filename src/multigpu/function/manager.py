@@ -159,6 +159,9 @@ class MultiGPUManager:
         sock = bind_store_socket(self._endpoint) if self._base_rank == 0 else None
         if sock is not None:
             undo.callback(sock.close)
+        # This process is a rank too: torch imported as the user's environment says, before the store
+        # (whose import_torch_quietly, for the CLI's launcher, then leaves c10's log level alone).
+        import torch.distributed  # noqa: F401
         self._rdzv = rdzv = rendezvous(config, sock)
         undo.callback(setattr, self, "_rdzv", None)
         if rdzv.one_node:  # this process is rank 0 and serves the store
