@@ -36,12 +36,31 @@ SLEEP = """
 """
 
 SLOW_POLL = """
-    # A loaded node: its join poll wakes 2.5 s apart, so node 0 (joining last) reaches the verdict and
-    # would be gone well before this node reads the store again; the launcher is otherwise unchanged.
+    # A loaded node 1: its join poll wakes 3 s apart. It claims its rank first (node 0 claims late,
+    # below), so node 0 completes the join, refuses and (before the fix) was gone well before node 1
+    # read the store again. The launcher is otherwise unchanged.
     import sys
     import multigpu.rendezvous.job as job
     wait_for_all = job.JobStore._wait_for_all
-    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1: wait_for_all(self, timeout_s, 2.5)
+    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1: wait_for_all(self, timeout_s, 3.0)
+    from multigpu.cli.entry import main
+    sys.exit(main())
+"""
+
+LATE_CLAIM = """
+    # A loaded node 0: it serves the store and publishes the run id, but claims its rank only once
+    # node 1 has claimed its own, so node 1 sits in its join poll when node 0 completes the join.
+    import sys, time
+    import multigpu.rendezvous.job as job
+    join = job.JobStore.join
+
+    def late_join(self, *args, **kwargs):
+        deadline = time.monotonic() + 30
+        while not self.store.check([self.key("rank", 1)]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return join(self, *args, **kwargs)
+
+    job.JobStore.join = late_join
     from multigpu.cli.entry import main
     sys.exit(main())
 """
@@ -112,25 +131,21 @@ def assert_clean(console: str) -> None:
 
 
 def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_late(tmp_path: Path) -> None:
-    """Node 1's script differs and node 1 polls slowly: node 0 refuses, but keeps serving until node 1
-    has read the verdict too (before: node 1 died in ``read_abort`` with torch's C++ frames)."""
+    """Node 1's script differs, node 1 claims first and polls slowly: node 0 refuses, but keeps serving
+    until node 1 has read the verdict too (before: node 1 died in ``read_abort`` with torch's C++
+    frames, the issue's stack)."""
     scripts = []
     for name, extra in (("a", ""), ("b", "    # edited on node 1 only\n")):
         (tmp_path / name).mkdir()
         scripts.append(write_script(tmp_path / name, "train.py", ALLREDUCE + extra))
     slow = write_script(tmp_path, "slow_poll.py", SLOW_POLL)
+    late = write_script(tmp_path, "late_claim.py", LATE_CLAIM)
     port = free_port()
-    second = launcher(tmp_path, scripts[1], 1, port, entry=[PYTHON, str(slow)])
-    procs = [second]
+    procs = [launcher(tmp_path, scripts[0], 0, port, entry=[PYTHON, str(late)]),
+             launcher(tmp_path, scripts[1], 1, port, entry=[PYTHON, str(slow)])]
     try:
-        kids = watch_children([second])
-        deadline = time.monotonic() + 60
-        while "joined run" not in console(tmp_path, 1)[1] and time.monotonic() < deadline:
-            time.sleep(0.05)  # node 1 must wait in its join poll when node 0 comes: the race's order
-        time.sleep(0.5)  # its rank claims follow the line at once
-        procs.append(first := launcher(tmp_path, scripts[0], 0, port))
-        kids += watch_children([first])
-        results = [finish(tmp_path, first, 0), finish(tmp_path, second, 1)]
+        kids = watch_children(procs)
+        results = [finish(tmp_path, proc, rank) for rank, proc in enumerate(procs)]
     finally:
         stop(procs)
     for rc, out, err in results:
@@ -139,7 +154,7 @@ def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_lat
         refusal = [line for line in err.splitlines() if "would run different things" in line]
         assert len(refusal) == 1 and "the target's SHA-256 differs" in refusal[0], err[-3000:]
         assert "pid=" not in out  # no rank started
-    assert_gone([first.pid, second.pid, *kids], timeout=10)
+    assert_gone([proc.pid for proc in procs] + kids, timeout=10)
 
 
 def test_node_0_launcher_killed_is_one_line_on_node_1_and_nothing_is_left(tmp_path: Path) -> None:
