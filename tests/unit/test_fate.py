@@ -10,17 +10,20 @@ from typing import Any
 
 import pytest
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import StoreLostError, WorkerFailure
 from multigpu.rendezvous.fate import (
     FateMonitor,
     failure_from_record,
     failure_record,
+    leave_job,
     node_lost,
+    outlive_readers,
     serve_until_all_done,
     store_lost,
 )
 from multigpu.rendezvous.job import DONE, JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
+from multigpu.rendezvous.store import STORE_NOTES
 
 WAIT_S = 10.0  # a bound on waiting for a thread to act: reached only when the behaviour is broken
 
@@ -120,6 +123,7 @@ def job_of(store: FakeStore, nodes: int) -> list[JobStore]:
         job.store.compare_set(job.key("world_size"), "", str(nodes))
         job.store.add(job.key("beat", job.base_rank), 0)
         job.store.append(job.key("members"), f"{job.base_rank}:{job.node},")
+        job.member = True
     return jobs
 
 
@@ -352,8 +356,9 @@ def test_a_node_failure_reads_as_one_and_never_as_rank_minus_one() -> None:
                         "network is down)")
     assert lost.describe() == ("node 1 was lost: its launcher (host gpu2, pid 77) stopped beating for "
                                "1.2s (killed, or its network is down)")
-    assert store_lost("lost contact with the rendezvous store (DistNetworkError)").describe() == (
-        "node 0 (it serves the store) was lost: lost contact with the rendezvous store (DistNetworkError)")
+    assert store_lost().describe() == "node 0, the store's host, ended (its launcher was killed?)"
+    assert store_lost("stopped answering for 4.5s").describe() == (
+        "node 0, the store's host, stopped answering for 4.5s")
     refused = failure_from_record({"reason": "inconsistent layout: rank 1 is claimed by both", "node": 1})
     assert refused.describe() == ("the rendezvous refused a node: inconsistent layout: rank 1 is claimed "
                                   "by both")
@@ -446,3 +451,56 @@ def test_a_static_job_stops_with_the_signal_an_elastic_one_takes_it_as_a_node_le
         act(lost)
         assert sup.signals == ([signals.SIGTERM] if stops else [])
         assert sup.aborts == ([lost] if stops else [told, lost])
+
+
+# ---- the end of the job: the store's host outlives every node's last read ----------------------------
+
+
+def test_the_store_host_waits_for_every_node_to_leave_and_no_longer() -> None:
+    store = FakeStore()
+    host, *others = job_of(store, 3)
+    assert host.still_reading() == [1, 2]
+    others[0].leave()
+    left = threading.Event()
+
+    def last_node() -> None:
+        left.set()
+        leave_job(others[1])
+
+    threading.Timer(0.2, last_node).start()
+    assert outlive_readers(host, timeout_s=WAIT_S) == []
+    assert left.is_set(), "returned before the last node left"
+    assert host.still_reading() == []
+
+
+def test_the_store_hosts_wait_is_bounded_when_a_node_never_leaves() -> None:
+    store = FakeStore()
+    host, first, _silent = job_of(store, 3)
+    first.leave()
+    latecomer = JobStore(store, node=2, base_rank=2, nproc=1, world_size=3)  # refused, never a member
+    latecomer.run_id = "r"
+    leave_job(latecomer)  # writes nothing: base rank 2 is a live member's
+    assert outlive_readers(host, timeout_s=0.3) == [2]
+    assert outlive_readers(job_of(FakeStore(), 1)[0], timeout_s=WAIT_S) == []  # alone: nobody to wait for
+
+
+def test_leaving_a_store_that_is_gone_raises_nothing_and_notes_torchs_words(tmp_path: Any) -> None:
+    store = FakeStore()
+    _, node = job_of(store, 2)
+    store.hang.set()  # every add fails as a closed connection does
+    store.release.set()
+
+    def closed(key: str, value: str) -> None:
+        raise ConnectionResetError("Connection reset by peer")
+
+    store.set = closed  # type: ignore[method-assign]
+    STORE_NOTES.attach(tmp_path / "store_node1.log")
+    try:
+        leave_job(node)  # no exception, bounded
+        with pytest.raises(StoreLostError) as lost:
+            node.beat()
+    finally:
+        STORE_NOTES.attach(None)
+    assert str(lost.value) == "node 0, the store's host, ended (its launcher was killed?); stopping"
+    notes = (tmp_path / "store_node1.log").read_text()
+    assert "store.set failed: ConnectionResetError" in notes and "store.add failed" in notes

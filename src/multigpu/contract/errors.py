@@ -52,6 +52,21 @@ class Interrupted(KeyboardInterrupt):
     started``). The command line prints it and ends the launcher with SIGINT, as Python does."""
 
 
+STORE_HOST_ENDED = "ended (its launcher was killed?)"
+"""How a lost store reads after "node 0, the store's host, ": its connection closed under a call."""
+
+
+class StoreLostError(RendezvousError):
+    """The job's c10d store is gone (its host's launcher was killed, or crashed): raised by the
+    launcher's guarded store calls (``rendezvous/store.py``) in place of torch's ``DistNetworkError``,
+    whose text (and C++ frames) goes to the node's log, never to the console. ``host`` names who served
+    the store; the failure record it becomes is ``fate.store_lost``'s."""
+
+    def __init__(self, host: str, detail: str = STORE_HOST_ENDED) -> None:
+        super().__init__(f"{host}, {detail}; stopping")
+        self.host, self.detail = host, detail
+
+
 def exit_status(returncode: int | None) -> tuple[int | None, str | None]:
     """(exit code, signal name) from ``Popen``'s returncode (< 0: killed by signal -returncode)."""
     if returncode is not None and returncode < 0:
@@ -116,7 +131,7 @@ class WorkerFailure:
         if self.error_type == NODE_LOST:
             return f"node {self.node} was lost: {self.message}"
         if self.error_type == STORE_LOST:
-            return f"node {self.node} (it serves the store) was lost: {self.message}"
+            return f"node {self.node}, the store's host, {self.message}"
         if self.error_type == REFUSED:
             return f"the rendezvous refused a node: {self.message}"
         if self.error_type == INTERRUPTED:

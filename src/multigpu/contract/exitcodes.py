@@ -6,6 +6,9 @@
 * the root cause's own code when a rank failed: its exit code, or 128 + N when it died of signal N
   (1 when neither is known), as a shell reports a child;
 * 2 for a usage mistake (one line on stderr, nothing started);
+* 1 when the rendezvous refused the job (nodes that disagree on the layout or would run different
+  things: every node, the refusing and the refused, says so in one line) or the job's store was lost
+  (``node 0, the store's host, ended``);
 * 128 + N when the launcher itself was stopped by signal N (SIGTERM: 143); after Ctrl-C it dies of
   SIGINT, as Python does;
 * ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``: "try again later") when a preemption warning stopped the

@@ -34,7 +34,7 @@ from multigpu.function.watcher import ChildWatcher
 from multigpu.launch.meeting import rendezvous
 from multigpu.launch.specs import AttemptContext, build_specs
 from multigpu.rank.guard import guard_parent
-from multigpu.rendezvous.fate import mark_done, serve_until_all_done
+from multigpu.rendezvous.fate import finish_job, mark_done, serve_until_all_done
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on
 from multigpu.supervisor.console import caller_lines
 
@@ -159,6 +159,9 @@ class MultiGPUManager:
         sock = bind_store_socket(self._endpoint) if self._base_rank == 0 else None
         if sock is not None:
             undo.callback(sock.close)
+        # This process is a rank too: torch imported as the user's environment says, before the store
+        # (whose import_torch_quietly, for the CLI's launcher, then leaves c10's log level alone).
+        import torch.distributed  # noqa: F401
         self._rdzv = rdzv = rendezvous(config, sock)
         undo.callback(setattr, self, "_rdzv", None)
         if rdzv.one_node:  # this process is rank 0 and serves the store
@@ -211,6 +214,7 @@ class MultiGPUManager:
             mark_done(job)
             if self._base_rank == 0:
                 serve_until_all_done(job)  # the other nodes still need the store
+            finish_job(job, hosts_store=self._base_rank == 0)  # the store's host goes last
 
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         """An error in rank 0 is often a peer's death seen through a collective: show the root cause too."""

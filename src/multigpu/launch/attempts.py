@@ -32,6 +32,7 @@ from multigpu.launch.rundir import check_run_id, claim_output, raise_open_file_l
 from multigpu.launch.specs import AttemptContext, build_specs
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.fate import serve_until_all_done
+from multigpu.rendezvous.store import STORE_NOTES
 from multigpu.supervisor.console import ConsoleWriter, say
 from multigpu.supervisor.sentinel import close_node_sentinel
 from multigpu.supervisor.signals import end_with_signal
@@ -67,10 +68,14 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
         devices = [f"cuda:{i}" for i in config.gpus]
     members = open_membership(config, base_env)
     run: Run | None = None
+    record: RunRecord | None = None
     try:
         output_dir = allocation_dir((config.output.dir or Path("multigpu_runs") / members.run_id).resolve(),
                                     base_env)
         folder = claim_output(output_dir, members.run_id, members.claim)
+        if members.job is not None:  # what torch said of a failed store call: a log, not the console
+            notes = members.record_name.replace("run", "store", 1).replace(".json", ".log")
+            STORE_NOTES.attach(output_dir / notes)
         try:
             record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices)
             for line in members.opening(output_dir):
@@ -80,6 +85,8 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
         finally:
             folder.release()
     finally:
+        if record is None or record.stop_signal != signal.SIGINT:  # after a Ctrl-C, leave at once
+            members.leave()  # the store's host outlives the other nodes' last reads
         members.close(over=run is not None and run.over)
 
 

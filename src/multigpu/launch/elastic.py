@@ -96,6 +96,10 @@ class ElasticMembership:
         return (f"restarting every node: restart {count} of {self.config.supervision.max_restarts}, "
                 "through a new rendezvous round")
 
+    def leave(self) -> None:
+        """Nothing yet: an elastic job's store host does not wait for the others' last reads (a
+        survivor of a lost store says so in one line, and torch's words go to its log)."""
+
     def close(self, *, over: bool) -> None:
         """The spawner, then our beats; with ``over``, the rendezvous closes (safe twice)."""
         if self.spawner is not None:

@@ -18,6 +18,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
 from multigpu.contract.errors import Interrupted, RendezvousError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
+from multigpu.rendezvous.fate import finish_job
 from multigpu.rendezvous.fingerprint import differences, fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
@@ -59,11 +60,15 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
         store = connect_store(endpoint.host, port, left)
     job = JobStore(store, node=config.group_rank, base_rank=config.base_rank, nproc=config.nproc,
                    world_size=config.resolved_world_size)
-    run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
-    say(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
-    job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
-    JoinWait(config, job).join()
-    check_fingerprints(job, config.rdzv.allow_mismatch)
+    try:
+        run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
+        say(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
+        job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
+        JoinWait(config, job).join()
+        check_fingerprints(job, config.rdzv.allow_mismatch)
+    except RendezvousError:  # a refusal every node reads: the store's host outlives their reads
+        finish_job(job, hosts_store=sock is not None)
+        raise
     return Rendezvous(endpoint.host, port, run_id, one_node=False, job=job)
 
 

@@ -24,6 +24,7 @@ from multigpu.contract.errors import LEARNED_FROM_SILENCE
 from multigpu.launch.meeting import LOOPBACK, Rendezvous, meet_again, node_spawner, rendezvous
 from multigpu.launch.restarts import FailureMemory, LocalFailures
 from multigpu.launch.rundir import check_run_id
+from multigpu.rendezvous.fate import finish_job
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket
 from multigpu.supervisor.console import say
@@ -75,6 +76,10 @@ class Membership(Protocol):
 
     def restart(self, meeting: Meeting) -> str:
         """Count ``meeting``'s failure as a restart (once, job-wide); the line that says so."""
+
+    def leave(self) -> None:
+        """The last act with the job's store, unless a Ctrl-C ended the run (then it leaves at once)."""
+        ...
 
     def close(self, *, over: bool) -> None:
         """Release what the run held; ``over``: the job is over for every node."""
@@ -133,6 +138,11 @@ class StaticMembership:
         self._next = meeting.attempt + 1
         every = " on every node" if self.job is not None else ""
         return f"restarting{every}: attempt {self._next} of {self.config.supervision.max_restarts} restart(s)"
+
+    def leave(self) -> None:
+        """This node's last act with the job's store: node 0, its host, outlives the other nodes'
+        reads of the job's end (bounded); every other node says it has read it."""
+        finish_job(self.job, hosts_store=self.serves_store)
 
     def close(self, *, over: bool) -> None:
         """The spawner, then the store's socket (safe twice)."""

@@ -30,7 +30,7 @@ from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, 
 from multigpu.rendezvous.fate import BEAT_S
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
-from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
+from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
 from multigpu.supervisor.console import say
 
 WAITING_POLL_S = 0.5
@@ -101,6 +101,7 @@ def local_address(endpoint: Endpoint) -> str:
 def open_store(endpoint: Endpoint, settings: ElasticSettings) -> tuple[Any, bool]:
     """The job's c10d store and whether this launcher serves it. torchrun's rule: a launcher on the
     endpoint's machine (or ``is_host=true``) tries to serve it; if the port is taken, it is a client."""
+    import_torch_quietly()  # the launcher's first torch import: c10's C++ store logs off its console
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     is_host = settings.is_host if settings.is_host is not None else _matches_machine_hostname(endpoint.host)

@@ -25,12 +25,16 @@ from multigpu.contract.errors import (
     MEMBERSHIP_CHANGE,
     NODE_LOST,
     REFUSED,
+    STORE_HOST_ENDED,
     STORE_LOST,
+    StoreLostError,
     WorkerFailure,
 )
 from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
+from multigpu.rendezvous.store import STORE_NOTES
+from multigpu.supervisor.console import say
 from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -66,8 +70,10 @@ def share_interrupt(job: JobStore, signum: int) -> None:
     _bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
 
 
-def store_lost(why: str) -> WorkerFailure:
-    """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone."""
+def store_lost(why: str = STORE_HOST_ENDED) -> WorkerFailure:
+    """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone;
+    ``why`` completes "node 0, the store's host, ...". The one record of a lost store, however it was
+    learned (a failed call: ``StoreLostError``; a call that never returned: the deadman)."""
     return node_lost(0, why, STORE_LOST)
 
 
@@ -126,6 +132,8 @@ class FateMonitor:
             self._store_gone = failure.error_type == STORE_LOST
             self.verdict = failure
         self._verdict.set()
+        if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
+            say(f"{failure.describe()}; stopping")
         self._on_failure(failure)
 
     def await_verdict(self) -> WorkerFailure | None:
@@ -140,8 +148,11 @@ class FateMonitor:
         return self.verdict
 
     def _lost_store(self, exc: BaseException) -> None:
-        self._fire(store_lost(f"lost contact with the rendezvous store ({type(exc).__name__}); "
-                              "the launcher that serves it, or the network, is down"))
+        """A store call failed: the store's host is gone (``StoreLostError``); anything else a store
+        call raises is noted in the node's log and taken as the same loss (the job cannot go on)."""
+        if not isinstance(exc, StoreLostError):
+            STORE_NOTES.note("call", exc)
+        self._fire(store_lost())
 
     def _deadman(self) -> None:
         """A store call over a cut link blocks without a time-out; notice that from outside the call.
@@ -156,9 +167,8 @@ class FateMonitor:
             began, allowed = self._in_call, self.latency.threshold()
             if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
-            self._fire(store_lost(f"the rendezvous store stopped answering for {now - began:.1f}s "
-                                  f"(allowed {allowed:.1f}s from its measured latency; the launcher "
-                                  "that serves it, or the network, is down)"))
+            self._fire(store_lost(f"stopped answering for {now - began:.1f}s (allowed {allowed:.1f}s from "
+                                  "its measured latency; its launcher, or the network, is down)"))
             return
 
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
@@ -301,6 +311,42 @@ def mark_done(job: JobStore) -> None:
     """Say this node finished well, before its monitor stops beating, so no peer takes it for lost."""
     with contextlib.suppress(Exception):  # a store that is gone cannot miss us
         job.mark_done()
+
+
+READERS_WAIT_S = 5.0
+"""How long the store's host waits, after its verdict, for every other node to make its last read."""
+
+
+def leave_job(job: JobStore) -> None:
+    """A node that does not serve the store says, as its very last store call, that it asks nothing
+    more; a store that is gone (or a cut link) cannot miss it, so this never raises and is bounded."""
+    _bounded(lambda: job.leave())
+
+
+def outlive_readers(job: JobStore, timeout_s: float = READERS_WAIT_S, poll_s: float = 0.02) -> list[int]:
+    """The store's host, about to exit (a refusal, a failure, the end): keep serving until every other
+    joined node has left (``leave_job``), so none of them reads a verdict from a store that went away;
+    bounded, since a node killed meanwhile never leaves. Returns the base ranks that had not left."""
+    deadline = time.monotonic() + timeout_s
+    pending: list[int] = []
+    with contextlib.suppress(Exception):  # our own store: only a bug of ours raises here
+        while True:
+            pending = job.still_reading()
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+    return pending
+
+
+def finish_job(job: JobStore | None, hosts_store: bool) -> None:
+    """This node's last act with the job's store: the host outlives the others' reads, the others
+    leave. Runs in the launcher (and function mode's caller), after every attempt, whatever ended it."""
+    if job is None:
+        return
+    if hosts_store:
+        outlive_readers(job)
+    else:
+        leave_job(job)
 
 
 def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:

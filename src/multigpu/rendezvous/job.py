@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from multigpu.contract.errors import RendezvousError
+from multigpu.rendezvous.store import guarded
 
 DONE = 1 << 50
 """Added to a node's beat counter when it finished well: one read tells beating, silent and done apart."""
@@ -39,7 +40,7 @@ class JobStore:
     elastic job's other nodes take it as the node leaving (``ElasticJobStore``)."""
 
     def __init__(self, store: Any, *, node: int, base_rank: int, nproc: int, world_size: int) -> None:
-        self.store = store
+        self.store = guarded(store)  # a lost store is one StoreLostError, never torch's C++ text
         self.node, self.base_rank, self.nproc, self.world_size = node, base_rank, nproc, world_size
         self.run_id = ""
         self.scope: tuple[str, ...] = ()
@@ -49,6 +50,8 @@ class JobStore:
         """Whether the watcher serves the store: then its death is the store's, and nobody watches it."""
         self.waiter_store: Any = None
         """A second connection, for the one blocking wait (see ``with_own_client``)."""
+        self.member = False
+        """This launcher joined the job's membership: the store's host waits for it to leave."""
 
     @property
     def is_watcher(self) -> bool:
@@ -111,6 +114,7 @@ class JobStore:
         self.with_own_client()
         self.store.add(self.key("beat", self.base_rank), 0)
         self.store.append(self.key("members"), f"{self.base_rank}:{self.node},")
+        self.member = True
         for rank in range(self.base_rank, self.base_rank + self.nproc):
             owner = self.store.compare_set(self.key("rank", rank), "", me).decode()
             if owner != me:
@@ -171,6 +175,25 @@ class JobStore:
 
     def mark_done(self) -> None:
         self.store.add(self.key("beat", self.base_rank), DONE)
+
+    def left_key(self, base_rank: int) -> str:
+        """Set by a node once it has made its last store call of the whole run (every attempt's)."""
+        return "/".join(["multigpu", self.run_id, "left", str(base_rank)])
+
+    def leave(self) -> None:
+        """Say this node will ask the store nothing more: its host may go once every node has said so.
+        A launcher refused before it became a member (a latecomer, another run id) writes nothing: its
+        base rank may be a live member's."""
+        if self.member:
+            self.store.set(self.left_key(self.base_rank), "1")
+
+    def still_reading(self) -> list[int]:
+        """The other joined nodes (base ranks) that have not left yet: one ``check`` when all have."""
+        others = [base for base in sorted(self.members()) if base != self.base_rank]
+        keys = [self.left_key(base) for base in others]
+        if not others or self.store.check(keys):
+            return []
+        return [base for base, key in zip(others, keys, strict=True) if not self.store.check([key])]
 
     def is_done(self, base_rank: int) -> bool:
         return self.beats_of(base_rank) >= DONE
