@@ -83,6 +83,9 @@ class Scripted:
         self.restarts.append(self.count)
         return f"restarting: {self.count}"
 
+    def leave(self) -> None:
+        self.left = True
+
     def close(self, *, over: bool) -> None:
         self.closed.append(over)
 
@@ -123,7 +126,7 @@ def test_both_memberships_have_everything_the_interface_names() -> None:
 
     methods = {n for n, v in vars(Membership).items() if callable(v) and not n.startswith("_")}
     fields = set(Membership.__annotations__)
-    assert methods == {"opening", "meet", "can_meet_again", "restart", "close"}
+    assert methods == {"opening", "meet", "can_meet_again", "restart", "leave", "close"}
     assert fields == {"run_id", "job", "serves_store", "spawner", "failures", "record_name", "claim"}
     for kind in (StaticMembership, ElasticMembership):
         assert all(callable(getattr(kind, name, None)) for name in methods), kind
