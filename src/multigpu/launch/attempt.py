@@ -83,9 +83,10 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
             told = None
             if job is not None:
                 share_interrupt(job, sig)  # before our ranks go: the other nodes stop theirs at once
-        where = f"node {told.node}'s launcher" if told is not None else "this launcher"
-        say(f"{where} received {signal_name(sig)}: stopping every rank "
-            f"(grace {config.supervision.grace_period:g}s; Ctrl-C again to kill now)")
+        heard = (f"{signal_name(sig)} received" if told is None
+                 else f"node {told.node}'s launcher received {signal_name(sig)}")
+        say(f"{heard}: stopping every rank (grace {config.supervision.grace_period:g}s; Ctrl-C again to "
+            "kill now)")
         supervisor.close(sig=sig)
     else:
         supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
