@@ -42,7 +42,8 @@ SLOW_POLL = """
     import sys
     import multigpu.rendezvous.job as job
     wait_for_all = job.JobStore._wait_for_all
-    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1: wait_for_all(self, timeout_s, 3.0)
+    job.JobStore._wait_for_all = lambda self, timeout_s, poll_s=0.1, on_wait=None: wait_for_all(
+        self, timeout_s, 3.0, on_wait)
     from multigpu.cli.entry import main
     sys.exit(main())
 """
