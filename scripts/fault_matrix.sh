@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 31's fault matrix across nodes: every fault x {static, elastic} x {quiet, two busy CPUs} x
-# {NumPy, none}, two launchers on 127.0.0.1 per cell (tests/matrix/). CI runs it after the suite.
-# The quiet half runs first; then two CPU hogs (started here, ended here by PID) run beside the
-# loaded half. Extra arguments go to pytest, e.g. scripts/fault_matrix.sh -x.
+# {NumPy, none}, two launchers on 127.0.0.1 per cell (tests/matrix/), and the other tests marked
+# 'matrix' (too heavy for the README's suite). CI runs it after the suite. The quiet half runs
+# first; then two CPU hogs (started here, ended here by PID) run beside the loaded half.
+# Extra arguments go to pytest, e.g. scripts/fault_matrix.sh -x.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-run() { "$py" -m pytest tests/matrix -m "" -n 2 -p no:cacheprovider -q "$@"; }
-run -k quiet "$@"; quiet=$?
+run() { "$py" -m pytest tests -m matrix -n 2 -p no:cacheprovider -q "$@"; }
+run -k "not load" "$@"; quiet=$?
 hogs=()
 for _ in 1 2; do "$py" -c "while True: pass" & hogs+=($!); done
 MULTIGPU_MATRIX_HOGS=outside run -k load "$@"; loaded=$?

@@ -5,6 +5,7 @@ rank each."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -51,9 +52,11 @@ RANK_1_SLEEPS = """
 
 @pytest.fixture
 def hogs(request: pytest.FixtureRequest) -> Iterator[list[int]]:
-    """Two busy CPU processes beside the job when the test is parametrized 'loaded'."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-             for _ in range(2 if getattr(request, "param", "quiet") == "loaded" else 0)]
+    """Two busy CPU processes beside the job when the test is parametrized 'loaded' (the fault
+    matrix's tier: ``scripts/fault_matrix.sh`` keeps two running itself, and then none start here)."""
+    loaded = getattr(request, "param", "quiet") == "loaded"
+    own = loaded and os.environ.get("MULTIGPU_MATRIX_HOGS") != "outside"
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if own else 0)]
     yield [p.pid for p in procs]
     for p in procs:
         p.kill()
@@ -90,7 +93,7 @@ def rank_pids(tmp_path: Path) -> list[int]:
             for r in a["ranks"].values() if r["pid"]]
 
 
-@pytest.mark.parametrize("hogs", ["quiet", "loaded"], indirect=True)
+@pytest.mark.parametrize("hogs", ["quiet", pytest.param("loaded", marks=pytest.mark.matrix)], indirect=True)
 def test_a_healthy_job_printing_from_rank_0_only_is_not_hung(tmp_path: Path, hogs: list[int]) -> None:
     script = write_script(tmp_path, "train.py", RANK_0_PRINTS)
     (rc0, out0, err0), (rc1, out1, err1) = two_nodes(tmp_path, script, "--hang-timeout", "5")
@@ -131,7 +134,7 @@ def verdict_of(err: str) -> str:
     return found[0]
 
 
-@pytest.mark.parametrize("hogs", ["quiet", "loaded"], indirect=True)
+@pytest.mark.parametrize("hogs", ["quiet", pytest.param("loaded", marks=pytest.mark.matrix)], indirect=True)
 def test_a_hang_is_declared_once_and_judged_the_same_on_every_node(tmp_path: Path, hogs: list[int]) -> None:
     script = write_script(tmp_path, "train.py", RANK_1_SLEEPS)
     stuck = next(i for i, line in enumerate(script.read_text().splitlines(), 1) if "STUCK HERE" in line)

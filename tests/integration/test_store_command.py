@@ -40,7 +40,7 @@ def store_process(port: int, tmp_path: Path) -> subprocess.Popen[str]:
 
 def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "30") -> subprocess.Popen[str]:
     layout = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-conf", "is_host=false", "--rdzv-id", rdzv_id]
+              "--rdzv-conf", "is_host=false,last_call_timeout=1", "--rdzv-id", rdzv_id]
     return start_cli(["run", *layout, "--max-restarts", "2", "--nproc-per-node", "1", "--grace-period", "1",
                       "--output", str(tmp_path / f"{rdzv_id}{i}"), "loop.py"],
                      cwd=tmp_path, env={"STEPS": steps})

@@ -97,8 +97,10 @@ print("POOLS " + json.dumps({
 
 
 @pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
-@pytest.mark.parametrize(("nproc", "extra"), [("1", {}), ("2", {}), ("2", {"OPENBLAS_NUM_THREADS": "2"}),
-                                              ("1", {"MKL_NUM_THREADS": "1"})])
+@pytest.mark.parametrize(("nproc", "extra"), [
+    ("1", {}), ("2", {"OPENBLAS_NUM_THREADS": "2"}),
+    pytest.param("2", {}, marks=pytest.mark.matrix),
+    pytest.param("1", {"MKL_NUM_THREADS": "1"}, marks=pytest.mark.matrix)])
 def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(tmp_path: Path, numpy: str, nproc: str,
                                                               extra: dict[str, str]) -> None:
     """Issue 31, case 4: NumPy's OpenBLAS started its pool at the template's ``import torch`` (one rank
