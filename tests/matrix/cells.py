@@ -47,6 +47,9 @@ class Fault:
     """Each node's documented exit code; None: the node is killed by the test (no code to check)."""
     cause: str = ""
     """Text every surviving node's ``root cause:`` line (or its one refusal line) contains."""
+    elastic_cause: str | None = None
+    """The same for an elastic job where it differs (node ranks are the rendezvous's there: the
+    launcher started second is not always node 1)."""
     steps: int = 40
     step_s: float = 0.2
     launcher_args: tuple[str, ...] = ()
@@ -63,8 +66,8 @@ FAULTS = {f.name: f for f in (
     Fault("hang", (1, 1), "cell.py:", launcher_args=("--hang-timeout", "4"), survivor_stacks=True),
     Fault("healthy", (0, 0), steps=6, step_s=1.0, launcher_args=("--hang-timeout", "3")),
     Fault("term1", (143, 143), "SIGTERM"),
-    Fault("kill0", (None, 1), "node 0"),
-    Fault("kill1", (1, None), "node 1", survivor_stacks=True),
+    Fault("kill0", (None, 1), "node 0", elastic_cause="root cause: node "),
+    Fault("kill1", (1, None), "node 1", survivor_stacks=True, elastic_cause="root cause: node "),
     Fault("mismatch", (1, 1), "the nodes would run different things"),
     Fault("nevercomes", (1, None), "joined", nodes=(0,), launcher_args=("--rdzv-timeout", "4")),
     Fault("oom", (137, 137), "OOM killer", survivor_stacks=True),

@@ -84,6 +84,7 @@ class Cell:
 
     def __init__(self, tmp_path: Path, mode: str, numpy: str, fault: Fault) -> None:
         self.tmp, self.fault, self.marker = tmp_path, fault, uuid.uuid4().hex
+        self.elastic = mode == "elastic"
         self.env = {MARK: self.marker}
         if numpy == "numpy":
             site = numpy_site()
@@ -150,9 +151,10 @@ def check(cell: Cell, codes: dict[int, int | None]) -> None:
         for text in FORBIDDEN:
             assert text not in console, f"node {node} printed {text!r}:\n{console}"
         assert not our_frames(console), f"node {node} printed our or torch's frames:\n{console}"
-        if fault.cause:
-            verdict = [line for line in console.splitlines() if fault.cause in line]
-            assert verdict, f"node {node} never said {fault.cause!r}:\n{console}"
+        cause = fault.elastic_cause if cell.elastic and fault.elastic_cause is not None else fault.cause
+        if cause:
+            verdict = [line for line in console.splitlines() if cause in line]
+            assert verdict, f"node {node} never said {cause!r}:\n{console}"
     roots = {node: [x for x in cell.console(node).splitlines() if x.startswith("root cause:")]
              for node in fault.nodes if fault.codes[node] not in (None, 0)}
     firsts = {tuple(lines[:1]) for lines in roots.values() if lines}

@@ -130,6 +130,8 @@ class WorkerFailure:
     def _describe_node(self) -> str:
         if self.error_type == NODE_LOST:
             return f"node {self.node} was lost: {self.message}"
+        if self.error_type == STORE_LOST and self.node < 0:  # served off the job's nodes
+            return f"the rendezvous store {self.message}"
         if self.error_type == STORE_LOST:
             return f"node {self.node}, the store's host, {self.message}"
         if self.error_type == REFUSED:

@@ -13,6 +13,7 @@ Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` witho
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import socket
@@ -282,6 +283,7 @@ class ElasticRendezvous:
         hosted = int(rstore.get(WATCHER_KEY)) if rstore.check([WATCHER_KEY]) else None
         job.watcher_base = sum(nprocs[:hosted]) if hosted is not None else 0
         job.watcher_hosts_store = hosted is not None
+        job.store_host = hosted  # the group rank of the launcher that serves the store, if in the round
         # What this node would run, for every node of the round to compare once all joined (the
         # launcher checks: ``launch/meeting.check_fingerprints``), as a static job's nodes do.
         job.publish_fingerprint(fingerprint(self.config.target, self.config.target_args, self.config.device))
@@ -303,8 +305,16 @@ class ElasticRendezvous:
         """Stop beating; with ``close``, the job is over: a node that comes now is told so."""
         self.liveness.stop()
         if close:
-            with contextlib.suppress(Exception):
-                self.handler.shutdown()
+            # torch logs its own failure to close a rendezvous whose store is gone (a lost store is
+            # already one line of ours): its logger is held to errors for the call.
+            log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+            level = log.level
+            log.setLevel(logging.ERROR)
+            try:
+                with contextlib.suppress(Exception):
+                    self.handler.shutdown()
+            finally:
+                log.setLevel(level)
 
 
 class RoundWait:

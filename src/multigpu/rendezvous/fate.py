@@ -70,11 +70,11 @@ def share_interrupt(job: JobStore, signum: int) -> None:
     _bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
 
 
-def store_lost(why: str = STORE_HOST_ENDED) -> WorkerFailure:
+def store_lost(why: str = STORE_HOST_ENDED, host: int | None = 0) -> WorkerFailure:
     """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone;
     ``why`` completes "node 0, the store's host, ...". The one record of a lost store, however it was
     learned (a failed call: ``StoreLostError``; a call that never returned: the deadman)."""
-    return node_lost(0, why, STORE_LOST)
+    return node_lost(-1 if host is None else host, why, STORE_LOST)  # -1: a store off the job's nodes
 
 
 class FateMonitor:
@@ -152,7 +152,7 @@ class FateMonitor:
         call raises is noted in the node's log and taken as the same loss (the job cannot go on)."""
         if not isinstance(exc, StoreLostError):
             STORE_NOTES.note("call", exc)
-        self._fire(store_lost())
+        self._fire(store_lost(host=self.job.store_host))
 
     def _deadman(self) -> None:
         """A store call over a cut link blocks without a time-out; notice that from outside the call.
@@ -168,7 +168,8 @@ class FateMonitor:
             if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
             self._fire(store_lost(f"stopped answering for {now - began:.1f}s (allowed {allowed:.1f}s from "
-                                  "its measured latency; its launcher, or the network, is down)"))
+                                  "its measured latency; its launcher, or the network, is down)",
+                                  host=self.job.store_host))
             return
 
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:

@@ -48,6 +48,9 @@ class JobStore:
         """The base rank of the node that watches every node's beats (node 0 here)."""
         self.watcher_hosts_store = True
         """Whether the watcher serves the store: then its death is the store's, and nobody watches it."""
+        self.store_host: int | None = 0
+        """The node whose launcher serves the store (node 0 here); None: no node of the job does
+        (``multigpu store``), and a lost store is named as the store's."""
         self.waiter_store: Any = None
         """A second connection, for the one blocking wait (see ``with_own_client``)."""
         self.member = False
