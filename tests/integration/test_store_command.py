@@ -64,6 +64,7 @@ def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(t
         results = [n.communicate(timeout=90) for n in nodes[1:]]
         for node, (out, err) in zip(nodes[1:], results, strict=True):
             assert node.returncode == 0, err
+            assert "plain processes" not in err, err  # every round's rank forked from the template
             assert re.search(r"done world=2 restart=1", out), out + err
             assert "Traceback" not in err and "Exception raised from" not in err, err
         nodes[0].wait()
