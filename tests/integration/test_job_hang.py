@@ -93,7 +93,8 @@ def rank_pids(tmp_path: Path) -> list[int]:
             for r in a["ranks"].values() if r["pid"]]
 
 
-@pytest.mark.parametrize("hogs", ["quiet", pytest.param("loaded", marks=pytest.mark.matrix)], indirect=True)
+@pytest.mark.matrix  # the matrix's healthy cells in the suite's place; the tier runs both
+@pytest.mark.parametrize("hogs", ["quiet", "loaded"], indirect=True)
 def test_a_healthy_job_printing_from_rank_0_only_is_not_hung(tmp_path: Path, hogs: list[int]) -> None:
     script = write_script(tmp_path, "train.py", RANK_0_PRINTS)
     (rc0, out0, err0), (rc1, out1, err1) = two_nodes(tmp_path, script, "--hang-timeout", "5")
@@ -119,6 +120,7 @@ NO_COLLECTIVE_FOR_A_WHILE = """
 """
 
 
+@pytest.mark.matrix  # too heavy for the README's 8 minutes: the matrix tier runs it (scripts/fault_matrix.sh)
 def test_a_silent_node_lives_on_another_nodes_progress(tmp_path: Path) -> None:
     """No collective to count: node 1 knows the job is alive only from node 0's output, via the store."""
     script = write_script(tmp_path, "train.py", NO_COLLECTIVE_FOR_A_WHILE)

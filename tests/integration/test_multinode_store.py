@@ -131,6 +131,7 @@ def assert_clean(console: str) -> None:
     assert not noise, console[-3000:]
 
 
+@pytest.mark.matrix  # too heavy for the README's 8 minutes: the matrix tier runs it (scripts/fault_matrix.sh)
 def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_late(tmp_path: Path) -> None:
     """Node 1's script differs, node 1 claims first and polls slowly: node 0 refuses, but keeps serving
     until node 1 has read the verdict too (before: node 1 died in ``read_abort`` with torch's C++

@@ -46,6 +46,7 @@ def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "
                      cwd=tmp_path, env={"STEPS": steps})
 
 
+@pytest.mark.matrix  # too heavy for the README's 8 minutes: the matrix tier runs it (scripts/fault_matrix.sh)
 def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(tmp_path: Path) -> None:
     write_script(tmp_path, "loop.py", LOOP)
     port = free_port()

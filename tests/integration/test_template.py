@@ -98,7 +98,7 @@ print("POOLS " + json.dumps({
 
 @pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
 @pytest.mark.parametrize(("nproc", "extra"), [
-    ("1", {}), ("2", {"OPENBLAS_NUM_THREADS": "2"}),
+    ("1", {}), pytest.param("2", {"OPENBLAS_NUM_THREADS": "2"}, marks=pytest.mark.matrix),
     pytest.param("2", {}, marks=pytest.mark.matrix),
     pytest.param("1", {"MKL_NUM_THREADS": "1"}, marks=pytest.mark.matrix)])
 def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(tmp_path: Path, numpy: str, nproc: str,

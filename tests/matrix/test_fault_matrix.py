@@ -28,9 +28,8 @@ from helpers import MULTIGPU, PYTHON, clean_env, free_port, memory_cgroup, numpy
 
 MARK = "MULTIGPU_MATRIX_CELL"
 CELL_S = 90.0
-SUITE = {("static", "quiet", "no-numpy", "raise"), ("static", "quiet", "no-numpy", "kill0"),
-         ("elastic", "quiet", "no-numpy", "sigkill")}
-"""The cells the suite runs too (the healthy job's is tests/integration/test_job_hang.py's)."""
+SUITE = {("static", "quiet", "no-numpy", "kill0")}
+"""The cell the suite runs too (the others run in the matrix tier: the suite stays under 8 minutes)."""
 
 
 def cells() -> Iterator[object]:
