@@ -209,6 +209,35 @@ def test_console_prefixes_whole_lines(tmp_path: Path) -> None:
         assert log.count(" end\n") == lines
 
 
+CPP_STACK = """[W1206 05:11:34.016 TCPStore.cpp:115] [c10d] recvVector failed: Connection reset by peer
+Exception raised from recvBytes at /__w/torch/csrc/distributed/c10d/Utils.hpp:784 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fbe75379b8d in libc10.so)
+<omitting python frames>
+frame #43: _start + 0x21 (0x5557554e4081 in python)
+"""
+
+
+def test_a_ranks_cpp_stack_is_one_console_line_and_whole_in_its_log(tmp_path: Path) -> None:
+    """c10 appends a C++ backtrace to a failed store read's warning (CI saw one when a peer's node
+    was killed mid-rendezvous): the console names it in one line, the rank's log keeps every frame."""
+    script = write_script(tmp_path, "cpp.py", f"""
+        import sys
+        sys.stderr.write({CPP_STACK!r} + "\\n")
+        print("after", file=sys.stderr)
+    """)
+    out = tmp_path / "out"
+    result = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=45)
+    assert result.returncode == 0, result.stderr
+    assert "frame #" not in result.stderr and "Exception raised from" not in result.stderr, result.stderr
+    assert "[rank 0] (torch's C++ stack from recvBytes: in this rank's log)\n[rank 0] after" in result.stderr
+    assert "recvVector failed" in result.stderr
+    log = (out / "logs" / "attempt_0" / "rank_0.log").read_text()
+    assert CPP_STACK in log
+    shown = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=45,
+                    env={"TORCH_SHOW_CPP_STACKTRACES": "1"})
+    assert "[rank 0] frame #43: _start" in shown.stderr, shown.stderr  # asked for: shown whole
+
+
 def test_log_ranks_limits_console_not_files(tmp_path: Path) -> None:
     script = write_script(tmp_path, "dump.py", ENV_DUMP)
     out = tmp_path / "out"

@@ -51,8 +51,9 @@ def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(t
     write_script(tmp_path, "loop.py", LOOP)
     port = free_port()
     store = store_process(port, tmp_path)
+    nodes: list[subprocess.Popen[str]] = []
     try:
-        nodes = [elastic_node(tmp_path, port, "first", i) for i in range(3)]
+        nodes += [elastic_node(tmp_path, port, "first", i) for i in range(3)]
         out0 = tmp_path / "first0"
         deadline = time.monotonic() + 60
         seen = ""
@@ -73,11 +74,16 @@ def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(t
         assert out0.exists()
 
         second = [elastic_node(tmp_path, port, "second", i, steps="3") for i in range(2)]
+        nodes += second
         done = [n.communicate(timeout=60) for n in second]
         assert [n.returncode for n in second] == [0, 0], [err for _, err in done]
         assert all("done world=2 restart=0" in out for out, _ in done), done
         assert_gone([p for out, _ in done for p in pids_in(out)])
     finally:
+        for node in nodes:  # a failed assertion leaves launchers running: end them, close their pipes
+            if node.poll() is None:
+                node.kill()
+            node.communicate(timeout=30)
         store.send_signal(signal.SIGTERM)
         _, err = store.communicate(timeout=10)
     assert store.returncode == 0 and "SIGTERM received; stopped" in err, err

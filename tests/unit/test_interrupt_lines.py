@@ -1,5 +1,5 @@
 """Issue 31: after the user's Ctrl-C a rank's ``KeyboardInterrupt`` traceback goes to its log only
-(``supervisor/output.InterruptTracebacks``), and the report names where each rank was in one line
+(``supervisor/folding.InterruptTracebacks``), and the report names where each rank was in one line
 (``launch/report.innermost_user_frame``). Pure: lines in, lines out."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import sysconfig
 
 from multigpu.launch.report import innermost_user_frame, last_interrupt_traceback
-from multigpu.supervisor.output import InterruptTracebacks
+from multigpu.supervisor.folding import CppStacks, InterruptTracebacks
 
 TORCH = os.path.join(sysconfig.get_paths()["purelib"], "torch", "nn", "parallel", "distributed.py")
 USER = os.path.join(os.getcwd(), "train.py")
@@ -74,3 +74,34 @@ def test_the_last_interrupt_traceback_in_a_ranks_last_lines() -> None:
     assert found is not None and innermost_user_frame(found) == "train.py:42 (model = DDP(model))"
     assert last_interrupt_traceback(["step 3", *FAILED]) is None
     assert last_interrupt_traceback(["step 3"]) is None
+
+
+CPP_WARNING = """[W1206 05:11:34.016 TCPStore.cpp:115] [c10d] recvVector failed: Connection reset by peer
+Exception raised from recvBytes at /__w/torch/csrc/distributed/c10d/Utils.hpp:784 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fbe75379b8d in libc10.so)
+frame #1: c10d::TCPStore::doGet(std::string const&) + 0x76 (0x7fbe66f43956 in libtorch_cpu.so)
+<omitting python frames>
+frame #43: _start + 0x21 (0x5557554e4081 in python)
+""".splitlines()
+
+
+def fold(lines: list[str], chunk: int = 2) -> list[str]:
+    filt, shown = CppStacks(), []
+    data = [line.encode() for line in lines]
+    for i in range(0, len(data), chunk):
+        shown += filt.feed(data[i:i + chunk])
+    return [line.decode() for line in shown]
+
+
+def test_a_cpp_stack_is_one_line_on_the_console_and_its_message_stays() -> None:
+    assert fold(["step 3", *CPP_WARNING, "", "step 4"]) == [
+        "step 3", CPP_WARNING[0], "(torch's C++ stack from recvBytes: in this rank's log)", "step 4"]
+
+
+def test_a_cpp_stack_behind_torchs_rank_prefix_or_ended_by_text_is_folded_too() -> None:
+    prefixed = [f"[rank1]: {line}" for line in CPP_WARNING]
+    shown = fold([*prefixed, "[rank1]: RuntimeError: done"], chunk=1)
+    assert shown == [prefixed[0], "(torch's C++ stack from recvBytes: in this rank's log)",
+                     "[rank1]: RuntimeError: done"]
+    assert fold(["frame #0: a user's own line", "no stack here"]) == ["frame #0: a user's own line",
+                                                                       "no stack here"]

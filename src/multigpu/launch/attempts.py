@@ -85,9 +85,10 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
         finally:
             folder.release()
     finally:
+        over = run is not None and run.over
         if record is None or record.stop_signal != signal.SIGINT:  # after a Ctrl-C, leave at once
-            members.leave()  # the store's host outlives the other nodes' last reads
-        members.close(over=run is not None and run.over)
+            members.leave(over=over)  # the store's host outlives the other nodes' last reads
+        members.close(over=over)
 
 
 def open_membership(config: RunConfig, base_env: Mapping[str, str]) -> Membership:

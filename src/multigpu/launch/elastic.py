@@ -29,6 +29,7 @@ from multigpu.rendezvous.elastic import (
     settings_from,
     settle_run_id,
 )
+from multigpu.rendezvous.fate import finish_job
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.console import say
 from multigpu.supervisor.states import RunResult
@@ -57,6 +58,8 @@ class ElasticMembership:
             self.close(over=False)
             raise
         self.serves_store = hosted
+        self.last_round: JobStore | None = None
+        """The job's keys of the latest round this node joined (``leave``)."""
         # Keys of the whole job, whatever the round; no layout (the nodes change from round to round).
         self.job: JobStore | None = JobStore(store, node=-1, base_rank=-1, nproc=config.nproc, world_size=-1)
         self.job.run_id = self.run_id
@@ -75,6 +78,7 @@ class ElasticMembership:
         """Join the next round (torch's rules); its layout, as this node's attempt."""
         self.rdzv.handler.worker_store = None  # the last round's workers are gone: so is their store
         rnd = self.rdzv.next_round()
+        self.last_round = rnd.job
         check_fingerprints(rnd.job, self.config.rdzv.allow_mismatch)  # every node of the round refuses
         last = rnd.base_rank + self.config.nproc - 1
         say(f"node {rnd.group_rank} of {rnd.group_world_size}: ranks {rnd.base_rank}..{last} of "
@@ -96,9 +100,13 @@ class ElasticMembership:
         return (f"restarting every node: restart {count} of {self.config.supervision.max_restarts}, "
                 "through a new rendezvous round")
 
-    def leave(self) -> None:
-        """Nothing yet: an elastic job's store host does not wait for the others' last reads (a
-        survivor of a lost store says so in one line, and torch's words go to its log)."""
+    def leave(self, *, over: bool) -> None:
+        """When the job is over for every node (a refusal, its end), the store's host outlives the
+        other nodes' last reads of the last round (bounded), and every other node says it has read
+        them: a refusal reads as itself on every node, not as a lost store. A node that leaves a job
+        going on (SIGTERM, Ctrl-C) does not wait for nodes that go on without it."""
+        if over and self.last_round is not None:
+            finish_job(self.last_round, hosts_store=self.serves_store)
 
     def close(self, *, over: bool) -> None:
         """The spawner, then our beats; with ``over``, the rendezvous closes (safe twice)."""

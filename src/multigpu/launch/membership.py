@@ -77,8 +77,9 @@ class Membership(Protocol):
     def restart(self, meeting: Meeting) -> str:
         """Count ``meeting``'s failure as a restart (once, job-wide); the line that says so."""
 
-    def leave(self) -> None:
-        """The last act with the job's store, unless a Ctrl-C ended the run (then it leaves at once)."""
+    def leave(self, *, over: bool) -> None:
+        """The last act with the job's store, unless a Ctrl-C ended the run (then it leaves at once);
+        ``over``: the job is over for every node, not only for this one."""
         ...
 
     def close(self, *, over: bool) -> None:
@@ -139,9 +140,10 @@ class StaticMembership:
         every = " on every node" if self.job is not None else ""
         return f"restarting{every}: attempt {self._next} of {self.config.supervision.max_restarts} restart(s)"
 
-    def leave(self) -> None:
+    def leave(self, *, over: bool) -> None:
         """This node's last act with the job's store: node 0, its host, outlives the other nodes'
-        reads of the job's end (bounded); every other node says it has read it."""
+        reads of the job's end (bounded); every other node says it has read it. A static job is
+        over for every node whenever one node leaves it: ``over`` changes nothing."""
         finish_job(self.job, hosts_store=self.serves_store)
 
     def close(self, *, over: bool) -> None:

@@ -74,7 +74,7 @@ def first_per_rank(failures: list[WorkerFailure]) -> list[WorkerFailure]:
 def interrupted_line(w: Worker) -> str | None:
     """``rank 1 interrupted in train.py:42 (model = DDP(model))``: where the user's Ctrl-C found a
     rank, from its ``KeyboardInterrupt`` traceback (its error file, else its last lines), which went
-    to its log only (``output.InterruptTracebacks``); None when it left no such traceback."""
+    to its log only (``folding.InterruptTracebacks``); None when it left no such traceback."""
     record = w.own_record() if w.state is WorkerState.STOPPED else None
     text = record.traceback if record is not None and record.error_type == "KeyboardInterrupt" else None
     text = text or last_interrupt_traceback(w.tail)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
 from multigpu.supervisor.console import active_writer
 from multigpu.supervisor.events import Events
+from multigpu.supervisor.folding import CppStacks, InterruptTracebacks
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
@@ -36,6 +36,7 @@ MAX_PENDING = 64 << 20
 TAIL_LINE_CHARS = 4000
 """A tail line (for the report) is cut to this many characters; the log keeps the whole line."""
 PARTIAL_INTERVAL = 0.1
+SHOW_CPP_STACKS_ENV = "TORCH_SHOW_CPP_STACKTRACES"
 
 
 class OutputSink(Protocol):
@@ -110,58 +111,11 @@ class LogFile:
         return f"{self.path}: {self.error}; {self.lost} byte(s) not written"
 
 
-TRACEBACK_HEAD = b"Traceback (most recent call last):"
-TORCH_RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")
-"""What torch.distributed's excepthook puts before each line of a rank's traceback."""
-CHAINED = (b"During handling of the above exception, another exception occurred:",
-           b"The above exception was the direct cause of the following exception:")
-
-
-class InterruptTracebacks:
-    """After a Ctrl-C, a rank's ``KeyboardInterrupt`` traceback is for its log only: the report says
-    where each rank was in one line (``report.interrupted_line``). Any other traceback still shows.
-
-    Runs in the launcher, on the console's side of one pipe. A traceback's lines are held from its
-    head on, through any chained tracebacks, until the line after its last exception's line; then
-    the whole chain is dropped if that last exception is ``KeyboardInterrupt``, or shown, in order."""
-
-    def __init__(self) -> None:
-        self.held: list[bytes] | None = None
-        self._last: bytes | None = None
-        """The exception line of the chain held so far (None: still in its frames)."""
-
-    def feed(self, lines: list[bytes]) -> list[bytes]:
-        shown: list[bytes] = []
-        for line in lines:
-            text = TORCH_RANK_PREFIX.sub(b"", line, count=1)
-            bare = text.rstrip()
-            if self.held is not None and self._last is not None and bare and bare not in CHAINED \
-                    and bare != TRACEBACK_HEAD:
-                shown += self.flush()  # the chain is over: this line is the rank's next output
-            if self.held is None:
-                if bare == TRACEBACK_HEAD:
-                    self.held, self._last = [line], None
-                else:
-                    shown.append(line)
-                continue
-            self.held.append(line)
-            if bare == TRACEBACK_HEAD:
-                self._last = None
-            elif self._last is None and bare and not text[:1].isspace() and bare not in CHAINED:
-                self._last = bare
-        return shown
-
-    def flush(self) -> list[bytes]:
-        """End the chain held (the pipe ended, or other output followed): what the console shows of it."""
-        held, last, self.held, self._last = self.held or [], self._last, None, None
-        return [] if last is not None and last.startswith(b"KeyboardInterrupt") else held
-
-
 class Stream:
     """One pipe of one worker: the unfinished line, the files that take its bytes, its progress bar."""
 
-    __slots__ = ("fd", "files", "interrupts", "name", "partial_due", "partial_shown", "pending", "pipe",
-                 "worker")
+    __slots__ = ("cpp_stacks", "fd", "files", "interrupts", "name", "partial_due", "partial_shown", "pending",
+                 "pipe", "worker")
 
     def __init__(self, worker: Worker, name: str, pipe: IO[bytes], files: list[LogFile]) -> None:
         self.worker, self.name, self.pipe = worker, name, pipe
@@ -172,6 +126,9 @@ class Stream:
         self.partial_due: float | None = None
         self.interrupts: InterruptTracebacks | None = None
         """Set once the user's Ctrl-C reached the ranks (``WorkerOutput.hide_interrupts``)."""
+        asked = os.environ.get(SHOW_CPP_STACKS_ENV, "0") not in ("", "0")
+        self.cpp_stacks = None if asked else CppStacks()
+        """None where the user asked torch for C++ stacks (``TORCH_SHOW_CPP_STACKTRACES=1``): shown whole."""
 
 
 class WorkerOutput:
@@ -336,6 +293,8 @@ class WorkerOutput:
         if worker.capture is not None:
             worker.capture.extend(line.decode(errors="replace") for line in lines)
         stream.partial_shown = b""
+        if stream.cpp_stacks is not None:
+            lines = stream.cpp_stacks.feed(lines)
         if stream.interrupts is not None:
             lines = stream.interrupts.feed(lines)
         if self._shows(stream) and lines:
