@@ -16,7 +16,7 @@ SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 BOUND_S = 15.0
 EXPECTED_CODE = {"SIGTERM": 143, "SIGINT": -2}
 """SIGTERM: exit 143, as torchrun. SIGINT: the launcher dies of SIGINT itself once every rank is gone
-(``supervisor/signals.py``), so a shell sees an interrupted command and a ``for`` loop stops."""
+(``supervisor/stop_requests.py``), so a shell sees an interrupted command and a ``for`` loop stops."""
 PER_RUN_S = 2 * (4.0 + 5.5)
 
 

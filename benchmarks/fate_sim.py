@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.rendezvous.fate import (
+from multigpu.rendezvous.failure_sharing import (
     BEAT_S,
     FateMonitor,
     failure_from_record,

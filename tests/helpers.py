@@ -123,7 +123,7 @@ def free_port() -> int:
 
 def supervisor_arguments(notes: list[str], **kwargs: Any) -> dict[str, Any]:
     """``Supervisor``'s keyword arguments from flat ones (``grace_period=``, ``tick=``...), with notes."""
-    from multigpu.supervisor.options import Hooks, SupervisorOptions
+    from multigpu.supervisor.settings import Hooks, SupervisorOptions
 
     option_names = {f.name for f in dataclasses.fields(SupervisorOptions)}
     hook_names = {f.name for f in dataclasses.fields(Hooks)}

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     )
     from multigpu.function.argv import set_arguments_to_argv
     from multigpu.function.manager import MultiGPUManager
-    from multigpu.rank.preemption import preempted, should_stop
+    from multigpu.rank.preempted import preempted, should_stop
     from multigpu.rank.progress import heartbeat, section
 
 _EXPORTS = {

@@ -35,7 +35,7 @@ from helpers import (
     wait_gone,
     write_script,
 )
-from multigpu.supervisor.signals import SAME_INTERRUPT_S
+from multigpu.supervisor.stop_requests import SAME_INTERRUPT_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

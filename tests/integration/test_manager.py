@@ -465,10 +465,10 @@ SETUP = COMMON + """
             print(f"CAUSE {type(exc.__cause__).__name__}", flush=True)
         else:
             if MODE == "crash":
-                import multigpu.supervisor.console
+                import multigpu.console.ranks
                 def broken(*args, **kwargs):
                     raise OSError(28, "No space left on device")
-                multigpu.supervisor.console.PrefixedConsole.write_lines = broken
+                multigpu.console.ranks.PrefixedConsole.write_lines = broken
             train()
         try:
             manager.finalize()

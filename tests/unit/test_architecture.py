@@ -19,19 +19,20 @@ import multigpu
 
 PACKAGE = Path(multigpu.__file__).parent
 README = PACKAGE.parent.parent / "README.md"
-LAYERS = ("contract", "rank", "config", "cluster", "supervisor", "rendezvous", "template", "launch",
-          "function", "cli")
+LAYERS = ("contract", "rank", "config", "cluster", "console", "supervisor", "rendezvous", "template",
+          "record", "runner", "function", "cli")
 """Lowest first: the order the README's map lists them in."""
 
 IN_A_RANK_OR_THE_TEMPLATE = ("multigpu.rank", "multigpu.template.child", "multigpu.template.server",
                              "multigpu.template.__main__")
 """Code that runs inside a training process or the node's template process."""
-IN_THE_LAUNCHER = ("multigpu.supervisor", "multigpu.rendezvous.job", "multigpu.rendezvous.elastic",
-                   "multigpu.rendezvous.fate", "multigpu.rendezvous.latency", "multigpu.launch",
-                   "multigpu.cluster", "multigpu.config", "multigpu.template.client",
+IN_THE_LAUNCHER = ("multigpu.console", "multigpu.supervisor", "multigpu.rendezvous.job",
+                   "multigpu.rendezvous.elastic", "multigpu.rendezvous.failure_sharing",
+                   "multigpu.rendezvous.latency", "multigpu.runner", "multigpu.record", "multigpu.cluster",
+                   "multigpu.config", "multigpu.template.client",
                    "multigpu.template.process", "multigpu.cli.entry", "multigpu.cli.main",
                    "multigpu.cli.options", "multigpu.cli.torchrun", "multigpu.cli.layout",
-                   "multigpu.cli.preemption")
+                   "multigpu.cli.preemption_flags")
 """Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank
 as well). Shared by both sides, and so in neither list: ``contract``, the store (``rendezvous.store``),
 the template's channel (``template.wire``)."""
@@ -152,18 +153,18 @@ def test_the_contract_uses_the_standard_library_only() -> None:
 
 def test_the_checks_find_what_they_look_for() -> None:
     """The checks above can fail: planted violations in a small graph are each found."""
-    planted = imports_of("from multigpu.cli.main import main\nimport multigpu.launch.attempts\n",
+    planted = imports_of("from multigpu.cli.main import main\nimport multigpu.runner.attempts\n",
                          "multigpu.contract.planted")
-    assert planted == {"multigpu.cli.main", "multigpu.launch.attempts"}
+    assert planted == {"multigpu.cli.main", "multigpu.runner.attempts"}
     graph = {"multigpu.contract.planted": planted, "multigpu.cli.main": set(),
-             "multigpu.launch.attempts": {"multigpu.launch.attempt"},
-             "multigpu.launch.attempt": {"multigpu.launch.attempts"},
+             "multigpu.runner.attempts": {"multigpu.runner.attempt"},
+             "multigpu.runner.attempt": {"multigpu.runner.attempts"},
              "multigpu.rank.bootstrap": {"multigpu.supervisor.loop"}}
     assert upward(graph) == ["multigpu.contract.planted -> multigpu.cli.main",
-                             "multigpu.contract.planted -> multigpu.launch.attempts",
+                             "multigpu.contract.planted -> multigpu.runner.attempts",
                              "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
-    assert circle(graph) == ["multigpu.launch.attempts", "multigpu.launch.attempt",
-                             "multigpu.launch.attempts"]
+    assert circle(graph) == ["multigpu.runner.attempts", "multigpu.runner.attempt",
+                             "multigpu.runner.attempts"]
     assert crossings(graph, IN_A_RANK_OR_THE_TEMPLATE, IN_THE_LAUNCHER) == [
         "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from multigpu.contract.errors import StoreLostError, WorkerFailure
-from multigpu.rendezvous.fate import (
+from multigpu.rendezvous.failure_sharing import (
     FateMonitor,
     failure_from_record,
     failure_record,
@@ -394,7 +394,7 @@ def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_c
     really died, so the peer rank's "Connection reset" can carry the earlier time (seen in the SLURM
     tier, one run in three). Cause wins over clock there, and only there: a rank's own error that came
     first stays first."""
-    from multigpu.rendezvous.fate import _with_root
+    from multigpu.rendezvous.failure_sharing import _with_root
     from multigpu.supervisor.loop import by_time
     from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -414,7 +414,7 @@ def test_a_node_told_to_stop_is_one_record_with_its_signal_and_exit_code() -> No
     import signal as signals
 
     from multigpu.contract.errors import INTERRUPTED, LEARNED_FROM_SILENCE
-    from multigpu.rendezvous.fate import failure_from_record, failure_record, node_interrupted
+    from multigpu.rendezvous.failure_sharing import failure_from_record, failure_record, node_interrupted
 
     told = failure_from_record(failure_record(node_interrupted(1, signals.SIGTERM)))
     assert told.error_type == INTERRUPTED and told.signal == "SIGTERM" and told.node == 1
@@ -426,10 +426,10 @@ def test_a_node_told_to_stop_is_one_record_with_its_signal_and_exit_code() -> No
 def test_a_static_job_stops_with_the_signal_an_elastic_one_takes_it_as_a_node_leaving() -> None:
     import signal as signals
 
-    from multigpu.launch.attempt import _on_remote
     from multigpu.rendezvous.elastic import ElasticJobStore
-    from multigpu.rendezvous.fate import node_interrupted, node_lost
+    from multigpu.rendezvous.failure_sharing import node_interrupted, node_lost
     from multigpu.rendezvous.job import JobStore
+    from multigpu.runner.attempt import _on_remote
 
     class Recorder:
         def __init__(self) -> None:

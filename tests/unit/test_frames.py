@@ -6,11 +6,11 @@ import os
 import sys
 import traceback
 
-import multigpu.launch.restarts
+import multigpu.runner.crash_loop
 from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.frames import library_file, module_of_file, own_file, own_frame, own_module
-from multigpu.launch.restarts import signature
 from multigpu.rank.bootstrap import user_frames
+from multigpu.runner.crash_loop import signature
 
 
 def test_own_modules_are_the_package() -> None:
@@ -20,17 +20,17 @@ def test_own_modules_are_the_package() -> None:
 
 
 def test_a_file_is_named_by_its_module() -> None:
-    assert module_of_file(multigpu.launch.restarts.__file__) == "multigpu.launch.restarts"
+    assert module_of_file(multigpu.runner.crash_loop.__file__) == "multigpu.runner.crash_loop"
     assert module_of_file(os.path.join(os.path.dirname(multigpu.__file__), "__init__.py")) == "multigpu"
     assert module_of_file(__file__) is None
-    assert own_file(multigpu.launch.restarts.__file__) and not own_file(__file__)
+    assert own_file(multigpu.runner.crash_loop.__file__) and not own_file(__file__)
     assert library_file(os.__file__) and library_file("<frozen runpy>") and not library_file(__file__)
 
 
 def test_frames_are_ours_by_the_module_they_run_in() -> None:
     frame = sys._getframe()
     assert not own_frame(frame)
-    namespace: dict[str, object] = {"__name__": "multigpu.launch.attempt"}
+    namespace: dict[str, object] = {"__name__": "multigpu.runner.attempt"}
     exec("import sys\nf = sys._getframe()", namespace)
     assert own_frame(namespace["f"])  # type: ignore[arg-type]
 
@@ -81,7 +81,7 @@ def test_a_stack_dump_in_the_report_leaves_out_our_own_threads() -> None:
     from multigpu.contract.frames import PACKAGE_DIR, fold_own_threads
 
     threading_py = "/usr/lib/python3.11/threading.py"
-    ours = [f'  File "{PACKAGE_DIR}/rank/dumps.py", line 57 in _answer_dumps',
+    ours = [f'  File "{PACKAGE_DIR}/rank/dump_signal.py", line 57 in _answer_dumps',
             f'  File "{threading_py}", line 982 in run', f'  File "{threading_py}", line 1002 in _bootstrap']
     users = ['  File "loader.py", line 9 in fetch', f'  File "{threading_py}", line 982 in run']
     main = ['  File "train.py", line 13 in <module>',

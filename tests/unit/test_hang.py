@@ -224,7 +224,7 @@ def test_snapshot_has_step_times() -> None:
 
 
 def test_live_view_cells() -> None:
-    from multigpu.launch.status import step_cell
+    from multigpu.runner.live_view import step_cell
 
     b, clock = book(POLICY)
     assert step_cell(b.ranks[0]) == "-"

@@ -1,10 +1,10 @@
-"""The incident an attempt makes (``launch/incidents.py``), and its phases as ``multigpu report``
+"""The incident an attempt makes (``record/incidents.py``), and its phases as ``multigpu report``
 shows them."""
 
 from __future__ import annotations
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.launch.incidents import incident, next_attempt_began, phase_seconds, progress_seen
+from multigpu.record.incidents import incident, next_attempt_began, phase_seconds, progress_seen
 from multigpu.supervisor.states import RunResult, RunStatus
 
 

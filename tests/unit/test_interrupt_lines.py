@@ -1,14 +1,14 @@
 """Issue 31: after the user's Ctrl-C a rank's ``KeyboardInterrupt`` traceback goes to its log only
-(``supervisor/folding.InterruptTracebacks``), and the report names where each rank was in one line
-(``launch/report.innermost_user_frame``). Pure: lines in, lines out."""
+(``console/folding.InterruptTracebacks``), and the report names where each rank was in one line
+(``record/failure_report.innermost_user_frame``). Pure: lines in, lines out."""
 
 from __future__ import annotations
 
 import os
 import sysconfig
 
-from multigpu.launch.report import innermost_user_frame, last_interrupt_traceback
-from multigpu.supervisor.folding import CppStacks, InterruptTracebacks
+from multigpu.console.folding import CppStacks, InterruptTracebacks
+from multigpu.record.failure_report import innermost_user_frame, last_interrupt_traceback
 
 TORCH = os.path.join(sysconfig.get_paths()["purelib"], "torch", "nn", "parallel", "distributed.py")
 USER = os.path.join(os.getcwd(), "train.py")

@@ -1,5 +1,5 @@
-"""Issue 31: whether a run's launcher is still there (``launch/record.py``), decided from a fake /proc
-reading, the record closed as ``launcher lost``; and the waiting lines of a node (``launch/meeting.py``).
+"""Issue 31: whether a run's launcher is still there (``record/run_json.py``), decided from a fake /proc
+reading, the record closed as ``launcher lost``; and the waiting lines of a node (``runner/static_join.py``).
 No processes."""
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import pytest
 from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError
 from multigpu.contract.values import duration_text
-from multigpu.launch.meeting import JoinWait, wait_line
-from multigpu.launch.record import (
+from multigpu.record.run_json import (
     LOST,
     RunRecord,
     close_if_lost,
@@ -24,6 +23,7 @@ from multigpu.launch.record import (
     launcher_identity,
     start_time_of,
 )
+from multigpu.runner.static_join import JoinWait, wait_line
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "run.schema.json").read_text())
 STARTED = 1796455709.25

@@ -16,11 +16,11 @@ import pytest
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-from multigpu.function import delivery
+from multigpu.function import interrupt_caller as delivery
 from multigpu.function.argv import flatten_parameters
-from multigpu.function.delivery import FailureDelivery, hook_collective_errors
-from multigpu.launch.specs import AttemptContext, build_specs
-from multigpu.rendezvous.fate import failure_from_record, failure_record
+from multigpu.function.interrupt_caller import FailureDelivery, hook_collective_errors
+from multigpu.rendezvous.failure_sharing import failure_from_record, failure_record
+from multigpu.runner.specs import AttemptContext, build_specs
 
 # ---- hyper-parameters: a mapping or OTX's ConfigurableParameters -------------------------------------
 
@@ -215,7 +215,7 @@ def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code
     """A child that fails while setup is still running cannot be raised inside multigpu's code; the end
     of setup raises it, and only once (finalize() reports it again on its own)."""
     from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-    from multigpu.function.delivery import FailureDelivery
+    from multigpu.function.interrupt_caller import FailureDelivery
 
     delivery = FailureDelivery()
     delivery.raise_pending()  # nothing recorded: nothing raised
@@ -240,7 +240,7 @@ class CountingStore:
 
 
 def test_every_rank_counted_in_ends_the_wait() -> None:
-    from multigpu.function.joining import wait_for_every_rank
+    from multigpu.function.rank_setup import wait_for_every_rank
 
     store = CountingStore(others=1)
     wait_for_every_rank(store, "multigpu/joined/run", 3, timeout=5, failed=lambda: None)
@@ -248,7 +248,7 @@ def test_every_rank_counted_in_ends_the_wait() -> None:
 
 
 def test_a_child_failure_ends_the_wait_with_that_error() -> None:
-    from multigpu.function.joining import wait_for_every_rank
+    from multigpu.function.rank_setup import wait_for_every_rank
 
     boom = RuntimeError("rank 2 died")
     with pytest.raises(RuntimeError, match="rank 2 died"):
@@ -256,7 +256,7 @@ def test_a_child_failure_ends_the_wait_with_that_error() -> None:
 
 
 def test_ranks_that_never_come_time_out() -> None:
-    from multigpu.function.joining import wait_for_every_rank
+    from multigpu.function.rank_setup import wait_for_every_rank
 
     with pytest.raises(TimeoutError, match=r"only 1 of 3 ranks joined within 0\.05s"):
         wait_for_every_rank(CountingStore(), "multigpu/joined/run", 3, timeout=0.05, failed=lambda: None)

@@ -1,4 +1,4 @@
-"""The one attempts loop (``launch/attempts.py``) over the membership interface (``launch/membership.py``):
+"""The one attempts loop (``runner/attempts.py``) over the membership interface (``runner/membership.py``):
 what the loop decides after each attempt, whatever the mode, and the crash-loop memory an elastic job
 keeps in its store. No processes: scripted attempt results, a membership that records what it was asked,
 a real run record, torch's in-process ``HashStore``."""
@@ -16,11 +16,11 @@ import pytest
 from multigpu.config.run import RunConfig, SupervisionConfig
 from multigpu.contract.errors import MEMBERSHIP_CHANGE, NODE_LOST, STORE_LOST, WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
-from multigpu.launch import attempts
-from multigpu.launch.membership import Meeting, Membership, StaticMembership
-from multigpu.launch.record import RunRecord
-from multigpu.launch.restarts import CrashLoopPolicy, FailureMemory, LocalFailures, StoreFailures
+from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore
+from multigpu.runner import attempts
+from multigpu.runner.crash_loop import CrashLoopPolicy, FailureMemory, LocalFailures, StoreFailures
+from multigpu.runner.membership import Meeting, Membership, StaticMembership
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
 
 RUN_ID = "20261206-000000-abcdef"
@@ -122,7 +122,7 @@ def test_both_memberships_have_everything_the_interface_names() -> None:
     """Methods on the class; attributes set by the constructor (mypy checks the types in src)."""
     import inspect
 
-    from multigpu.launch.elastic import ElasticMembership
+    from multigpu.runner.rounds import ElasticMembership
 
     methods = {n for n, v in vars(Membership).items() if callable(v) and not n.startswith("_")}
     fields = set(Membership.__annotations__)

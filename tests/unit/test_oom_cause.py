@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from multigpu.contract.errors import WorkerFailure
-from multigpu.launch.restarts import CrashLoopPolicy
+from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.supervisor.oom import MemoryCgroup, OomWatch, kernel_kill_rss, size
 
 KMSG = ("6,1,1,-;Out of memory: Killed process 4242 (python) total-vm:2000000kB, anon-rss:589500kB, "

@@ -18,8 +18,8 @@ import pytest
 
 from multigpu.contract.names import WARNING_SIGNALS_ENV as SIGNALS_ENV
 from multigpu.contract.values import signal_numbers
-from multigpu.rank import preemption
-from multigpu.rank.preemption import _State
+from multigpu.rank import preempted as preemption
+from multigpu.rank.preempted import _State
 
 
 class FakeStore:

@@ -1,4 +1,4 @@
-"""The run record (``launch/record.py``) and its schema: one reading of each rank's end, UTC twins of
+"""The run record (``record/run_json.py``) and its schema: one reading of each rank's end, UTC twins of
 epoch times, the resolved configuration. No processes: a record fed by hand-made workers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import WorkerFailure
-from multigpu.launch.record import RunRecord, complete_error_files, with_utc_times
+from multigpu.record.run_json import RunRecord, complete_error_files, with_utc_times
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "run.schema.json").read_text())

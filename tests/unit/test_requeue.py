@@ -22,7 +22,7 @@ import pytest
 from multigpu.cli.main import parse_run_args
 from multigpu.cluster import requeue
 from multigpu.contract.errors import UsageError
-from multigpu.launch.preemption import PreemptWatch
+from multigpu.runner.preempt_watch import PreemptWatch
 
 SLURM_ENV = {
     "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_JOB_NAME": "train", "SLURM_JOB_NUM_NODES": "1",

@@ -6,7 +6,7 @@ import sysconfig
 
 from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
-from multigpu.launch.restarts import CrashLoopPolicy, Signature, signature
+from multigpu.runner.crash_loop import CrashLoopPolicy, Signature, signature
 
 LIB = sysconfig.get_paths()["purelib"]
 

@@ -17,7 +17,7 @@ SCRIPT = """
     from pathlib import Path
     from multigpu.contract.errors import StoreLostError
     from multigpu.rendezvous.job import JobStore
-    from multigpu.rendezvous.fate import leave_job, outlive_readers
+    from multigpu.rendezvous.failure_sharing import leave_job, outlive_readers
     from multigpu.rendezvous.store import STORE_NOTES, import_torch_quietly
 
     import_torch_quietly()

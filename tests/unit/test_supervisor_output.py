@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments
+from multigpu.console.ranks import PrefixedConsole
+from multigpu.console.writer import ConsoleWriter
 from multigpu.contract.errors import UsageError
-from multigpu.launch.rundir import check_run_id, claim_output
+from multigpu.record.folder import check_run_id, claim_output
 from multigpu.supervisor import reaping
-from multigpu.supervisor.console import ConsoleWriter, PrefixedConsole
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.output import LogFile, display_text
 from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec, WorkerState
@@ -320,7 +321,7 @@ def test_no_console_thread_outlives_its_writer() -> None:
 def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
     import subprocess
 
-    code = ("import os, sys\nfrom multigpu.supervisor.console import ensure_std_fds\nensure_std_fds()\n"
+    code = ("import os, sys\nfrom multigpu.console.writer import ensure_std_fds\nensure_std_fds()\n"
             "r, w = os.pipe()\nprint(r, w, file=open('fds.txt', 'w'))\n")
     for closed in ("<&-", ">&-", "2>&-", "<&- >&- 2>&-"):
         res = subprocess.run(["bash", "-c", f"exec {PYTHON} -c \"$0\" {closed}", code], cwd=tmp_path,
@@ -332,7 +333,7 @@ def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
 def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found under a full disk: the launcher's last lines came after a quiet spell longer than the stall
     limit, and close() took the idle console for a stalled one and dropped them."""
-    from multigpu.supervisor import console
+    from multigpu.console import writer as console
     now = [100.0]
     monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
     r, w = os.pipe()
@@ -378,7 +379,7 @@ def test_caller_lines_keep_the_callers_print_whole_when_its_stdout_is_unbuffered
     same hole at its 8 KiB boundary. Under ``caller_lines`` only whole lines reach the descriptor."""
     import io
 
-    from multigpu.supervisor.console import caller_lines
+    from multigpu.console.caller import caller_lines
 
     r, w = os.pipe()
     os.set_blocking(r, False)

@@ -8,7 +8,7 @@ import time
 from types import FrameType
 
 from multigpu.contract.signals import CAUGHT
-from multigpu.supervisor.signals import capture_signals
+from multigpu.supervisor.stop_requests import capture_signals
 
 
 def _wait_for(received: list[int], count: int) -> None:
@@ -68,7 +68,7 @@ def test_stop_requests_one_interrupt_a_second_press_and_the_signals_for_the_rank
     """The first stop signal stops the run; a SIGINT with it (``timeout -s INT`` signals the launcher
     and then its group) is the same interrupt; a SIGINT after the ranks were told to stop, and
     ``SAME_INTERRUPT_S`` later, is Ctrl-C pressed again. SIGHUP/SIGUSR1 go to the ranks."""
-    from multigpu.supervisor.signals import SAME_INTERRUPT_S, StopRequests
+    from multigpu.supervisor.stop_requests import SAME_INTERRUPT_S, StopRequests
 
     now = [100.0]
     woken: list[bool] = []
@@ -89,7 +89,7 @@ def test_stop_requests_one_interrupt_a_second_press_and_the_signals_for_the_rank
 
 
 def test_a_stop_signal_during_teardown_does_not_become_the_runs() -> None:
-    from multigpu.supervisor.signals import StopRequests
+    from multigpu.supervisor.stop_requests import StopRequests
 
     stops = StopRequests(lambda: 0.0, lambda: None)
     stops.record(signal.SIGTERM)

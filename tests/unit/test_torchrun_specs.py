@@ -10,7 +10,7 @@ import pytest
 from multigpu.cli.main import parse_run_args
 from multigpu.cluster import devices
 from multigpu.contract.names import AFFINITY_ENV
-from multigpu.launch.specs import AttemptContext, build_specs, worker_argv
+from multigpu.runner.specs import AttemptContext, build_specs, worker_argv
 from multigpu.supervisor.states import WorkerSpec
 
 
@@ -101,7 +101,7 @@ def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path)
     assert by_rank[1]["stdout"].needles == ()  # --local-ranks-filter hides rank 1: nothing copied
     assert by_rank[2]["stderr"].needles == ()  # stderr is not teed (-t 1): nothing copied
     assert by_rank[2]["stdout"].matching([b"loss,acc 0.5", b"loss 0.5"]) == b"[trainer2]:loss,acc 0.5\n"
-    from multigpu.launch.torchrun import RankLogs, line_copies
+    from multigpu.runner.torchrun_rules import RankLogs, line_copies
 
     config = parse_run_args([*argv, str(tmp_path / "train.py")], {})[0]
     teed = RankLogs({"stdout": tmp_path / "o"}, frozenset({"stdout"}))

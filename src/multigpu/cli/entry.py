@@ -16,7 +16,7 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        from multigpu.supervisor.console import ensure_std_fds
+        from multigpu.console.writer import ensure_std_fds
         from multigpu.template.process import close_early, start_early
 
         ensure_std_fds()  # before the early template's socket can take a closed 0-2

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from multigpu._version import __version__
 from multigpu.cli import options
 from multigpu.cli.layout import apply_layout, rendezvous_values
-from multigpu.cli.preemption import apply_preemption_options
+from multigpu.cli.preemption_flags import apply_preemption_options
 from multigpu.cli.torchrun import apply_rank_filters, apply_torchrun_options
 from multigpu.cluster.devices import dedupe, parse_index_list, visible_gpus
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
@@ -37,12 +37,12 @@ from multigpu.config.run import (
     StartConfig,
     SupervisionConfig,
 )
+from multigpu.console.writer import ensure_std_fds
 from multigpu.contract.environment import inside_launched_worker, usable_cpu_count
 from multigpu.contract.errors import Interrupted, MultiGPUError, UsageError
 from multigpu.contract.exitcodes import EXIT_USAGE
 from multigpu.contract.names import DEBUG_SERVER_ENV
 from multigpu.contract.values import integer, seconds
-from multigpu.supervisor.console import ensure_std_fds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -357,7 +357,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     config, note = parse_run_args(argv)
     if note:
         print(f"multigpu: {note}", file=sys.stderr, flush=True)
-    from multigpu.launch.attempts import launch
+    from multigpu.runner.attempts import launch
 
     return launch(config)
 
@@ -389,25 +389,25 @@ def cmd_demo(argv: Sequence[str]) -> int:
 
 
 def cmd_report(argv: Sequence[str]) -> int:
-    from multigpu.cli.history import cmd_report as report
+    from multigpu.cli.report import cmd_report as report
 
     return report(argv)
 
 
 def cmd_stacks(argv: Sequence[str]) -> int:
-    from multigpu.cli.history import cmd_ask
+    from multigpu.cli.report import cmd_ask
 
     return cmd_ask("stacks", argv)
 
 
 def cmd_status(argv: Sequence[str]) -> int:
-    from multigpu.cli.history import cmd_ask
+    from multigpu.cli.report import cmd_ask
 
     return cmd_ask("status", argv)
 
 
 def cmd_store(argv: Sequence[str]) -> int:
-    from multigpu.cli.store import cmd_store as store
+    from multigpu.cli.store_server import cmd_store as store
 
     return store(argv)
 
@@ -468,7 +468,7 @@ def interrupted(exc: KeyboardInterrupt, command: str | None) -> None:
     """A Ctrl-C that reached the command line: one line saying what stopped (``Interrupted`` knows;
     anywhere else no rank had started yet, and every ``finally`` on the way out has stopped what the
     command started), then the launcher dies of SIGINT, as Python does, so a shell loop stops too."""
-    from multigpu.supervisor.signals import end_with_signal
+    from multigpu.supervisor.stop_requests import end_with_signal
     from multigpu.template.process import close_early
 
     text = "interrupted (SIGINT)"

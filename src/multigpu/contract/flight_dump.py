@@ -2,7 +2,7 @@
 
 A dump is a pickled dict of dicts, lists, strings and numbers (see ``supervisor/flight_record.py``); the
 loader refuses every class, so a dump cannot run code in whoever reads it. Written by the rank
-(``rank/dumps.py``), read by the launcher. Standard library only.
+(``rank/dump_signal.py``), read by the launcher. Standard library only.
 """
 
 from __future__ import annotations

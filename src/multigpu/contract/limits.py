@@ -2,7 +2,7 @@
 
 Runs in the launcher: before it starts the node's template (``template/process.py``, which may come
 before the command line is even parsed) and again when it checks the limit against the ranks it will
-start (``launch/rundir.py``). The template and every rank it forks inherit the raised limit, as ranks
+start (``record/folder.py``). The template and every rank it forks inherit the raised limit, as ranks
 started fresh do; a template left at a low soft limit could not take the descriptor numbers the
 launcher hands a rank (64 ranks under ``ulimit -Sn 128``). Standard library only.
 """

@@ -3,9 +3,9 @@
 The calling process becomes local rank 0 and keeps training in place; local ranks 1..n-1 are started
 through the same rendezvous, spec builder, rank bootstrap and Supervisor as ``multigpu run``, watched
 from a background thread (``watcher``). A child's failure reaches the caller's code as
-``WorkerFailedError`` within moments, whatever it is doing (see ``delivery``). Setup is all-or-nothing:
+``WorkerFailedError`` within moments, whatever it is doing (see ``interrupt_caller``). Setup is all-or-nothing:
 every step registers its undo, so a setup that fails half-way leaves nothing behind. The caller itself
-becomes a rank through ``joining``, the one place that writes ``os.environ``. Runs in the caller.
+becomes a rank through ``rank_setup``, the one place that writes ``os.environ``. Runs in the caller.
 """
 
 from __future__ import annotations
@@ -24,19 +24,25 @@ from typing import Any
 from multigpu.cluster.devices import dedupe, get_gpu_ids, parse_index_list
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import SupervisionConfig
+from multigpu.console.caller import caller_lines
 from multigpu.contract.environment import inside_launched_worker
 from multigpu.contract.errors import MultiGPUError, WorkerFailedError
 from multigpu.contract.names import LAUNCHER_PID_ENV
 from multigpu.function import prepare as fm
-from multigpu.function.delivery import FailureDelivery, abort_collectives, hook_collective_errors
-from multigpu.function.joining import become_rank_environ, child_entry, join_group, restore_environ, run_child
+from multigpu.function.interrupt_caller import FailureDelivery, abort_collectives, hook_collective_errors
+from multigpu.function.rank_setup import (
+    become_rank_environ,
+    child_entry,
+    join_group,
+    restore_environ,
+    run_child,
+)
 from multigpu.function.watcher import ChildWatcher
-from multigpu.launch.meeting import rendezvous
-from multigpu.launch.specs import AttemptContext, build_specs
 from multigpu.rank.guard import guard_parent
-from multigpu.rendezvous.fate import finish_job, mark_done, serve_until_all_done
+from multigpu.rendezvous.failure_sharing import finish_job, mark_done, serve_until_all_done
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on
-from multigpu.supervisor.console import caller_lines
+from multigpu.runner.specs import AttemptContext, build_specs
+from multigpu.runner.static_join import rendezvous
 
 dist_timeout_s = fm.dist_timeout_s
 TIMEOUT_ENV = fm.TIMEOUT_ENV

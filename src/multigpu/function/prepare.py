@@ -24,7 +24,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig
 from multigpu.contract.errors import MultiGPUError
 from multigpu.function.argv import flatten_parameters, set_arguments_to_argv
-from multigpu.function.delivery import GroupSockets
+from multigpu.function.interrupt_caller import GroupSockets
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"

@@ -16,13 +16,13 @@ import sys
 import threading
 import time
 
+from multigpu.console.ranks import PrefixedConsole
 from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-from multigpu.function.delivery import FailureDelivery
-from multigpu.rendezvous.fate import FateMonitor, share_failure
+from multigpu.function.interrupt_caller import FailureDelivery
+from multigpu.rendezvous.failure_sharing import FateMonitor, share_failure
 from multigpu.rendezvous.job import JobStore
-from multigpu.supervisor.console import PrefixedConsole
 from multigpu.supervisor.loop import Supervisor
-from multigpu.supervisor.options import Hooks, SupervisorOptions
+from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
 
 

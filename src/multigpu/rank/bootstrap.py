@@ -19,12 +19,12 @@ from types import TracebackType
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
 from multigpu.rank.debug_server import start_if_asked as start_debug_server
-from multigpu.rank.dumps import arm_dumps, register_stack_dumps
+from multigpu.rank.dump_signal import arm_dumps, register_stack_dumps
 from multigpu.rank.exiting import announce_failure, exit_failed, finish_like_exit
 from multigpu.rank.guard import guard_parent
-from multigpu.rank.preemption import install as record_preemption_warnings
+from multigpu.rank.preempted import install as record_preemption_warnings
 from multigpu.rank.progress import heartbeat
-from multigpu.rank.streams import take_heartbeat
+from multigpu.rank.std_streams import take_heartbeat
 
 
 def user_frames(tb: TracebackType | None) -> TracebackType | None:

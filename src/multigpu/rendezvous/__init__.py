@@ -2,6 +2,6 @@
 caller); ``store`` is also used by the template process, which serves a node's store.
 
 ``store`` binds, serves and connects the c10d TCPStore; ``job`` is the launchers' shared view of a job
-of several nodes (membership, run id, beats, the abort record); ``fate`` and ``latency`` share one
+of several nodes (membership, run id, beats, the abort record); ``failure_sharing`` and ``latency`` share one
 node's failure with every node; ``elastic`` is membership on torch's own dynamic rendezvous.
 """

@@ -4,7 +4,7 @@ Membership, node ranks and rounds are torch's: ``DynamicRendezvousHandler`` over
 ``C10dRendezvousBackend`` on the job's c10d TCPStore, so a torchrun node and its rules (MIN nodes and
 a closed join window start a round, a waiting node triggers the next one) are the same here. What we
 add sits on that store: run-id protection, fate sharing per round (heartbeats and one abort record,
-``fate.py``) and a job-wide restart count. Two defects of torch 2.13's handler are worked around on
+``failure_sharing.py``) and a job-wide restart count. Two defects of torch 2.13's handler are worked around on
 the store, not by a new protocol (see ``ElasticHandler`` and ``Liveness``).
 
 Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` without it.
@@ -26,13 +26,13 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
+from multigpu.console.writer import say
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
-from multigpu.rendezvous.fate import BEAT_S
+from multigpu.rendezvous.failure_sharing import BEAT_S
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
-from multigpu.supervisor.console import say
 
 WAITING_POLL_S = 0.5
 EVICT_AFTER_S = 3.0
@@ -285,7 +285,7 @@ class ElasticRendezvous:
         job.watcher_hosts_store = hosted is not None
         job.store_host = hosted  # the group rank of the launcher that serves the store, if in the round
         # What this node would run, for every node of the round to compare once all joined (the
-        # launcher checks: ``launch/meeting.check_fingerprints``), as a static job's nodes do.
+        # launcher checks: ``runner/static_join.check_fingerprints``), as a static job's nodes do.
         job.publish_fingerprint(fingerprint(self.config.target, self.config.target_args, self.config.device))
         job.join(self.settings.read_timeout)
         store_info = info.bootstrap_store_info

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from multigpu.contract.errors import HANG, WorkerFailure
-from multigpu.rendezvous.fate import failure_record
+from multigpu.rendezvous.failure_sharing import failure_record
 from multigpu.rendezvous.job import DONE, JobStore
 from multigpu.supervisor.jobhang import GATHER_S, RankState, decide
 

@@ -3,7 +3,7 @@ all and says which rank is missing from which collective.
 
 torch keeps, per process, a ring buffer of the last collectives of every process group
 (``TORCH_FR_BUFFER_SIZE`` entries; ``environment.flight_recorder_env`` turns it on for GPU ranks). On a
-hang the launcher sends ``FR_SIGNAL`` to each rank; a thread of the rank's bootstrap (``rank/dumps.py``)
+hang the launcher sends ``FR_SIGNAL`` to each rank; a thread of the rank's bootstrap (``rank/dump_signal.py``)
 calls ``torch._C._distributed_c10d._dump_nccl_trace`` (NCCL) or ``_dump_fr_trace`` (gloo and the
 others) and writes the pickled dump to ``<prefix><rank>``, the file name torch's own dump on a NCCL
 timeout uses (``TORCH_FR_DUMP_TEMP_FILE``). A dump is a dict: ``version``, ``pg_config`` (group name ->

@@ -27,14 +27,13 @@ from collections.abc import Sequence
 from multigpu.contract.errors import HANG, WorkerFailure
 from multigpu.supervisor import exits, hang, jobhang, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
-from multigpu.supervisor.dumps import DumpRequest, flight_record
 from multigpu.supervisor.events import Events, read_ready
 from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
-from multigpu.supervisor.news import News
-from multigpu.supervisor.options import Hooks, SupervisorOptions
 from multigpu.supervisor.output import OutputSink, Stream, WorkerOutput
-from multigpu.supervisor.signals import StopRequests
+from multigpu.supervisor.run_updates import News
+from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
+from multigpu.supervisor.stack_dumps import DumpRequest, flight_record
 from multigpu.supervisor.states import (
     RunResult,
     RunStatus,
@@ -42,6 +41,7 @@ from multigpu.supervisor.states import (
     WorkerSpec,
     WorkerState,
 )
+from multigpu.supervisor.stop_requests import StopRequests
 
 
 class Supervisor:

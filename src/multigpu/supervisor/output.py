@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-from multigpu.supervisor.console import active_writer
+from multigpu.console.folding import CppStacks, InterruptTracebacks
+from multigpu.console.writer import active_writer
 from multigpu.supervisor.events import Events
-from multigpu.supervisor.folding import CppStacks, InterruptTracebacks
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from multigpu.console.writer import active_writer
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import reaping
-from multigpu.supervisor.console import active_writer
 from multigpu.supervisor.events import Events
-from multigpu.supervisor.options import SupervisorOptions
 from multigpu.supervisor.output import WorkerOutput
+from multigpu.supervisor.settings import SupervisorOptions
 from multigpu.supervisor.states import Worker
 
 ORPHAN_WAIT_S = 1.0

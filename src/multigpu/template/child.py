@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from multigpu.rank.dumps import block_dump_requests
+from multigpu.rank.dump_signal import block_dump_requests
 from multigpu.template.pools import Pools
 
 REPARENT_WAIT_S = 5.0

@@ -11,7 +11,7 @@ multi-core machine (every multi-node job, one rank per node) had a second thread
 fork. Held to one, nothing starts at import; the rank then asks for what it was given: OpenMP through
 ``torch.set_num_threads`` (what torch does at start from ``OMP_NUM_THREADS``) and the BLAS libraries
 through threadpoolctl, the library made for their pools. The rank calls ``apply`` only once the
-launcher's dump request signal is blocked (``rank/dumps.block_dump_requests``): the threads these
+launcher's dump request signal is blocked (``rank/dump_signal.block_dump_requests``): the threads these
 libraries start inherit the block, so the request can only reach the rank's dump thread.
 """
 

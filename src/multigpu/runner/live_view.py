@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from multigpu.supervisor.console import ConsoleWriter, PrefixedConsole, WriterFile
+from multigpu.console.ranks import PrefixedConsole
+from multigpu.console.writer import ConsoleWriter, WriterFile
 from multigpu.supervisor.output import display_text
 from multigpu.supervisor.states import RankProgress, Worker, WorkerState
 

@@ -18,25 +18,25 @@ from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
+from multigpu.console.writer import ConsoleWriter, say
 from multigpu.contract.errors import MEMBERSHIP_CHANGE, Interrupted, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
-from multigpu.launch.attempt import exit_code, run_attempt
-from multigpu.launch.membership import Meeting, Membership, StaticMembership
-from multigpu.launch.preemption import PreemptWatch, finish_preempted
-from multigpu.launch.record import RunRecord
-from multigpu.launch.report import format_report
-from multigpu.launch.restarts import CrashLoopPolicy
-from multigpu.launch.rundir import check_run_id, claim_output, raise_open_file_limit
-from multigpu.launch.specs import AttemptContext, build_specs
+from multigpu.record.failure_report import format_report
+from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit
+from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
-from multigpu.rendezvous.fate import serve_until_all_done
+from multigpu.rendezvous.failure_sharing import serve_until_all_done
 from multigpu.rendezvous.store import STORE_NOTES
-from multigpu.supervisor.console import ConsoleWriter, say
-from multigpu.supervisor.sentinel import close_node_sentinel
-from multigpu.supervisor.signals import end_with_signal
+from multigpu.runner.attempt import exit_code, run_attempt
+from multigpu.runner.crash_loop import CrashLoopPolicy
+from multigpu.runner.membership import Meeting, Membership, StaticMembership
+from multigpu.runner.preempt_watch import PreemptWatch, finish_preempted
+from multigpu.runner.specs import AttemptContext, build_specs
+from multigpu.supervisor.sentinel_handle import close_node_sentinel
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
+from multigpu.supervisor.stop_requests import end_with_signal
 
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
@@ -94,7 +94,7 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
 def open_membership(config: RunConfig, base_env: Mapping[str, str]) -> Membership:
     """This node's membership of the job, met (its run id agreed): elastic rounds or a fixed set."""
     if is_elastic(config):  # torch's dynamic rendezvous; imports torch
-        from multigpu.launch.elastic import ElasticMembership
+        from multigpu.runner.rounds import ElasticMembership
 
         return ElasticMembership(config, base_env)
     return StaticMembership(config, base_env)

@@ -1,7 +1,7 @@
 """``--preempt-signal``, ``--preempt-grace`` and ``--requeue``/``--no-requeue``: parsed into the config.
 
 Launcher side, at parse time; what the options then do is ``cluster/requeue.py``'s and
-``launch/preemption.py``'s.
+``runner/preempt_watch.py``'s.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
-"""``multigpu report [RUN_DIR]``: where a run's time went, from its ``run.json``. Runs in the shell of
-whoever asks (no launcher needed; the run may be over or still going).
+"""``multigpu report``'s rendering: a run's incidents as a table, and ``report.html``, one static page
+with a per-rank timeline of every attempt. Runs in the shell of whoever asks (no launcher needed).
 
-It prints the run's incidents (``launch/incidents.py``) as a table, one line per attempt that did not
-succeed, with how long each phase took (failure to detection, detection to every rank stopped, to the
-next attempt's ranks starting, to its first step), and writes ``report.html`` beside ``run.json``: one
-static file, no script and nothing fetched from a network, with a per-rank timeline of every attempt
-(its ranks' lives, coloured by how they ended, and each incident's moments).
+The page holds no script and fetches nothing from a network: each rank's life is an SVG bar,
+coloured by how it ended, with each incident's moments marked on it.
 """
 
 from __future__ import annotations
 
 import html
-import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multigpu.contract.errors import MultiGPUError, UsageError
-from multigpu.launch.incidents import PHASES, phase_seconds
-from multigpu.launch.record import LOST, read_fate
+from multigpu.contract.errors import UsageError
+from multigpu.record.incidents import PHASES, phase_seconds
 
 COLOURS = {"succeeded": "#2e7d32", "failed": "#c62828", "stopped": "#9e9e9e", "running": "#1565c0",
            "hung": "#ef6c00", "interrupted": "#6a1b9a", "launcher lost": "#616161"}
@@ -107,55 +101,3 @@ def page(data: dict[str, Any]) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>multigpu run {run}</title>"
             f"<style>{style}</style></head><body><h1>run {run}: {html.escape(data['status'])}</h1>"
             f"{timeline_svg(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n")
-
-
-def cmd_report(argv: Sequence[str]) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="multigpu report", description=(
-        "Where a run's time went: its incidents as a table, and report.html beside its run.json."))
-    parser.add_argument("run_dir", nargs="?", help="a run's output folder (default: the newest under "
-                        "./multigpu_runs)")
-    folder = find_run(parser.parse_args(argv).run_dir)
-    data = json.loads((folder / "run.json").read_text())
-    fate = read_fate(folder / "run.json", data)
-    print("\n".join(table(data)))
-    if fate is not None and fate.state != "alive":
-        print(fate.line)
-    elif data["status"] == LOST:
-        launcher = data["launcher"]
-        print(f"{LOST}: pid {launcher['pid']} on {launcher['host']} was found gone at "
-              f"{launcher.get('lost_found_time_utc', '?')}; the record keeps what it last wrote")
-    out = folder / "report.html"
-    out.write_text(page(data))
-    print(f"timeline: {out}")
-    return 0
-
-
-def cmd_ask(request: str, argv: Sequence[str]) -> int:
-    """``multigpu stacks`` / ``multigpu status``: ask a running launcher, from any shell of its user."""
-    import argparse
-
-    from multigpu.supervisor.control import ask
-
-    what = {"stacks": "every live rank's Python stacks, now, without stopping the job",
-            "status": "one line per rank of a running job: its state, step and last progress"}[request]
-    parser = argparse.ArgumentParser(prog=f"multigpu {request}", description=f"Print {what}.")
-    parser.add_argument("run_dir", nargs="?", help="a run's output folder (default: the newest under "
-                        "./multigpu_runs)")
-    folder = find_run(parser.parse_args(argv).run_dir)
-    data = json.loads((folder / "run.json").read_text())
-    fate = read_fate(folder / "run.json", data)
-    if fate is not None and fate.state != "alive":
-        raise MultiGPUError(f"run {data['run_id']}: {fate.line}; multigpu report {folder} says what it "
-                            "last recorded")
-    name = data.get("control_socket")
-    if data.get("end_time") is not None or not name:
-        raise UsageError(f"run {data['run_id']} is not running ({data['status']}); multigpu report "
-                         f"{folder} says what happened")
-    try:
-        print(ask(name, request), end="")
-    except OSError as exc:
-        raise UsageError(f"run {data['run_id']}'s launcher did not answer ({exc.strerror or exc}); "
-                         "is it still running on this machine?") from None
-    return 0

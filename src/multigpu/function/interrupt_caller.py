@@ -41,8 +41,9 @@ from typing import Any
 from multigpu.contract.errors import WorkerFailedError
 from multigpu.contract.frames import module_of, own_frame
 
-MACHINERY = frozenset({"multigpu.function.manager", "multigpu.function.prepare", "multigpu.function.delivery",
-                       "multigpu.function.watcher", "multigpu.function.joining"})
+MACHINERY = frozenset({"multigpu.function.manager", "multigpu.function.prepare",
+                       "multigpu.function.interrupt_caller", "multigpu.function.watcher",
+                       "multigpu.function.rank_setup"})
 """Function mode's own modules: a failure is never delivered while one of them is on the stack."""
 APPLICATIONS = frozenset({"multigpu.cli.demo", "multigpu.cli.main", "multigpu.__main__"})
 """Code shipped with multigpu that is the user's side here (``multigpu demo`` and the command that runs

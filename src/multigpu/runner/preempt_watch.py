@@ -26,13 +26,13 @@ from typing import Any, Protocol
 
 from multigpu.cluster import requeue
 from multigpu.config.run import RunConfig
+from multigpu.console.writer import say
 from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from multigpu.contract.signals import signal_name
-from multigpu.launch.record import RunRecord
+from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
-from multigpu.rendezvous.fate import mark_done, serve_until_all_done
+from multigpu.rendezvous.failure_sharing import mark_done, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
-from multigpu.supervisor.console import say
 from multigpu.supervisor.states import RunResult, RunStatus
 
 POLL_S = 1.0

@@ -22,11 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TextIO
-
-if TYPE_CHECKING:
-    from multigpu.supervisor.states import Worker
+from collections.abc import Callable, Iterable
 
 CAPACITY = 4 << 20
 """Bytes the console may hold unwritten; a single larger line is still taken when the buffer is empty."""
@@ -43,8 +39,6 @@ past it the console counts as stopped, and lines are dropped instead."""
 CLEAR_LINE = b"\x1b[K"
 
 _active: ConsoleWriter | None = None
-_caller_lock = threading.Lock()
-"""Function mode: held while the caller's own line or a child's line goes to the shared descriptors."""
 
 
 def say(message: str) -> None:
@@ -83,7 +77,7 @@ class WriterFile:
                 sys.stderr.flush()
 
     def isatty(self) -> bool:
-        return self._writer.ttys.get(self._fd, False) if self._writer is not None else _isatty(self._fd)
+        return self._writer.ttys.get(self._fd, False) if self._writer is not None else isatty(self._fd)
 
     def fileno(self) -> int:
         return self._fd
@@ -135,7 +129,7 @@ class ConsoleWriter:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._last_progress = time.monotonic()
-        self.ttys = {fd: _isatty(fd) for fd in fds}
+        self.ttys = {fd: isatty(fd) for fd in fds}
         self.on_room: Callable[[], None] | None = None
         """Called (on the writer thread) when a full buffer has room again: the loop reads once more."""
 
@@ -288,146 +282,8 @@ def _drop_notice(count: int) -> bytes:
             f"(the rank logs have every line)\n").encode()
 
 
-def _isatty(fd: int) -> bool:
+def isatty(fd: int) -> bool:
     try:
         return os.isatty(fd)
     except OSError:
         return False
-
-
-def rank_prefix(rank: int, node: int | None = None) -> bytes:
-    return (f"[node {node} rank {rank}] " if node is not None else f"[rank {rank}] ").encode()
-
-
-class PrefixedConsole:
-    """Workers' lines on the launcher's stdout/stderr, each prefixed with its rank.
-
-    With a ``ConsoleWriter`` (the CLI) nothing here blocks. Without one (function mode, where the
-    console is the user's own Python process) lines are written directly, as before.
-    A progress bar (an unfinished line) is drawn in place on a terminal: the bottom line of the
-    stream shows the latest bar; other lines are printed above it and the bar is redrawn.
-    """
-
-    def __init__(self, log_ranks: Iterable[int] | None = None, qualify_node: bool = False,
-                 writer: ConsoleWriter | None = None) -> None:
-        self.log_ranks = None if log_ranks is None else frozenset(log_ranks)
-        self.qualify_node = qualify_node
-        self._writer = writer
-        self._prefixes: dict[int, bytes] = {}
-        self._bars: dict[int, tuple[tuple[int, str], bytes]] = {}  # fd -> (rank, stream), drawn bar
-        self._closed: set[int] = set()
-
-    def shows(self, rank: int) -> bool:
-        return self.log_ranks is None or rank in self.log_ranks
-
-    def prefix(self, worker: Worker) -> bytes:
-        p = self._prefixes.get(worker.rank)
-        if p is None:
-            p = rank_prefix(worker.rank, worker.spec.node if self.qualify_node else None)
-            self._prefixes[worker.rank] = p
-        return p
-
-    def write_lines(self, worker: Worker, stream: str, lines: list[bytes]) -> None:
-        if not self.shows(worker.rank) or not lines:
-            return
-        fd = 2 if stream == "stderr" else 1
-        p = self.prefix(worker)
-        data = b"".join(p + line + b"\n" for line in lines)
-        bar = self._bars.get(fd)
-        if bar is not None:
-            owner, drawn = bar
-            if owner == (worker.rank, stream):  # the bar's own line ended: it replaces the bar
-                del self._bars[fd]
-                data = b"\r" + (CLEAR_LINE if self._tty(fd) else b"") + data
-            else:  # print above the bar, then draw it again
-                data = self._erase(fd) + data + (drawn if self._tty(fd) else b"")
-                if not self._tty(fd):
-                    del self._bars[fd]
-        self._put(fd, data, len(lines))
-
-    def write_partial(self, worker: Worker, stream: str, text: bytes) -> None:
-        if not self.shows(worker.rank):
-            return
-        fd = 2 if stream == "stderr" else 1
-        drawn = b"\r" + self.prefix(worker) + text + (CLEAR_LINE if self._tty(fd) else b"")
-        bar = self._bars.get(fd)
-        data = drawn
-        if bar is not None and bar[0] != (worker.rank, stream) and not self._tty(fd):
-            data = b"\n" + drawn  # a pipe or file: a new bar starts on its own line
-        self._bars[fd] = ((worker.rank, stream), drawn)
-        self._put(fd, data, 0)
-
-    def _erase(self, fd: int) -> bytes:
-        return b"\r" + CLEAR_LINE if self._tty(fd) else b"\n"
-
-    def _tty(self, fd: int) -> bool:
-        return self._writer.ttys.get(fd, False) if self._writer is not None else _isatty(fd)
-
-    def _put(self, fd: int, data: bytes, lines: int) -> None:
-        if self._writer is not None:
-            self._writer.put(fd, data, lines)
-            return
-        if fd in self._closed:
-            return
-        out = sys.stderr if fd == 2 else sys.stdout
-        try:
-            # Straight to the descriptor, never through ``out``'s buffer, and between the caller's
-            # whole lines (``CallerLines``): function mode's caller is a rank too.
-            view = memoryview(data)
-            target = out.fileno()
-            with _caller_lock:
-                while view:
-                    view = view[os.write(target, view):]
-        except (OSError, ValueError, AttributeError):  # the console went away: the log files go on
-            self._closed.add(fd)
-
-
-class CallerLines:
-    """Function mode's caller (rank 0) writes whole lines, so a child's line never lands inside one.
-
-    ``print()`` writes its text and its newline separately (two writes when stdout is unbuffered, as
-    with ``PYTHONUNBUFFERED``), and a block-buffered stream flushes at 8 KiB, mid-line; the children's
-    lines come from another thread. This stand-in for ``sys.stdout``/``sys.stderr`` holds a partial
-    line until its newline (or an explicit ``flush()``, as a progress bar's ``\r`` update does) and
-    writes it under the lock the children's lines take. Everything else is the real stream's.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-        self._partial = ""
-
-    def write(self, text: str) -> int:
-        with _caller_lock:
-            self._partial += text
-            cut = self._partial.rfind("\n") + 1
-            if cut:
-                whole, self._partial = self._partial[:cut], self._partial[cut:]
-                self._stream.write(whole)
-                self._stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        with _caller_lock:
-            partial, self._partial = self._partial, ""
-            if partial:
-                self._stream.write(partial)
-            self._stream.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def caller_lines() -> Iterator[None]:
-    """Guard the caller's stdout and stderr while children share its console; put them back after."""
-    guards = {name: CallerLines(getattr(sys, name)) for name in ("stdout", "stderr")}
-    for name, guard in guards.items():
-        setattr(sys, name, guard)
-    try:
-        yield
-    finally:
-        for name, guard in guards.items():
-            with contextlib.suppress(OSError, ValueError):  # a closed console: nothing to save
-                guard.flush()
-            if getattr(sys, name) is guard:  # the caller may have replaced it since: theirs stays
-                setattr(sys, name, guard._stream)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from multigpu.config.run import SupervisionConfig
-from multigpu.supervisor.console import say
+from multigpu.console.writer import say
 from multigpu.supervisor.control import ControlSocket
 from multigpu.supervisor.states import SupervisorListener, Worker
 

@@ -12,24 +12,31 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 from multigpu.config.run import RunConfig
+from multigpu.console.ranks import PrefixedConsole
+from multigpu.console.writer import active_writer, say
 from multigpu.contract.errors import INTERRUPTED, MEMBERSHIP_CHANGE, WorkerFailure
 from multigpu.contract.signals import signal_name
-from multigpu.launch.preemption import PreemptWatch
-from multigpu.launch.record import RunRecord, complete_error_files
-from multigpu.launch.report import plain_summary
-from multigpu.rendezvous.fate import FateMonitor, mark_done, settle_root, share_failure, share_interrupt
+from multigpu.record.failure_report import plain_summary
+from multigpu.record.run_json import RunRecord, complete_error_files
+from multigpu.rendezvous.failure_sharing import (
+    FateMonitor,
+    mark_done,
+    settle_root,
+    share_failure,
+    share_interrupt,
+)
 from multigpu.rendezvous.hangs import StoreHangs
 from multigpu.rendezvous.job import JobStore
-from multigpu.supervisor.console import PrefixedConsole, active_writer, say
+from multigpu.runner.preempt_watch import PreemptWatch
 from multigpu.supervisor.control import ControlSocket, socket_name
 from multigpu.supervisor.hang import progress_book
 from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.loop import Supervisor
-from multigpu.supervisor.options import Hooks, SupervisorOptions
-from multigpu.supervisor.sentinel import node_sentinel
-from multigpu.supervisor.signals import capture_signals
+from multigpu.supervisor.sentinel_handle import node_sentinel
+from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
+from multigpu.supervisor.stop_requests import capture_signals
 
 
 def exit_code(result: RunResult) -> int:
@@ -139,7 +146,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     console = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=active_writer())
     live = None
     if _use_live_view(config):
-        from multigpu.launch.status import LiveStatus
+        from multigpu.runner.live_view import LiveStatus
 
         live = LiveStatus(f"multigpu attempt {attempt}", console, active_writer())
     with ExitStack() as stack:
@@ -168,7 +175,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         result = _end(supervisor, result, config, record, job, monitor,
                       warned=preempt is not None and preempt.warned)
     if live is not None:
-        from multigpu.launch.status import print_summary_table
+        from multigpu.runner.live_view import print_summary_table
 
         print_summary_table(supervisor.workers, active_writer())
     else:

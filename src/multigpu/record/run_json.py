@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from multigpu.config.run import RunConfig
+from multigpu.console.writer import say
 from multigpu.contract.errors import UsageError
 from multigpu.contract.signals import signal_name
-from multigpu.launch import incidents
-from multigpu.launch.report import rank_reason
-from multigpu.supervisor.console import say
+from multigpu.record import incidents
+from multigpu.record.failure_report import rank_reason
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
 

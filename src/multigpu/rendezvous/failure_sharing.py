@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from multigpu.console.writer import say
 from multigpu.contract.errors import (
     INTERRUPTED,
     LEARNED_FROM_SILENCE,
@@ -34,7 +35,6 @@ from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
-from multigpu.supervisor.console import say
 from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 

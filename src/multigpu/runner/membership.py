@@ -5,7 +5,7 @@ the run record are written once, in the loop, and hold in every mode. Runs in th
 
 Two memberships:
 
-* static (``StaticMembership``, here): one node, or a fixed set of nodes (``meeting.py`` over
+* static (``StaticMembership``, here): one node, or a fixed set of nodes (``static_join.py`` over
   ``rendezvous/job.py``) that meets once at the start and again, all of them, before each restart;
 * elastic (``ElasticMembership``, ``elastic.py``): torch's rendezvous rounds
   (``rendezvous/elastic.py``), where a node waiting to join ends a round without counting a restart.
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from multigpu.config.run import RunConfig
+from multigpu.console.writer import say
 from multigpu.contract.errors import LEARNED_FROM_SILENCE
-from multigpu.launch.meeting import LOOPBACK, Rendezvous, meet_again, node_spawner, rendezvous
-from multigpu.launch.restarts import FailureMemory, LocalFailures
-from multigpu.launch.rundir import check_run_id
-from multigpu.rendezvous.fate import finish_job
+from multigpu.record.folder import check_run_id
+from multigpu.rendezvous.failure_sharing import finish_job
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket
-from multigpu.supervisor.console import say
+from multigpu.runner.crash_loop import FailureMemory, LocalFailures
+from multigpu.runner.static_join import LOOPBACK, Rendezvous, meet_again, node_spawner, rendezvous
 from multigpu.supervisor.states import RunResult
 from multigpu.template.client import NodeSpawner
 

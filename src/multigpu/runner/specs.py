@@ -15,7 +15,7 @@ from pathlib import Path
 from multigpu.config.run import RunConfig
 from multigpu.contract.environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
 from multigpu.contract.names import ANNOUNCE_ENV
-from multigpu.launch import torchrun as extras
+from multigpu.runner import torchrun_rules as extras
 from multigpu.supervisor.states import WorkerSpec
 
 

@@ -16,13 +16,13 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
+from multigpu.console.writer import say
 from multigpu.contract.errors import Interrupted, RendezvousError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
-from multigpu.rendezvous.fate import finish_job
+from multigpu.rendezvous.failure_sharing import finish_job
 from multigpu.rendezvous.fingerprint import differences, fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
-from multigpu.supervisor.console import say
 from multigpu.template.client import NodeSpawner, spawner_for
 from multigpu.template.process import StoreSocket
 

@@ -1,5 +1,5 @@
 """What a stuck rank can still tell: its Python stacks and, where the flight recorder is armed,
-torch's record of its last collectives. Runs in the launcher; the rank's side is ``rank/dumps.py``.
+torch's record of its last collectives. Runs in the launcher; the rank's side is ``rank/dump_signal.py``.
 
 The supervisor asks with ``DumpRequest``, keeps running its loop (the stacks arrive on the ranks'
 stderr pipes, the "stacks" and "dumped" beats on their heartbeat pipes) until ``done()``, reads what

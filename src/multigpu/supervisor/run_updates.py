@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from multigpu.supervisor.hang import ProgressBook
-from multigpu.supervisor.options import Hooks
+from multigpu.supervisor.settings import Hooks
 from multigpu.supervisor.states import Worker
 
 PROGRESS_EVERY_S = 5.0

@@ -16,11 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
+from multigpu.console.writer import say
 from multigpu.contract.errors import STORE_LOST
-from multigpu.launch.meeting import check_fingerprints
-from multigpu.launch.membership import Meeting
-from multigpu.launch.restarts import FailureMemory, StoreFailures
-from multigpu.launch.rundir import check_run_id
+from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.elastic import (
     ElasticRendezvous,
     Round,
@@ -29,9 +27,11 @@ from multigpu.rendezvous.elastic import (
     settings_from,
     settle_run_id,
 )
-from multigpu.rendezvous.fate import finish_job
+from multigpu.rendezvous.failure_sharing import finish_job
 from multigpu.rendezvous.job import JobStore
-from multigpu.supervisor.console import say
+from multigpu.runner.crash_loop import FailureMemory, StoreFailures
+from multigpu.runner.membership import Meeting
+from multigpu.runner.static_join import check_fingerprints
 from multigpu.supervisor.states import RunResult
 from multigpu.template.client import NodeSpawner, spawner_for
 
