@@ -271,7 +271,7 @@ EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
     (["--rdzv-id", "a", "--run-id", "b"], "disagree"),
 ])
 def test_wrong_elastic_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
-    from multigpu.cli.main import parse_run_args
+    from multigpu.cli.run_args import parse_run_args
     from multigpu.contract.errors import UsageError
 
     script = write_script(tmp_path, "job.py", REPORT)
@@ -291,7 +291,7 @@ def test_an_elastic_usage_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_the_elastic_fields_come_from_torchruns_options(tmp_path: Path) -> None:
-    from multigpu.cli.main import parse_run_args
+    from multigpu.cli.run_args import parse_run_args
 
     script = write_script(tmp_path, "job.py", REPORT)
     config, _ = parse_run_args(["--cpu", "2", "--nnodes", "1:3", "--rdzv-backend", "c10d", *EP,

@@ -32,7 +32,7 @@ IN_THE_LAUNCHER = ("multigpu.console", "multigpu.supervisor", "multigpu.rendezvo
                    "multigpu.config", "multigpu.template.client",
                    "multigpu.template.process", "multigpu.cli.entry", "multigpu.cli.main",
                    "multigpu.cli.options", "multigpu.cli.torchrun", "multigpu.cli.layout",
-                   "multigpu.cli.preemption_flags")
+                   "multigpu.cli.preemption_flags", "multigpu.cli.run_args", "multigpu.cli.run_parser")
 """Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank
 as well). Shared by both sides, and so in neither list: ``contract``, the store (``rendezvous.store``),
 the template's channel (``template.wire``)."""

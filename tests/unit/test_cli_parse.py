@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.cli.main import parse_run_args, split_run_argv
+from multigpu.cli.run_args import parse_run_args
+from multigpu.cli.run_parser import split_run_argv
 from multigpu.cluster import devices
 from multigpu.cluster.devices import GPUInfo
 from multigpu.config.endpoint import Endpoint
@@ -240,3 +241,36 @@ def test_the_debug_server_port_must_be_named_and_free(script: str) -> None:
         port = taken.getsockname()[1]
         with pytest.raises(UsageError, match=rf"^--debug-server 127\.0\.0\.1:{port}: cannot listen there \("):
             parse(["--debug-server", str(port), script])
+
+
+def test_the_options_object_is_the_option_table() -> None:
+    """Each ``RunOptions`` field is one option: flags are ``bool | None``, the rest ``str | None``; its name
+    is the longest flag's (so ``MULTIGPU_<OPTION>`` is the option's name); synonyms and torchrun's shared
+    options name fields."""
+    import dataclasses
+
+    from multigpu.cli import options
+
+    fields = dataclasses.fields(options.RunOptions)
+    assert [f.name for f in fields] == [opt.dest for opt in options.ALL]
+    assert options.ALL == options.OURS + options.TORCHRUN  # ours first: --help's two groups, in order
+    for f, opt in zip(fields, options.ALL, strict=True):
+        assert f.type == ("str | None" if opt.takes_value else "bool | None"), f.name
+        longest = max((flag for flag in opt.flags if flag.startswith("--")), key=len)
+        assert f.name == longest.lstrip("-").replace("-", "_")
+    names = {f.name for f in fields}
+    assert {name for pair in options.SYNONYMS for name in pair} <= names
+    assert names >= options.SHARED
+
+
+def test_resolved_options_are_typed() -> None:
+    import dataclasses
+
+    from multigpu.cli import options
+
+    values = options.resolve({"cpu": "2", "standalone": True},
+                             {"MULTIGPU_REQUEUE": "0", "PET_RDZV_ID": "job", "PET_NO_PYTHON": "1"})
+    assert (values.cpu, values.standalone, values.requeue, values.no_python) == ("2", True, False, True)
+    assert (values.run_id, values.rdzv_id, values.gpus, values.no_requeue) == ("job", "job", None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        values.cpu = "3"  # type: ignore[misc]

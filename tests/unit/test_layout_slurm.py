@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from multigpu.cli.main import parse_run_args
+from multigpu.cli.run_args import parse_run_args
 from multigpu.cluster.slurm import detect, expand_nodelist
 from multigpu.config.endpoint import Endpoint
 from multigpu.contract.errors import UsageError

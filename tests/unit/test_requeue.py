@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from multigpu.cli.main import parse_run_args
+from multigpu.cli.run_args import parse_run_args
 from multigpu.cluster import requeue
 from multigpu.contract.errors import UsageError
 from multigpu.runner.preempt_watch import PreemptWatch

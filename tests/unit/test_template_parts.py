@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone
-from multigpu.cli.main import parse_run_args
+from multigpu.cli.run_args import parse_run_args
 from multigpu.contract.errors import UsageError
 from multigpu.supervisor.spawning import AdoptedProcess
 from multigpu.supervisor.states import WorkerSpec

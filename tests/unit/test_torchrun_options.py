@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.cli.main import _run_parser, main, parse_run_args
+from multigpu.cli.main import main
 from multigpu.cli.options import TORCHRUN, comma_list
+from multigpu.cli.run_args import parse_run_args
+from multigpu.cli.run_parser import run_parser
 from multigpu.cluster import devices
 from multigpu.cluster.devices import GPUInfo
 from multigpu.config.endpoint import Endpoint
@@ -285,7 +287,7 @@ def test_options_torchrun_has_and_we_need_not_are_accepted_and_checked(script: s
 
 
 def test_help_lists_both_sets_and_says_what_has_no_effect(capsys: pytest.CaptureFixture[str]) -> None:
-    text = _run_parser().format_help()
+    text = run_parser().format_help()
     for flag in ("--gpus", "--grace-period", "--hang-timeout", "--nproc_per_node", "--rdzv-conf", "--tee",
                  "--no-python", "--virtual-local-rank", "--numa-binding"):
         assert flag in text

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.cli.main import parse_run_args
+from multigpu.cli.run_args import parse_run_args
 from multigpu.cluster import devices
 from multigpu.contract.names import AFFINITY_ENV
 from multigpu.runner.specs import AttemptContext, build_specs, worker_argv

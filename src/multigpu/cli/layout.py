@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 
+from multigpu.cli.options import RunOptions
 from multigpu.cluster import slurm
 from multigpu.config.endpoint import TORCHRUN_MASTER_PORT, Endpoint
 from multigpu.config.run import RunConfig
@@ -12,12 +14,22 @@ from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer
 
 
-def _opt_int(values: Mapping[str, str | None], key: str, flag: str, minimum: int) -> int | None:
-    raw = values.get(key)
+@dataclass(frozen=True)
+class LayoutOptions:
+    """The options that place this node's ranks, as text (None: not given), from ``layout_options``."""
+
+    nnodes: str | None
+    """A fixed node count (an elastic range is the rendezvous's business, not the layout's)."""
+    node_rank: str | None
+    base_rank: str | None
+    world_size: str | None
+
+
+def _opt_int(raw: str | None, flag: str, minimum: int) -> int | None:
     return None if raw is None or raw == "" else integer(raw, flag, minimum)
 
 
-def rendezvous_values(config: RunConfig, values: Mapping[str, str | None]) -> dict[str, str | None]:
+def layout_options(config: RunConfig, values: RunOptions) -> LayoutOptions:
     """The layout options, with torchrun's defaults filled in where a torchrun line relies on them.
 
     A fixed ``--nnodes N`` without ``--node-rank`` is node 0 (torchrun's default), ``--node-rank``
@@ -25,15 +37,14 @@ def rendezvous_values(config: RunConfig, values: Mapping[str, str | None]) -> di
     """
     fixed = config.rdzv.min_nodes is not None and config.rdzv.min_nodes == config.rdzv.max_nodes
     nnodes = str(config.rdzv.min_nodes) if fixed else None
-    node_rank = values.get("node_rank") if config.rdzv.backend == "static" else None
+    node_rank = values.node_rank if config.rdzv.backend == "static" else None
     if nnodes is not None and node_rank is None and config.rdzv.min_nodes != 1:
         node_rank = "0"
     if node_rank is not None and nnodes is None and config.rdzv.max_nodes is None:
         nnodes = "1"
     if nnodes == "1" and node_rank is None:
         nnodes = None  # one node: the layout (and SLURM) decide as before
-    return {"nnodes": nnodes, "node_rank": node_rank, "base_rank": values.get("base_rank"),
-            "world_size": values.get("world_size")}
+    return LayoutOptions(nnodes, node_rank, values.base_rank, values.world_size)
 
 
 def check_layout(base_rank: int, local: int, world_size: int) -> None:
@@ -46,7 +57,7 @@ def check_layout(base_rank: int, local: int, world_size: int) -> None:
                          f"{world_size}; lower --base-rank or raise --world-size")
 
 
-def _elastic_layout(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig | None:
+def _elastic_layout(config: RunConfig, values: LayoutOptions) -> RunConfig | None:
     """``--rdzv-backend c10d``: node ranks and the world come from the rendezvous, round by round.
     None when at most one node may take part (then it is an ordinary one-machine job)."""
     from multigpu.rendezvous.elastic import settings_from
@@ -56,7 +67,7 @@ def _elastic_layout(config: RunConfig, values: Mapping[str, str | None]) -> RunC
     settings_from(config.rdzv.conf)  # bad values are usage errors now, not after the join
     if max_nodes == 1:
         return None
-    if values.get("base_rank") or values.get("world_size"):
+    if values.base_rank or values.world_size:
         raise UsageError("--base-rank/--world-size do not apply with --rdzv-backend c10d: the rendezvous "
                          "assigns ranks")
     endpoint = config.rdzv.endpoint
@@ -67,17 +78,17 @@ def _elastic_layout(config: RunConfig, values: Mapping[str, str | None]) -> RunC
                                                                 max_nodes=max_nodes))
 
 
-def apply_layout(config: RunConfig, values: Mapping[str, str | None], env: Mapping[str, str]) -> RunConfig:
+def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str]) -> RunConfig:
     """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
     if config.rdzv.backend == "c10d":
         elastic = _elastic_layout(config, values)
         if elastic is not None:
             return elastic
-        values = {**values, "nnodes": None, "node_rank": None}
-    base_rank = _opt_int(values, "base_rank", "--base-rank", 0)
-    world_size = _opt_int(values, "world_size", "--world-size", 1)
-    nnodes = _opt_int(values, "nnodes", "--nnodes", 1)
-    node_rank = _opt_int(values, "node_rank", "--node-rank", 0)
+        values = dataclasses.replace(values, nnodes=None, node_rank=None)
+    base_rank = _opt_int(values.base_rank, "--base-rank", 0)
+    world_size = _opt_int(values.world_size, "--world-size", 1)
+    nnodes = _opt_int(values.nnodes, "--nnodes", 1)
+    node_rank = _opt_int(values.node_rank, "--node-rank", 0)
     endpoint, run_id = config.rdzv.endpoint, config.output.run_id
     found = slurm.detect(env) if base_rank is None and nnodes is None else None
     if found is not None:

@@ -1,18 +1,23 @@
 """The options of ``multigpu run``: torchrun's (torch 2.13 ``torch/distributed/run.py``) and ours.
 
-One table drives the argument splitter, the parser, ``--help`` and the environment look-up, so an option
-is written down once. Values are looked up in this order: the command line, ``MULTIGPU_<DEST>``, then
-``PET_<DEST>`` for torchrun's options (as torchrun's ``argparse_util.env`` reads them), then the default.
-Imports no torch.
+One table, the fields of ``RunOptions``, drives the argument splitter, the parser, ``--help``, the
+environment look-up and the typed object the rest of ``cli`` reads, so an option is written down once.
+Values are looked up in this order: the command line, ``MULTIGPU_<DEST>``, then ``PET_<DEST>`` for
+torchrun's options (as torchrun's ``argparse_util.env`` reads them), then the default. Imports no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from multigpu.config.endpoint import TORCHRUN_MASTER_PORT
 from multigpu.contract.errors import UsageError
+
+OPTION = "multigpu.option"
+"""The key of a ``RunOptions`` field's metadata that holds its ``Option``."""
 
 
 @dataclass(frozen=True)
@@ -26,14 +31,8 @@ class Option:
     pet: bool = True
     """Whether torchrun reads ``PET_<DEST>`` for it (``--logs-specs``/``--numa-binding`` it does not)."""
     choices: tuple[str, ...] | None = None
-    dest_name: str | None = None
-
-    @property
-    def dest(self) -> str:
-        if self.dest_name is not None:
-            return self.dest_name
-        longest = max((f for f in self.flags if f.startswith("--")), key=len)
-        return longest.lstrip("-").replace("-", "_")
+    dest: str = ""
+    """The ``RunOptions`` field that holds its value (argparse's dest too): set from the field's name."""
 
     @property
     def takes_value(self) -> bool:
@@ -44,6 +43,17 @@ class Option:
         return (*names, "PET_" + self.dest.upper()) if self.torchrun and self.pet else names
 
 
+def _text(flags: tuple[str, ...], metavar: str, help: str, torchrun: bool = False, pet: bool = True,
+          choices: tuple[str, ...] | None = None) -> Any:
+    """A ``RunOptions`` field for an option that takes a value: ``str | None``, None when not given."""
+    return field(default=None, metadata={OPTION: Option(flags, metavar, help, torchrun, pet, choices)})
+
+
+def _flag(flags: tuple[str, ...], help: str, torchrun: bool = False) -> Any:
+    """A ``RunOptions`` field for a flag: ``bool | None``; False when a variable sets it to 0."""
+    return field(default=None, metadata={OPTION: Option(flags, None, help, torchrun)})
+
+
 def _both(name: str) -> tuple[str, str]:
     """torchrun's two spellings of one option: dashes and underscores."""
     return (f"--{name}", f"--{name.replace('-', '_')}")
@@ -51,112 +61,162 @@ def _both(name: str) -> tuple[str, str]:
 
 NO_EFFECT = "accepted; no effect here: "
 
-OURS = (
-    Option(("--gpus",), "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)"),
-    Option(("--cpu",), "N", "run N CPU workers (gloo) instead of GPUs"),
-    Option(("--output",), "DIR", "run directory (default: ./multigpu_runs/<run id>)"),
-    Option(("--run-id",), "ID", "job id shared by every node (default: generated, or SLURM_JOB_ID); "
-           "same as --rdzv-id"),
-    Option(("--log-ranks",), "LIST", "global ranks shown on the console, e.g. 0,2 (log files keep every "
-           "rank); --local-ranks-filter names local ranks"),
-    Option(("--rdzv-timeout",), "S", "seconds to wait for peer nodes (default {rdzv_timeout}); "
-           "also --rdzv-conf join_timeout=S"),
-    Option(("--base-rank",), "R", "global rank of this node's first worker (multi-node)"),
-    Option(("--world-size",), "W", "total workers over all nodes (multi-node)"),
-    Option(("--allow-mismatch",), None, "run a multi-node job even when its nodes would run a different "
-           "script, arguments, torch, multigpu or device kind (a warning instead of refusing it)"),
-    Option(("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default "
-           "{grace_period}); same as --shutdown-timeout"),
-    Option(("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; "
-           "for ranks that report steps, the ceiling of a timeout learned from their step times"),
-    Option(("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
-           "{hang_factor})"),
-    Option(("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})"),
-    Option(("--debug-server",), "[HOST:]PORT", "serve torch's debug server (every rank's stacks, flight "
-           "record, store) on PORT of rank 0's node, on loopback unless HOST is given (0.0.0.0: every "
-           "interface, for several nodes); needs pip install 'multigpu[debug]'"),
-    Option(("--status",), "MODE", "live status view: auto (on a terminal), on, off",
-           choices=("auto", "on", "off")),
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Every ``multigpu run`` option, resolved (``resolve``): the table itself, one field per option.
+
+    A field's name is the option's dest (``MULTIGPU_<NAME>``); its metadata holds the ``Option`` (flags,
+    help). Values stay text, checked where they are used: None when no source gives the option; a flag is
+    True, or False when a variable sets it to 0. Ours come first, then torchrun's, each in ``--help``'s order.
+    """
+
+    gpus: str | None = _text(
+        ("--gpus",), "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)")
+    cpu: str | None = _text(("--cpu",), "N", "run N CPU workers (gloo) instead of GPUs")
+    output: str | None = _text(("--output",), "DIR", "run directory (default: ./multigpu_runs/<run id>)")
+    run_id: str | None = _text(
+        ("--run-id",), "ID", "job id shared by every node (default: generated, or SLURM_JOB_ID); same as "
+        "--rdzv-id")
+    log_ranks: str | None = _text(
+        ("--log-ranks",), "LIST", "global ranks shown on the console, e.g. 0,2 (log files keep every rank); "
+        "--local-ranks-filter names local ranks")
+    rdzv_timeout: str | None = _text(
+        ("--rdzv-timeout",), "S", "seconds to wait for peer nodes (default {rdzv_timeout}); also --rdzv-conf "
+        "join_timeout=S")
+    base_rank: str | None = _text(
+        ("--base-rank",), "R", "global rank of this node's first worker (multi-node)")
+    world_size: str | None = _text(("--world-size",), "W", "total workers over all nodes (multi-node)")
+    allow_mismatch: bool | None = _flag(
+        ("--allow-mismatch",), "run a multi-node job even when its nodes would run a different script, "
+        "arguments, torch, multigpu or device kind (a warning instead of refusing it)")
+    grace_period: str | None = _text(
+        ("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default {grace_period}); "
+        "same as --shutdown-timeout")
+    hang_timeout: str | None = _text(
+        ("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; for "
+        "ranks that report steps, the ceiling of a timeout learned from their step times")
+    hang_factor: str | None = _text(
+        ("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
+        "{hang_factor})")
+    hang_floor: str | None = _text(
+        ("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})")
+    debug_server: str | None = _text(
+        ("--debug-server",), "[HOST:]PORT", "serve torch's debug server (every rank's stacks, flight record, "
+        "store) on PORT of rank 0's node, on loopback unless HOST is given (0.0.0.0: every interface, for "
+        "several nodes); needs pip install 'multigpu[debug]'")
+    status: str | None = _text(
+        ("--status",), "MODE", "live status view: auto (on a terminal), on, off",
+        choices=("auto", "on", "off"))
     # -- preemption and requeue
-    Option(("--preempt-signal",), "SIGS", "signal(s) that warn of a preemption or the time limit, e.g. "
-           "USR1 (#SBATCH --signal=USR1@90), or none; ranks see multigpu.preempted() (default under "
-           "SLURM: USR1,USR2)"),
-    Option(("--preempt-grace",), "S", "stop the ranks S seconds after the warning if they still run "
-           "(default: wait for them, or for SLURM's SIGTERM)"),
-    Option(("--requeue",), None, "after a warning, once the ranks exit, 'scontrol requeue' the job and "
-           "exit 75 (default under SLURM with a warning signal)"),
-    Option(("--no-requeue",), None, "never requeue; a warned run still exits 75"),
+    preempt_signal: str | None = _text(
+        ("--preempt-signal",), "SIGS", "signal(s) that warn of a preemption or the time limit, e.g. USR1 "
+        "(#SBATCH --signal=USR1@90), or none; ranks see multigpu.preempted() (default under SLURM: "
+        "USR1,USR2)")
+    preempt_grace: str | None = _text(
+        ("--preempt-grace",), "S", "stop the ranks S seconds after the warning if they still run (default: "
+        "wait for them, or for SLURM's SIGTERM)")
+    requeue: bool | None = _flag(
+        ("--requeue",), "after a warning, once the ranks exit, 'scontrol requeue' the job and exit 75 "
+        "(default under SLURM with a warning signal)")
+    no_requeue: bool | None = _flag(("--no-requeue",), "never requeue; a warned run still exits 75")
     # -- warm worker template
-    Option(("--no-template",), None, "start every rank as a fresh Python process instead of forking it "
-           "from the node's template (which imports torch once per node)"),
-    Option(("--preload",), "MODULES", "modules the template imports besides torch, comma separated"),
-)
+    no_template: bool | None = _flag(
+        ("--no-template",), "start every rank as a fresh Python process instead of forking it from the "
+        "node's template (which imports torch once per node)")
+    preload: str | None = _text(
+        ("--preload",), "MODULES", "modules the template imports besides torch, comma separated")
+    # -- torchrun's
+    nnodes: str | None = _text(
+        ("--nnodes",), "N|MIN:MAX", "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d)",
+        torchrun=True)
+    nproc_per_node: str | None = _text(
+        _both("nproc-per-node"), "N|auto|gpu|cpu", "workers per node: N (N GPUs when GPUs are visible, else "
+        "N CPU workers), gpu (every visible GPU), cpu (one CPU worker per usable core), auto (gpu if any, "
+        "else cpu); default: 1 on a line with torchrun-only options, as torchrun, else every visible GPU",
+        torchrun=True)
+    rdzv_backend: str | None = _text(
+        _both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused", torchrun=True)
+    rdzv_endpoint: str | None = _text(
+        _both("rdzv-endpoint"), "HOST:PORT", "where the nodes meet (default: 127.0.0.1, a free port, on one "
+        "node; --master-addr:--master-port for static)", torchrun=True)
+    rdzv_id: str | None = _text(_both("rdzv-id"), "ID", "same as --run-id", torchrun=True)
+    rdzv_conf: str | None = _text(
+        _both("rdzv-conf"), "K=V,...", "rendezvous settings: join_timeout (as --rdzv-timeout), read_timeout, "
+        "last_call_timeout, close_timeout, is_host, ...", torchrun=True)
+    standalone: bool | None = _flag(
+        ("--standalone",), "one node on a free local port; --rdzv-backend/-endpoint/-id are ignored, as "
+        "under torchrun", torchrun=True)
+    max_restarts: str | None = _text(
+        _both("max-restarts"), "K", "restart the whole group up to K times after a failure (default "
+        "{max_restarts})", torchrun=True)
+    monitor_interval: str | None = _text(
+        _both("monitor-interval"), "S", NO_EFFECT + "a worker's exit is seen at once (process descriptors), "
+        "nothing is polled", torchrun=True)
+    start_method: str | None = _text(
+        _both("start-method"), "METHOD", NO_EFFECT + "torchrun uses it only for function entry points; a "
+        "script always starts as a fresh process, here too",
+        torchrun=True, choices=("spawn", "fork", "forkserver"))
+    event_log_handler: str | None = _text(
+        _both("event-log-handler"), "NAME", NO_EFFECT + "the run's events (attempts, failures, root cause) "
+        "are written to run.json", torchrun=True)
+    role: str | None = _text(("--role",), "NAME", "the workers' ROLE_NAME (default {role})", torchrun=True)
+    module: bool | None = _flag(
+        ("-m", "--module"), "SCRIPT is a module, run as with python -m", torchrun=True)
+    no_python: bool | None = _flag(
+        _both("no-python"), "SCRIPT is a program to execute directly, not a Python script", torchrun=True)
+    run_path: bool | None = _flag(
+        _both("run-path"), "run SCRIPT with runpy.run_path (what multigpu always does for a script); beats "
+        "--no-python", torchrun=True)
+    log_dir: str | None = _text(
+        _both("log-dir"), "DIR", "also write torchrun's files: DIR/<run id>_<random>/attempt_<k>/<local "
+        "rank>/{{stdout,stderr}}.log, error.json (per-rank logs in --output stay)", torchrun=True)
+    redirects: str | None = _text(
+        ("-r", "--redirects"), "STD", "streams written to --log-dir files and not shown: 0 none, 1 stdout, 2 "
+        "stderr, 3 both, or per local rank 0:1,1:2", torchrun=True)
+    tee: str | None = _text(
+        ("-t", "--tee"), "STD", "streams written to --log-dir files and also shown (as --redirects)",
+        torchrun=True)
+    local_ranks_filter: str | None = _text(
+        _both("local-ranks-filter"), "LIST", "local ranks shown on the console (files keep every rank); see "
+        "--log-ranks", torchrun=True)
+    duplicate_stdout_filters: str | None = _text(
+        _both("duplicate-stdout-filters"), "WORDS", "copy stdout lines holding any of these words (comma "
+        "separated, ',,' for a comma) to attempt_<k>/filtered_stdout.log in --log-dir", torchrun=True)
+    duplicate_stderr_filters: str | None = _text(
+        _both("duplicate-stderr-filters"), "WORDS", "the same for stderr (filtered_stderr.log)",
+        torchrun=True)
+    node_rank: str | None = _text(
+        _both("node-rank"), "I", "this node's index for a static rendezvous, with --nnodes", torchrun=True)
+    master_addr: str | None = _text(
+        _both("master-addr"), "HOST", "static rendezvous host (rank 0's node); with --master-port it is "
+        "--rdzv-endpoint HOST:PORT", torchrun=True)
+    master_port: str | None = _text(
+        _both("master-port"), "PORT", f"static rendezvous port (default {TORCHRUN_MASTER_PORT} on several "
+        "nodes; one node without it gets a free port)", torchrun=True)
+    local_addr: str | None = _text(
+        _both("local-addr"), "HOST", "the address this node announces in a c10d rendezvous (unused by "
+        "static, as under torchrun)", torchrun=True)
+    logs_specs: str | None = _text(
+        _both("logs-specs"), "NAME", "an installed torchrun.logs_specs entry point that decides where the "
+        "-r/-t files and error files go", torchrun=True, pet=False)
+    numa_binding: str | None = _text(
+        _both("numa-binding"), "MODE", "bind each rank to the CPUs (and memory) of its GPU's NUMA node (CPU "
+        "workers: an equal share of the usable cores)",
+        torchrun=True, pet=False, choices=("node", "socket", "exclusive", "core-complex"))
+    signals_to_handle: str | None = _text(
+        _both("signals-to-handle"), "SIGS", NO_EFFECT + "multigpu always passes SIGTERM, SIGINT, SIGHUP, "
+        "SIGUSR1 and SIGUSR2 on to every rank's process group (names are checked)", torchrun=True)
+    shutdown_timeout: str | None = _text(
+        _both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True)
+    virtual_local_rank: bool | None = _flag(
+        _both("virtual-local-rank"), "LOCAL_RANK=0 in every worker; each GPU worker sees only its own GPU, "
+        "as device 0", torchrun=True)
 
-TORCHRUN = (
-    Option(("--nnodes",), "N|MIN:MAX", "node count, or an elastic range (MIN:MAX needs --rdzv-backend "
-           "c10d)", torchrun=True),
-    Option(_both("nproc-per-node"), "N|auto|gpu|cpu", "workers per node: N (N GPUs when GPUs are visible, "
-           "else N CPU workers), gpu (every visible GPU), cpu (one CPU worker per usable core), auto (gpu "
-           "if any, else cpu); default: 1 on a line with torchrun-only options, as torchrun, else every "
-           "visible GPU", torchrun=True),
-    Option(_both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused",
-           torchrun=True),
-    Option(_both("rdzv-endpoint"), "HOST:PORT", "where the nodes meet (default: 127.0.0.1, a free port, "
-           "on one node; --master-addr:--master-port for static)", torchrun=True),
-    Option(_both("rdzv-id"), "ID", "same as --run-id", torchrun=True),
-    Option(_both("rdzv-conf"), "K=V,...", "rendezvous settings: join_timeout (as --rdzv-timeout), "
-           "read_timeout, last_call_timeout, close_timeout, is_host, ...", torchrun=True),
-    Option(("--standalone",), None, "one node on a free local port; --rdzv-backend/-endpoint/-id are "
-           "ignored, as under torchrun", torchrun=True),
-    Option(_both("max-restarts"), "K", "restart the whole group up to K times after a failure (default "
-           "{max_restarts})", torchrun=True),
-    Option(_both("monitor-interval"), "S", NO_EFFECT + "a worker's exit is seen at once (process "
-           "descriptors), nothing is polled", torchrun=True),
-    Option(_both("start-method"), "METHOD", NO_EFFECT + "torchrun uses it only for function entry points; "
-           "a script always starts as a fresh process, here too", torchrun=True,
-           choices=("spawn", "fork", "forkserver")),
-    Option(_both("event-log-handler"), "NAME", NO_EFFECT + "the run's events (attempts, failures, "
-           "root cause) are written to run.json", torchrun=True),
-    Option(("--role",), "NAME", "the workers' ROLE_NAME (default {role})", torchrun=True),
-    Option(("-m", "--module"), None, "SCRIPT is a module, run as with python -m", torchrun=True),
-    Option(_both("no-python"), None, "SCRIPT is a program to execute directly, not a Python script",
-           torchrun=True),
-    Option(_both("run-path"), None, "run SCRIPT with runpy.run_path (what multigpu always does for a "
-           "script); beats --no-python", torchrun=True),
-    Option(_both("log-dir"), "DIR", "also write torchrun's files: DIR/<run id>_<random>/attempt_<k>/"
-           "<local rank>/{{stdout,stderr}}.log, error.json (per-rank logs in --output stay)", torchrun=True),
-    Option(("-r", "--redirects"), "STD", "streams written to --log-dir files and not shown: 0 none, 1 "
-           "stdout, 2 stderr, 3 both, or per local rank 0:1,1:2", torchrun=True),
-    Option(("-t", "--tee"), "STD", "streams written to --log-dir files and also shown (as --redirects)",
-           torchrun=True),
-    Option(_both("local-ranks-filter"), "LIST", "local ranks shown on the console (files keep every "
-           "rank); see --log-ranks", torchrun=True),
-    Option(_both("duplicate-stdout-filters"), "WORDS", "copy stdout lines holding any of these words "
-           "(comma separated, ',,' for a comma) to attempt_<k>/filtered_stdout.log in --log-dir",
-           torchrun=True),
-    Option(_both("duplicate-stderr-filters"), "WORDS", "the same for stderr (filtered_stderr.log)",
-           torchrun=True),
-    Option(_both("node-rank"), "I", "this node's index for a static rendezvous, with --nnodes",
-           torchrun=True),
-    Option(_both("master-addr"), "HOST", "static rendezvous host (rank 0's node); with --master-port "
-           "it is --rdzv-endpoint HOST:PORT", torchrun=True),
-    Option(_both("master-port"), "PORT", f"static rendezvous port (default {TORCHRUN_MASTER_PORT} on "
-           "several nodes; one node without it gets a free port)", torchrun=True),
-    Option(_both("local-addr"), "HOST", "the address this node announces in a c10d rendezvous "
-           "(unused by static, as under torchrun)", torchrun=True),
-    Option(_both("logs-specs"), "NAME", "an installed torchrun.logs_specs entry point that decides where "
-           "the -r/-t files and error files go", torchrun=True, pet=False),
-    Option(_both("numa-binding"), "MODE", "bind each rank to the CPUs (and memory) of its GPU's NUMA node "
-           "(CPU workers: an equal share of the usable cores)", torchrun=True, pet=False,
-           choices=("node", "socket", "exclusive", "core-complex")),
-    Option(_both("signals-to-handle"), "SIGS", NO_EFFECT + "multigpu always passes SIGTERM, SIGINT, SIGHUP, "
-           "SIGUSR1 and SIGUSR2 on to every rank's process group (names are checked)", torchrun=True),
-    Option(_both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True),
-    Option(_both("virtual-local-rank"), None, "LOCAL_RANK=0 in every worker; each GPU worker sees only "
-           "its own GPU, as device 0", torchrun=True),
-)
 
-ALL = OURS + TORCHRUN
+ALL = tuple(dataclasses.replace(f.metadata[OPTION], dest=f.name) for f in dataclasses.fields(RunOptions))
+OURS = tuple(opt for opt in ALL if not opt.torchrun)
+TORCHRUN = tuple(opt for opt in ALL if opt.torchrun)
 BY_FLAG = {flag: opt for opt in ALL for flag in opt.flags}
 SYNONYMS = (("grace_period", "shutdown_timeout"), ("run_id", "rdzv_id"))
 """Ours and torchrun's names for one setting: both work; two different values are a usage error."""
@@ -222,8 +282,8 @@ def flag_value(raw: str, name: str) -> bool:
         raise UsageError(f"{name} must be 0 or 1, got {raw!r}") from None
 
 
-def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, str | None]:
-    """Each option's value as text (a flag as "1"/"0"); synonyms resolved and checked."""
+def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> RunOptions:
+    """Each option's value (a flag as True/False); synonyms resolved and checked."""
     levels: list[dict[str, str]] = [{}, {}, {}]
     for opt in ALL:
         value = given.get(opt.dest)
@@ -234,33 +294,49 @@ def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, st
             if raw:  # an empty variable counts as unset
                 levels[index][opt.dest] = ("1" if flag_value(raw, name) else "0") if not opt.takes_value \
                     else raw
-    values: dict[str, str | None] = {}
+    texts: dict[str, str | None] = {}
     for opt in ALL:
-        values[opt.dest] = next((lv[opt.dest] for lv in levels if opt.dest in lv), None)
+        texts[opt.dest] = next((lv[opt.dest] for lv in levels if opt.dest in lv), None)
     for ours, theirs in SYNONYMS:
         level = next((lv for lv in levels if ours in lv or theirs in lv), {})
         a, b = level.get(ours), level.get(theirs)
         if a is not None and b is not None and a != b:
             raise UsageError(f"--{ours.replace('_', '-')} {a} and --{theirs.replace('_', '-')} {b} "
                              "disagree; they are the same setting, give one")
-        values[ours] = values[theirs] = a if a is not None else b
-    return values
+        texts[ours] = texts[theirs] = a if a is not None else b
+    return RunOptions(**{opt.dest: _typed(opt, texts[opt.dest]) for opt in ALL})
+
+
+def _typed(opt: Option, text: str | None) -> Any:
+    """A resolved value as its ``RunOptions`` field holds it: text, or a flag's "1"/"0" as True/False."""
+    return text if opt.takes_value or text is None else text == "1"
 
 
 SHARED = frozenset({"nnodes", "node_rank", "rdzv_endpoint", "max_restarts"})
 """Options both launchers have always had: using them says nothing about whose line this is."""
 
 
-def is_torchrun_line(values: Mapping[str, str | None]) -> bool:
+def is_torchrun_line(values: RunOptions) -> bool:
     """Whether the options (command line or ``PET_``/``MULTIGPU_`` variables) use one only torchrun has;
-    such a line gets torchrun's defaults where ours differ (one worker per node)."""
-    return any(values.get(opt.dest) not in (None, "0") for opt in TORCHRUN if opt.dest not in SHARED)
+    such a line gets torchrun's defaults where ours differ (one worker per node). A flag set to 0, or a
+    value of "0", does not count."""
+    return any(getattr(values, opt.dest) not in (None, False, "0") for opt in TORCHRUN
+               if opt.dest not in SHARED)
 
 
-def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> dict[str, str | None]:
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The option that chooses the workers, as text; at most one is set (``device_choice``)."""
+
+    gpus: str | None = None
+    cpu: str | None = None
+    nproc_per_node: str | None = None
+
+
+def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> DeviceChoice:
     """``--gpus``, ``--cpu`` and ``--nproc-per-node`` all choose the workers: the first source that names
     any of them decides, and it may name only one."""
-    keys = ("gpus", "cpu", "nproc_per_node")
+    keys = tuple(f.name for f in dataclasses.fields(DeviceChoice))
     sources: list[tuple[str, dict[str, str]]] = [
         ("", {k: str(given[k]) for k in keys if given.get(k) is not None}),
         ("MULTIGPU_", {k: env[f"MULTIGPU_{k.upper()}"] for k in keys if env.get(f"MULTIGPU_{k.upper()}")}),
@@ -272,8 +348,8 @@ def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> dict[s
                                  for k in found)
             raise UsageError(f"give one of --gpus, --cpu, --nproc-per-node, not {names}")
         if found:
-            return {k: found.get(k) for k in keys}
-    return dict.fromkeys(keys)
+            return DeviceChoice(**found)
+    return DeviceChoice()
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

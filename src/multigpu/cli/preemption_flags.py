@@ -10,6 +10,7 @@ import dataclasses
 import signal
 from collections.abc import Mapping
 
+from multigpu.cli.options import RunOptions
 from multigpu.cluster.requeue import SLURM_DEFAULT, WARNING_SIGNALS, under_slurm
 from multigpu.config.run import PreemptionConfig, RunConfig
 from multigpu.contract.errors import UsageError
@@ -28,14 +29,14 @@ def _signal_names(text: str) -> tuple[str, ...]:
     return signal_names(numbers)
 
 
-def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None],
+def apply_preemption_options(config: RunConfig, values: RunOptions,
                              env: Mapping[str, str]) -> RunConfig:
     """``--preempt-signal``, ``--preempt-grace``, ``--requeue``/``--no-requeue`` into the config."""
     slurm = under_slurm(env)
-    given = values.get("preempt_signal")
+    given = values.preempt_signal
     signals = _signal_names(given) if given else (SLURM_DEFAULT if slurm else ())
-    on = values.get("requeue") == "1"
-    off = values.get("no_requeue") == "1" or values.get("requeue") == "0"  # MULTIGPU_REQUEUE=0
+    on = values.requeue is True
+    off = values.no_requeue is True or values.requeue is False  # MULTIGPU_REQUEUE=0
     if on and off:
         raise UsageError("--requeue and --no-requeue contradict each other; give one")
     if on and not slurm:
@@ -43,7 +44,7 @@ def apply_preemption_options(config: RunConfig, values: Mapping[str, str | None]
     if on and not signals:
         raise UsageError("--requeue needs a warning signal: --preempt-signal USR1 (and #SBATCH "
                          "--signal=USR1@90)")
-    grace = values.get("preempt_grace")
+    grace = values.preempt_grace
     if grace and not signals:
         raise UsageError("--preempt-grace needs a warning signal (--preempt-signal)")
     requeue = on or (slurm and bool(signals) and not off)

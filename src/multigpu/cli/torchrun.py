@@ -1,4 +1,4 @@
-"""torchrun's options, once resolved to text, mapped onto RunConfig with torchrun's meaning.
+"""torchrun's options, once resolved (``options.RunOptions``), mapped onto RunConfig with torchrun's meaning.
 
 Kept apart from the option table (``options``) so the table stays a plain list, and apart from
 ``layout`` so rank arithmetic does not learn about rendezvous backends. Imports no torch.
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
 from multigpu.cli import options
+from multigpu.cli.options import RunOptions
 from multigpu.cluster.devices import parse_index_list
 from multigpu.config.endpoint import C10D_PORT, TORCHRUN_MASTER_PORT, Endpoint, parse_endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig, StartConfig
@@ -28,8 +28,8 @@ def _rdzv_conf(text: str | None) -> dict[str, str]:
     return conf
 
 
-def _backend(values: Mapping[str, str | None]) -> str:
-    backend = (values["rdzv_backend"] or RendezvousConfig.backend).strip().lower()
+def _backend(values: RunOptions) -> str:
+    backend = (values.rdzv_backend or RendezvousConfig.backend).strip().lower()
     if backend in ("etcd", "etcd-v2"):
         raise UsageError(f"--rdzv-backend {backend} is not supported; use --rdzv-backend c10d "
                          "(torch's TCP store, no etcd server needed)")
@@ -38,40 +38,40 @@ def _backend(values: Mapping[str, str | None]) -> str:
     return backend
 
 
-def _endpoint(values: Mapping[str, str | None], backend: str, max_nodes: int) -> Endpoint | None:
+def _endpoint(values: RunOptions, backend: str, max_nodes: int) -> Endpoint | None:
     """torchrun's ``get_rdzv_endpoint``: the endpoint, else master addr:port for static."""
-    text = values["rdzv_endpoint"]
+    text = values.rdzv_endpoint
     if text:
         if backend == "c10d" and not re.search(r":\d+$", text):
             text = f"{text}:{C10D_PORT}"
         return parse_endpoint(text, option="--rdzv-endpoint")
-    port = values["master_port"]
+    port = values.master_port
     if backend != "static" or (port is None and max_nodes == 1):
         return None  # one node: torchrun uses localhost:0, as we do by default
-    host = values["master_addr"] or "127.0.0.1"
+    host = values.master_addr or "127.0.0.1"
     number = integer(port, "--master-port", 0) if port is not None else TORCHRUN_MASTER_PORT
     if number > 65535:
         raise UsageError(f"--master-port must be at most 65535, got {number}")
     return Endpoint(host.strip("[]"), number)
 
 
-def rendezvous_settings(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig:
+def rendezvous_settings(config: RunConfig, values: RunOptions) -> RunConfig:
     """Backend, endpoint, node range and rendezvous settings, as torchrun's ``run()`` decides them."""
     backend = _backend(values)
-    min_nodes, max_nodes = options.parse_nnodes(values["nnodes"]) if values["nnodes"] else (None, None)
-    conf = _rdzv_conf(values["rdzv_conf"])
+    min_nodes, max_nodes = options.parse_nnodes(values.nnodes) if values.nnodes else (None, None)
+    conf = _rdzv_conf(values.rdzv_conf)
     endpoint = _endpoint(values, backend, max_nodes or 1)
-    if values["standalone"] == "1":
+    if values.standalone:
         if (max_nodes or 1) > 1:
-            raise UsageError(f"--standalone is one node; drop --nnodes {values['nnodes']}")
+            raise UsageError(f"--standalone is one node; drop --nnodes {values.nnodes}")
         backend, endpoint, min_nodes, max_nodes = "c10d", None, 1, 1
     if min_nodes != max_nodes and backend == "static":
-        raise UsageError(f"--nnodes {values['nnodes']} is an elastic range: it needs --rdzv-backend c10d")
-    timeout = values["rdzv_timeout"] or conf.get("join_timeout")
+        raise UsageError(f"--nnodes {values.nnodes} is an elastic range: it needs --rdzv-backend c10d")
+    timeout = values.rdzv_timeout or conf.get("join_timeout")
     rdzv = dataclasses.replace(
         config.rdzv, backend=backend, conf=conf, min_nodes=min_nodes, max_nodes=max_nodes, endpoint=endpoint,
         timeout=seconds(timeout, "--rdzv-timeout", positive=True) if timeout else RendezvousConfig.timeout,
-        allow_mismatch=values["allow_mismatch"] == "1")
+        allow_mismatch=bool(values.allow_mismatch))
     return dataclasses.replace(config, rdzv=rdzv)
 
 
@@ -98,42 +98,42 @@ def _handled_signals(text: str) -> tuple[str, ...]:
     return names
 
 
-def _check_no_effect_options(values: Mapping[str, str | None]) -> None:
+def _check_no_effect_options(values: RunOptions) -> None:
     """Options torchrun needs and we do not still get torchrun's checks, so a typo is caught here too."""
-    if values["monitor_interval"] is not None:
-        seconds(values["monitor_interval"], "--monitor-interval")
-    method = values["start_method"]
+    if values.monitor_interval is not None:
+        seconds(values.monitor_interval, "--monitor-interval")
+    method = values.start_method
     if method is not None and method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"--start-method must be spawn, fork or forkserver, got {method!r}")
-    if values["signals_to_handle"] is not None:
-        _handled_signals(values["signals_to_handle"])
+    if values.signals_to_handle is not None:
+        _handled_signals(values.signals_to_handle)
 
 
-def apply_torchrun_options(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig:
+def apply_torchrun_options(config: RunConfig, values: RunOptions) -> RunConfig:
     """Every torchrun option that is not the device choice or the rank layout."""
     config = rendezvous_settings(config, values)
     _check_no_effect_options(values)
-    numa = values["numa_binding"]
+    numa = values.numa_binding
     if numa is not None and numa not in ("node", "socket", "exclusive", "core-complex"):
         raise UsageError(f"--numa-binding must be node, socket, exclusive or core-complex, got {numa!r}")
-    role = values["role"]
+    role = values.role
     if role is not None and not role.strip():
         raise UsageError("--role must not be empty")
     start = dataclasses.replace(config.start, role=role or StartConfig.role,
-                                virtual_local_rank=values["virtual_local_rank"] == "1", numa_binding=numa)
+                                virtual_local_rank=bool(values.virtual_local_rank), numa_binding=numa)
     output = dataclasses.replace(
         config.output,
-        log_dir=Path(values["log_dir"]) if values["log_dir"] else None,
-        redirects=StdStreams() if values["redirects"] is None else StdStreams.parse(values["redirects"],
+        log_dir=Path(values.log_dir) if values.log_dir else None,
+        redirects=StdStreams() if values.redirects is None else StdStreams.parse(values.redirects,
                                                                                   "--redirects"),
-        tee=StdStreams() if values["tee"] is None else StdStreams.parse(values["tee"], "--tee"),
-        duplicate_stdout_filters=options.comma_list(values["duplicate_stdout_filters"])
-        if values["duplicate_stdout_filters"] else (),
-        duplicate_stderr_filters=options.comma_list(values["duplicate_stderr_filters"])
-        if values["duplicate_stderr_filters"] else (),
-        logs_specs=_logs_specs(values["logs_specs"]),
+        tee=StdStreams() if values.tee is None else StdStreams.parse(values.tee, "--tee"),
+        duplicate_stdout_filters=options.comma_list(values.duplicate_stdout_filters)
+        if values.duplicate_stdout_filters else (),
+        duplicate_stderr_filters=options.comma_list(values.duplicate_stderr_filters)
+        if values.duplicate_stderr_filters else (),
+        logs_specs=_logs_specs(values.logs_specs),
     )
-    rdzv = dataclasses.replace(config.rdzv, local_addr=values["local_addr"])
+    rdzv = dataclasses.replace(config.rdzv, local_addr=values.local_addr)
     return dataclasses.replace(config, start=start, output=output, rdzv=rdzv)
 
 
@@ -144,17 +144,16 @@ def _ranks(text: str, flag: str) -> frozenset[int]:
         raise UsageError(str(exc)) from None
 
 
-def apply_rank_filters(config: RunConfig, values: Mapping[str, str | None]) -> RunConfig:
+def apply_rank_filters(config: RunConfig, values: RunOptions) -> RunConfig:
     """``--log-ranks`` names global ranks, ``--local-ranks-filter`` local ones: both may be given if they
     agree on this node."""
-    log_ranks = _ranks(values["log_ranks"], "--log-ranks") if values["log_ranks"] else None
-    local = _ranks(values["local_ranks_filter"], "--local-ranks-filter") \
-        if values["local_ranks_filter"] else None
+    log_ranks = _ranks(values.log_ranks, "--log-ranks") if values.log_ranks else None
+    local = _ranks(values.local_ranks_filter, "--local-ranks-filter") if values.local_ranks_filter else None
     if local is not None:
         as_global = frozenset(config.base_rank + r for r in local)
         if log_ranks is not None and log_ranks != as_global:
-            raise UsageError(f"--log-ranks {values['log_ranks']} and --local-ranks-filter "
-                             f"{values['local_ranks_filter']} disagree on this node (base rank "
+            raise UsageError(f"--log-ranks {values.log_ranks} and --local-ranks-filter "
+                             f"{values.local_ranks_filter} disagree on this node (base rank "
                              f"{config.base_rank})")
         log_ranks = as_global
     output = dataclasses.replace(config.output, log_ranks=log_ranks, local_ranks_filter=local)
