@@ -3,9 +3,10 @@
 The calling process becomes local rank 0 and keeps training in place; local ranks 1..n-1 are started
 through the same rendezvous, spec builder, rank bootstrap and Supervisor as ``multigpu run``, watched
 from a background thread (``watcher``). A child's failure reaches the caller's code as
-``WorkerFailedError`` within moments, whatever it is doing (see ``interrupt_caller``). Setup is all-or-nothing:
-every step registers its undo, so a setup that fails half-way leaves nothing behind. The caller itself
-becomes a rank through ``rank_setup``, the one place that writes ``os.environ``. Runs in the caller.
+``WorkerFailedError`` within moments, whatever it is doing (see ``interrupt_caller``). Setup is
+all-or-nothing: every step registers its undo, so a setup that fails half-way leaves nothing behind.
+The caller itself becomes a rank through ``rank_setup``, the one place that writes ``os.environ``.
+Runs in the caller.
 """
 
 from __future__ import annotations
