@@ -395,7 +395,7 @@ def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_c
     tier, one run in three). Cause wins over clock there, and only there: a rank's own error that came
     first stays first."""
     from multigpu.rendezvous.failure_sharing import _with_root
-    from multigpu.supervisor.loop import by_time
+    from multigpu.supervisor.outcome import by_time
     from multigpu.supervisor.states import RunResult, RunStatus
 
     lost = node_lost(1, "its launcher stopped beating for 1.2s", at=100.1)

@@ -43,11 +43,11 @@ def test_a_rank_that_raised_then_was_cut_short_reads_the_same_everywhere(tmp_pat
     failed = _worker(1, tmp_path, WorkerState.FAILED, -15)  # raised, then the teardown's SIGTERM
     WorkerFailure(rank=1, local_rank=1, pid=1001, error_type="ValueError", message="boom",
                   time=1796455710.0).write(failed.spec.error_file)  # what the rank wrote before exiting
-    failed.failure = failed.ended_with(1, failed.own_record())
+    failed.ending.failure = failed.ended_with(1, failed.own_record())
     stopped = _worker(0, tmp_path, WorkerState.STOPPED, -15)
     for w in (stopped, failed):
         record.on_workers_change([w])
-    record.end_attempt(RunResult(RunStatus.FAILED, [failed.failure]))
+    record.end_attempt(RunResult(RunStatus.FAILED, [failed.ending.failure]))
     record.finish("failed", 1)
     data = json.loads(record.path.read_text())
     jsonschema.validate(data, SCHEMA)

@@ -75,7 +75,7 @@ def pump_until(sup: Supervisor, predicate: Callable[[], bool], timeout: float = 
 
 
 def said(sup: Supervisor, rank: int, text: str) -> Callable[[], bool]:
-    return lambda: any(text in line for line in sup.workers[rank].tail)
+    return lambda: any(text in line for line in sup.workers[rank].lines.tail)
 
 
 @pytest.fixture
@@ -335,7 +335,7 @@ def test_heartbeats_keep_a_silent_run_alive(make: Callable[..., Supervisor], tmp
     sup.close()
     assert result.status is RunStatus.SUCCEEDED, result
     assert took > 1.0  # it really outlived the hang timeout without a line of output
-    assert list(sup.workers[0].tail) == []  # no output at all: only heartbeats showed progress
+    assert list(sup.workers[0].lines.tail) == []  # no output at all: only heartbeats showed progress
     assert_gone(pids)
 
 
@@ -393,7 +393,7 @@ def test_the_dump_thread_says_when_its_stacks_are_written(make: Callable[..., Su
     pids = worker_pids(sup)
     assert finish(sup).status is RunStatus.FAILED
     sup.close(dump_stacks=True)
-    assert sup.workers[0].stacked
+    assert sup.workers[0].dumps.stacked
     log = (tmp_path / "rank_0.log").read_text()
     assert "waiting_for_peer" in log
     current = log[log.index("Current thread"):]
@@ -412,7 +412,7 @@ def test_a_rank_holding_the_gil_gets_faulthandlers_dump(make: Callable[..., Supe
     pids = worker_pids(sup)
     assert finish(sup).status is RunStatus.FAILED
     sup.close(dump_stacks=True)
-    assert not sup.workers[0].stacked
+    assert not sup.workers[0].dumps.stacked
     log = (tmp_path / "rank_0.log").read_text()
     current = log[log.index("Current thread"):].split("\n\n")[0]
     assert "backtracking_for_ever" in current, log  # the handler ran in the thread holding the GIL

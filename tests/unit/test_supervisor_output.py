@@ -292,7 +292,7 @@ def test_a_rank_that_survives_sigkill_is_named_not_waited_on(make: Callable[...,
     assert pid is not None
     try:
         deadline = time.monotonic() + 10
-        while not sup.workers[0].tail:
+        while not sup.workers[0].lines.tail:
             assert time.monotonic() < deadline
             sup.wait(timeout=0.05)
         t0 = time.monotonic()
@@ -301,7 +301,7 @@ def test_a_rank_that_survives_sigkill_is_named_not_waited_on(make: Callable[...,
     finally:
         os.kill(pid, signal.SIGKILL)
     assert took < 5
-    assert sup.workers[0].unkillable and sup.workers[0].state is WorkerState.STOPPED
+    assert sup.workers[0].ending.unkillable and sup.workers[0].state is WorkerState.STOPPED
     assert any(f"rank 0 (pid {pid}) did not end" in n and "after SIGKILL" in n for n in notes), notes
     sup.workers[0].popen.wait(timeout=5)  # type: ignore[union-attr]
     assert_gone([pid])

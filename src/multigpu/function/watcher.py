@@ -146,8 +146,8 @@ def _exited_badly(workers: list[Worker], announcer: Worker) -> WorkerFailure | N
     for worker in workers:
         if worker is announcer or worker.pid is None:
             continue
-        if worker.failure is not None:
-            return worker.failure
+        if worker.ending.failure is not None:
+            return worker.ending.failure
         try:
             info = os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:

@@ -77,7 +77,7 @@ def interrupted_line(w: Worker) -> str | None:
     to its log only (``folding.InterruptTracebacks``); None when it left no such traceback."""
     record = w.own_record() if w.state is WorkerState.STOPPED else None
     text = record.traceback if record is not None and record.error_type == "KeyboardInterrupt" else None
-    text = text or last_interrupt_traceback(w.tail)
+    text = text or last_interrupt_traceback(w.lines.tail)
     if text is None:
         return None
     where = innermost_user_frame(text)
@@ -124,25 +124,25 @@ def _display_path(path: str) -> str:
 
 def other_rank_line(w: Worker) -> str | None:
     """What happened to a rank that is not the root cause, in one line (None: it succeeded)."""
-    if w.state is WorkerState.FAILED and w.failure is not None:
-        return f"also failed: {w.failure.describe()}"
-    if w.unkillable or w.state is WorkerState.STOPPED:
+    if w.state is WorkerState.FAILED and w.ending.failure is not None:
+        return f"also failed: {w.ending.failure.describe()}"
+    if w.ending.unkillable or w.state is WorkerState.STOPPED:
         return f"rank {w.rank} (pid {w.pid}): {rank_reason(w)}"
     return None
 
 
 def rank_reason(w: Worker) -> str:
     """Why a rank ended, in words: written here once, read by the report and by run.json."""
-    how = w.exit_text
-    if w.unkillable:
+    how, failure = w.exit_text, w.ending.failure
+    if w.ending.unkillable:
         return "did not end after SIGKILL (uninterruptible sleep, e.g. a driver call); it was left running"
-    if w.state is WorkerState.STOPPED and w.failure is not None:
-        why = "a peer's connection closed" if w.failure.saw_a_peer_die else w.failure.error_type
+    if w.state is WorkerState.STOPPED and failure is not None:
+        why = "a peer's connection closed" if failure.saw_a_peer_die else failure.error_type
         return f"stopped after the root cause ({how}, {why}; see its log)"
     if w.state is WorkerState.STOPPED:
         return f"stopped by the launcher ({how})"
-    if w.failure is not None:
-        return w.failure.describe().split(") ", 1)[-1]  # "exited with code 1: ValueError: ..."
+    if failure is not None:
+        return failure.describe().split(") ", 1)[-1]  # "exited with code 1: ValueError: ..."
     return f"{w.state.value} ({how})" if w.returncode is not None else w.state.value
 
 

@@ -85,9 +85,9 @@ def complete_error_files(workers: list[Worker]) -> None:
     an attempt; the rank wrote its file before it exited, so those fields were empty there."""
     for w in workers:
         path = w.spec.error_file
-        if w.failure is not None and path is not None and w.own_record() is not None:
+        if w.ending.failure is not None and path is not None and w.own_record() is not None:
             with contextlib.suppress(OSError):
-                w.failure.write(path)
+                w.ending.failure.write(path)
 
 
 class RunRecord:
@@ -157,9 +157,10 @@ class RunRecord:
             "reason": rank_reason(worker),
             "log": str(worker.spec.log_path) if worker.spec.log_path else None,
         }
-        if worker.late_death is not None:  # its script had finished: a warning, not a failure
-            self.data["attempts"][-1]["ranks"][str(worker.rank)]["died_after_finishing"] = worker.late_death
-        if worker.unkillable:
+        ending = worker.ending
+        if ending.late_death is not None:  # its script had finished: a warning, not a failure
+            self.data["attempts"][-1]["ranks"][str(worker.rank)]["died_after_finishing"] = ending.late_death
+        if ending.unkillable:
             self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
 
     def on_progress(self, progress: dict[str, dict[str, Any]]) -> None:

@@ -83,7 +83,7 @@ def answer(control: ControlSocket, workers: Sequence[Worker], dump: Callable[[li
         if request == "stacks":
             live = [w for w in workers if w.alive]
             dump(live)
-            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + _user_threads(w.dump) + "\n\n"
+            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + _user_threads(w.dumps.stacks) + "\n\n"
                            for w in live) or "no rank is running\n"
         else:
             text = "".join(status_line(w, progress, now) + "\n" for w in workers)

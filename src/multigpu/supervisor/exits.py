@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import time
 from collections.abc import Callable
 
 from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS, signal_name
+from multigpu.supervisor.events import Events
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import Worker, WorkerState
 
@@ -54,6 +56,19 @@ class StopRace:
         return ready
 
 
+def collect(worker: Worker, events: Events) -> int | None:
+    """The exit status of a rank that exited, now collected (its end time noted, its pidfd closed);
+    None when it was collected already or never started."""
+    if worker.returncode is not None or worker.popen is None:
+        return None
+    rc = worker.returncode = worker.popen.wait()
+    worker.end_time = time.time()
+    if worker.pidfd is not None:
+        events.forget(worker.pidfd, close=True)
+        worker.pidfd = None
+    return rc
+
+
 def outside_stop(worker: Worker, rc: int) -> bool:
     """The rank died of SIGTERM, SIGINT or SIGQUIT (we had sent none) and recorded no error of its own."""
     return rc < 0 and -rc in STOP_SIGNALS and not worker.finished and worker.own_record() is None
@@ -61,34 +76,34 @@ def outside_stop(worker: Worker, rc: int) -> bool:
 
 def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,
            notify: Callable[[str], None], first_failure: float | None = None) -> WorkerFailure | None:
-    """Set ``worker.state`` from its exit status; its failure when the exit counts as one.
+    """Move ``worker`` to its final state from its exit status; its failure when the exit counts as one.
 
     ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
     its doing, unless the rank wrote its own error record: then it failed on its own, perhaps first.
     ``first_failure``: when the attempt's first failure happened; a rank whose own error came after it
     and only says a peer went away (gloo's "Connection closed by peer") raised because of it, so it
-    counts as stopped, its error kept in ``worker.failure`` for the report's line about it.
+    counts as stopped, its error kept in ``worker.ending.failure`` for the report's line about it.
     """
     if rc != 0 and worker.finished:
         how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
-        worker.late_death = how
+        worker.ending.late_death = how
         notify(f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had finished "
                f"(an exit-time crash, e.g. in torch's C++ teardown); its work is done, so it counts as a "
                f"success")
         rc = 0
     if rc == 0:
-        worker.state = WorkerState.SUCCEEDED
+        worker.to(WorkerState.SUCCEEDED)
         return None
     record = worker.own_record()
     if ending and (interrupted or record is None):
-        worker.state = WorkerState.STOPPED
+        worker.to(WorkerState.STOPPED)
         return None
-    worker.failure = failure_of(worker, rc, ending, output)
+    worker.ending.failure = failure_of(worker, rc, ending, output)
     if _consequence(record, first_failure):
-        worker.state = WorkerState.STOPPED
+        worker.to(WorkerState.STOPPED)
         return None
-    worker.state = WorkerState.FAILED
-    return worker.failure
+    worker.to(WorkerState.FAILED)
+    return worker.ending.failure
 
 
 def _consequence(record: WorkerFailure | None, first_failure: float | None) -> bool:
@@ -119,6 +134,6 @@ def who_killed(worker: Worker, rc: int) -> str | None:
     cgroup counter or its log line), NCCL's watchdog for a SIGABRT (its message in the log tail)."""
     if rc == -signal.SIGKILL and worker.oom is not None and worker.pid is not None:
         return worker.oom.explain(worker.pid)
-    if rc == -signal.SIGABRT and any(mark in line for line in worker.tail for mark in NCCL_WATCHDOG):
+    if rc == -signal.SIGABRT and any(mark in line for line in worker.lines.tail for mark in NCCL_WATCHDOG):
         return "NCCL's watchdog (a collective timed out; SIGABRT)"
     return None

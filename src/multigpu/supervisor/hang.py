@@ -8,8 +8,8 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
 
 * A rank that reports steps (``multigpu.heartbeat(step=N)``) gets ``clamp(F x slowest step interval,
   L, C)`` once its step time is known: after ``warmup`` intervals in this attempt, or at once from
-  numbers an earlier attempt of the same output folder learned (``hang_timeouts.json``, so a restart
-  or a requeue does not wait at the ceiling). Before its first step (start-up), inside a section
+  numbers an earlier attempt of the same output folder learned (``learned.py``, so a restart or a
+  requeue does not wait at the ceiling). Before its first step (start-up), inside a section
   never seen to end (``multigpu.section("checkpoint")``), and once any rank has finished (the loop is
   over), the timeout is C. Inside a known section it is ``clamp(F x slowest time of that section, L, C)``.
 * Progress of such a rank is a step, a section boundary or ``multigpu.heartbeat()``; not its output.
@@ -18,21 +18,18 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
 * Across nodes the silence is the job's: another node's progress (``remote_progress``, learned through
   the job's store once per fate beat, ``jobhang.JobProgress``) counts as much as this node's own.
 
-On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named.
+On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named. The
+book also names stragglers (``stragglers.py``), ranks slower than the others though not stuck.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
-import os
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,20 +37,20 @@ from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
 from multigpu.contract.errors import HANG, WorkerFailure
 from multigpu.supervisor.culprit import find_culprits
+from multigpu.supervisor.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
+from multigpu.supervisor.stragglers import find_stragglers
 
 if TYPE_CHECKING:
     from multigpu.config.run import RunConfig
     from multigpu.supervisor.flight_record import Finding
     from multigpu.supervisor.states import Worker, WorkerSpec
 
-LEARNED_FILE = "hang_timeouts.json"
 SAVE_EVERY_S = 2.0
+"""Learned numbers go to the output folder at most this often (and at the attempt's end)."""
 TIE_S = 0.01
 """Ranks whose last progress at the same step is this close are named together: no one is first."""
 STRAGGLER_EVERY_S = 1.0
-STRAGGLER_MIN_GAP_S = 0.005
-"""A straggler must also be this much slower in absolute terms: microsecond jitter is not a story."""
 
 
 @dataclass(frozen=True)
@@ -70,47 +67,6 @@ class HangPolicy:
     def clamp(self, seconds: float) -> float:
         value = max(self.floor, self.factor * seconds)
         return value if self.ceiling is None else min(self.ceiling, value)
-
-
-@dataclass
-class Learned:
-    """The slowest step interval and section times seen, kept across attempts in the output folder."""
-
-    slowest_step: float | None = None
-    sections: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, path: Path | None) -> Learned:
-        try:
-            data = json.loads(path.read_text()) if path is not None else {}
-            step = data.get("slowest_step_s")
-            sections = {str(k): float(v) for k, v in dict(data.get("sections_s", {})).items()}
-            return cls(float(step) if step is not None else None, sections)
-        except (OSError, ValueError, TypeError, AttributeError):
-            return cls()
-
-    def save(self, path: Path) -> None:
-        data = {"slowest_step_s": self.slowest_step, "sections_s": self.sections,
-                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(data, indent=2) + "\n")
-            os.replace(tmp, path)
-        except OSError:  # a full disk costs the reuse after a restart, never the run
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-
-    def note_step(self, interval: float) -> bool:
-        if self.slowest_step is None or interval > self.slowest_step:
-            self.slowest_step = interval
-            return True
-        return False
-
-    def note_section(self, name: str, seconds: float) -> bool:
-        if seconds > self.sections.get(name, -1.0):
-            self.sections[name] = seconds
-            return True
-        return False
 
 
 @dataclass(frozen=True)
@@ -156,9 +112,11 @@ class ProgressBook:
 
     # ---- feeding -----------------------------------------------------------------------------------
 
-    def started(self, rank: int, now: float | None = None) -> None:
+    def started(self, rank: int, now: float | None = None) -> RankProgress:
+        """The rank's process started: its progress starts afresh (its record, for ``Worker.progress``)."""
         now = self._clock() if now is None else now
-        self.ranks[rank] = RankProgress(rank, now, now)
+        self.ranks[rank] = progress = RankProgress(rank, now, now)
+        return progress
 
     def output(self, rank: int, now: float | None = None) -> None:
         """The rank's pipes had output: progress for ranks without our bootstrap (they never beat)."""
@@ -325,7 +283,8 @@ class ProgressBook:
         if now - self._straggler_at < STRAGGLER_EVERY_S or len(running) < 2:
             return
         self._straggler_at = now
-        for rank, line in find_stragglers(self.ranks, self.policy).items():
+        for rank, line in find_stragglers(self.ranks, self.policy.straggler_window,
+                                                 self.policy.straggler_ratio).items():
             if rank not in self.stragglers:
                 self.stragglers[rank] = line
                 self._notify(line)
@@ -350,32 +309,6 @@ class ProgressBook:
         return out
 
 
-def find_stragglers(ranks: dict[int, RankProgress], policy: HangPolicy) -> dict[int, str]:
-    """Ranks whose median section time (or step interval) over the last ``straggler_window`` is more
-    than ``straggler_ratio`` times the median of the other ranks' medians, with the numbers."""
-    n = policy.straggler_window
-    series: dict[str, dict[int, list[float]]] = {}
-    for r, p in ranks.items():
-        for name, times in p.section_times.items():
-            if len(times) >= n:
-                series.setdefault(f"section {name!r}", {})[r] = list(times)[-n:]
-        if len(p.intervals) >= n:
-            series.setdefault("step interval", {})[r] = list(p.intervals)[-n:]
-    found: dict[int, str] = {}
-    for what, per_rank in series.items():
-        if len(per_rank) < 2:
-            continue
-        medians = {r: statistics.median(v) for r, v in per_rank.items()}
-        for r, mine in medians.items():
-            others = statistics.median([m for q, m in medians.items() if q != r])
-            if mine > policy.straggler_ratio * others and mine - others >= STRAGGLER_MIN_GAP_S \
-                    and r not in found:
-                ratio = mine / others if others > 0 else math.inf
-                found[r] = (f"rank {r} is a straggler: its {what} takes {mine:.3g}s (median of the last "
-                            f"{n}) against {others:.3g}s on the other ranks ({ratio:.1f}x)")
-    return found
-
-
 def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
                   wall_now: float) -> list[WorkerFailure]:
     """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
@@ -384,7 +317,7 @@ def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
     stacks are outside torch.distributed while the others wait in it (``culprit.py``), then who
     stopped progressing first."""
     blamed = [r for f in flight for r in f.ranks]
-    stacks = find_culprits({w.rank: w.dump for w in running})
+    stacks = find_culprits({w.rank: w.dumps.stacks for w in running})
     outside = stacks.ranks if stacks is not None else []
     culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + outside + hang.culprits)]
     order = {r: i for i, r in enumerate(culprits)}
@@ -396,7 +329,7 @@ def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
         quiet = hang.quiet.get(w.rank, 0.0)
         message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
         failures.append(dataclasses.replace(
-            w.ended_with(None), error_type=HANG, message=message, traceback="\n".join(w.dump) or None,
+            w.ended_with(None), error_type=HANG, message=message, traceback="\n".join(w.dumps.stacks) or None,
             time=base + order.get(w.rank, len(order)) * 1e-3))  # sorted later: keeps the culprits' order
     return failures
 
@@ -410,14 +343,3 @@ def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpe
     policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor)
     return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
                         notify=notify or say)
-
-
-def feed_beats(book: ProgressBook, worker: Worker, data: bytes, now: float) -> set[str]:
-    """Decode a rank's beats into the book and the rank's record; the kinds of beat that came."""
-    beats = worker.decoder.feed(data)
-    book.feed(worker.rank, beats, now)
-    kinds = {b.kind for b in beats}
-    worker.finished |= "done" in kinds
-    worker.recorded |= "dumped" in kinds
-    worker.stacked |= "stacks" in kinds
-    return kinds

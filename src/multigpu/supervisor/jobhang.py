@@ -91,7 +91,7 @@ def rank_states(workers: Sequence[Worker], book: ProgressBook, now: float) -> li
         states.append(RankState(w.rank, w.spec.local_rank, w.spec.node, w.pid, w.alive,
                                 p.step if p is not None else None,
                                 round(now - p.last_progress, 3) if p is not None else 0.0,
-                                list(w.dump) if w.alive else []))
+                                list(w.dumps.stacks) if w.alive else []))
     return states
 
 

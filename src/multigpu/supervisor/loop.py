@@ -9,11 +9,13 @@ twice raises. What the workers write is ``output.WorkerOutput``'s business: the 
 pipes and never waits on a console.
 
 Progress and the hang decision are ``hang.ProgressBook``'s: the loop feeds it every rank's beats
-(``contract/beats.BeatDecoder``) and asks it each turn; ``dumps`` collects stacks and flight records.
+(``beat_pipe.py``) and asks it each turn; ``stack_dumps`` collects stacks and flight records.
 A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
 succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
 Worker states and the other types are in ``states.py``; an exit's meaning in ``exits.py``, the
-teardown in ``teardown.py``, the event sources in ``events.py``.
+failures and the result they add up to in ``outcome.py``, the event sources in ``events.py``. The
+teardown's wait is the loop's own (``_stop_groups``: output is still read and exits still judged
+until the deadline); its signals, SIGKILL and release are ``teardown.py``'s.
 """
 
 from __future__ import annotations
@@ -25,22 +27,19 @@ from collections import deque
 from collections.abc import Sequence
 
 from multigpu.contract.errors import HANG, WorkerFailure
-from multigpu.supervisor import exits, hang, jobhang, reaping, spawning, teardown
+from multigpu.contract.signals import signal_name
+from multigpu.supervisor import exits, jobhang, reaping, spawning, teardown
+from multigpu.supervisor.beat_pipe import read_beats
 from multigpu.supervisor.control import answer
-from multigpu.supervisor.events import Events, read_ready
+from multigpu.supervisor.events import Events
 from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
-from multigpu.supervisor.output import OutputSink, Stream, WorkerOutput
+from multigpu.supervisor.outcome import Outcome
+from multigpu.supervisor.output import OutputSink, WorkerOutput, mute_all_but
 from multigpu.supervisor.run_updates import News
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
 from multigpu.supervisor.stack_dumps import DumpRequest, flight_record
-from multigpu.supervisor.states import (
-    RunResult,
-    RunStatus,
-    Worker,
-    WorkerSpec,
-    WorkerState,
-)
+from multigpu.supervisor.states import RunResult, Worker, WorkerSpec, WorkerState
 from multigpu.supervisor.stop_requests import StopRequests
 
 
@@ -54,8 +53,7 @@ class Supervisor:
         self.hooks = hooks = hooks or Hooks()
         self._spawner: Spawner = spawner or PopenSpawner()
         self.workers = [Worker(spec) for spec in specs]
-        self._clock = options.clock
-        self._notify = hooks.notify
+        self._clock, self._notify = options.clock, hooks.notify
         self.progress = progress or ProgressBook(HangPolicy(ceiling=options.hang_timeout),
                                                  (w.rank for w in self.workers), clock=self._clock,
                                                  notify=self._notify)
@@ -64,11 +62,10 @@ class Supervisor:
         self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
-        self._started = self._closed = self._closing = self._hung = self._declared = False
-        self._failures: list[WorkerFailure] = []
+        self._started = self._closed = self._closing = self._declared = False
+        self._outcome = Outcome()
         self._race = exits.StopRace()  # ranks killed by a stop signal we did not send
         self._news = News(hooks, self.progress, self._clock, options.tick_period)
-        self._detected: float | None = None
 
     # ---- start -------------------------------------------------------------------------------------
 
@@ -81,9 +78,8 @@ class Supervisor:
             self._spawner.prepare([w.spec for w in self.workers])
             for worker in self.workers:
                 spawning.bring_up(worker, self._spawner, self._output, self._events, now, self.hooks.guard)
-                self.changed(worker)
-                self.progress.started(worker.rank, now)
-                worker.progress = self.progress.ranks[worker.rank]
+                self._news.changed(worker)
+                worker.progress = self.progress.started(worker.rank, now)
         except BaseException:
             self.close(grace_period=0)
             raise
@@ -111,69 +107,46 @@ class Supervisor:
     def poll(self) -> RunResult | None:
         """Handle what is ready now, without blocking; a result once the run has an outcome."""
         self.turn(0)
-        return self._outcome()
+        return self._outcome.result(self._stops.signal, self.workers)
 
     def wait(self, timeout: float | None = None) -> RunResult | None:
         """Run the loop until the run has an outcome (or ``timeout`` seconds pass: then None)."""
         if not self._started:
             raise RuntimeError("Supervisor.wait() before start()")
         deadline = None if timeout is None else self._clock() + timeout
-        while True:
-            outcome = self._outcome()
-            if outcome is not None:
-                return outcome
+        while (outcome := self._outcome.result(self._stops.signal, self.workers)) is None:
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
                 return None
-            period = _period(self.options, self.progress, self._output, self.workers, remaining)
-            due = self._race.next_due()
-            if due is not None:
-                period = max(0.0, min(period, due - self._clock()))
-            self.turn(period)
-
-    def _outcome(self) -> RunResult | None:
-        stop = self._stops.signal
-        if (stop is not None or self._failures) and self._detected is None:
-            self._detected = time.time()
-        if stop is not None:
-            return RunResult(RunStatus.INTERRUPTED, self._sorted_failures(), stop, self._detected)
-        if self._failures:
-            status = RunStatus.HUNG if self._hung else RunStatus.FAILED
-            return RunResult(status, self._sorted_failures(), detected_time=self._detected)
-        if all(w.state is WorkerState.SUCCEEDED for w in self.workers):
-            return RunResult(RunStatus.SUCCEEDED)
-        return None
+            self.turn(_period(self.options, self.progress, self._output, self.workers, remaining,
+                              self._race.next_due()))
+        return outcome
 
     def final_result(self, result: RunResult) -> RunResult:
         """``result`` again after ``close()``: ranks that failed during teardown may have failed first."""
-        if result.status in (RunStatus.FAILED, RunStatus.HUNG):
-            return RunResult(result.status, self._sorted_failures(), result.signal, result.detected_time)
-        return result
+        return self._outcome.final(result)
 
-    def _sorted_failures(self) -> list[WorkerFailure]:
-        return by_time(self._failures)
+    def output_losses(self) -> list[str]:
+        """Log files that could not be written in full (a full disk), one line each."""
+        return self._output.losses()
 
     def turn(self, timeout: float | None) -> None:
         """One turn of the loop: what is ready within ``timeout``, then signals, hangs and the tick."""
         self._output.release_held(self._events)
         for kind, obj in self._events.ready(timeout):
             if kind == "out":
-                if self._output.hold(obj, self._events):
-                    continue
-                self._read_stream(obj)
-                self.progress.output(obj.worker.rank, obj.worker.last_output)
+                if self._output.take(obj, self._events):  # not when held for a full console
+                    self.progress.output(obj.worker.rank, obj.worker.lines.last_at)
             elif kind == "exit":
                 self.reap(obj)
             elif kind == "control":
                 answer(obj, self.workers, self.dump_stacks, self.progress, self._clock())
             else:
                 self._read_beats(obj)
-        for worker in self.workers:
-            if worker.pidfd is None and worker.alive and worker.popen and worker.popen.poll() is not None:
-                self.reap(worker)
+        for worker in reaping.unwatched_exits(self.workers):
+            self.reap(worker)
         self._output.show_partials()
-        if any(w.group_open and w.returncode is not None for w in self.workers):
-            reaping.open_groups(self.workers)
+        reaping.close_emptied(self.workers)
         self._handle_signals()
         self._judge_pending()
         self._news.tell()
@@ -181,39 +154,17 @@ class Supervisor:
         self._news.tick(self._closing)
 
     def _read_beats(self, worker: Worker) -> None:
-        fd = worker.heartbeat_read_fd
-        data = b"" if fd is None else read_ready(fd)
-        if data is None or fd is None:
-            return
-        if not data:
-            self._events.forget(fd, close=True)
-            worker.heartbeat_read_fd = None
-        else:
-            kinds = hang.feed_beats(self.progress, worker, data, self._clock())
-            if "failing" in kinds and self._stops.signal is None:
-                self._mute_all_but(worker)
-            if "failing" in kinds and self.hooks.on_failing is not None:
-                self.hooks.on_failing(worker)
-
-    def _mute_all_but(self, failed: Worker) -> None:
-        """A rank failed (it said so, or it exited): what the others say from here on is a consequence,
-        for their logs only; the report names each of them in one line."""
-        for other in self.workers:
-            other.muted = other.muted or (other is not failed and other.alive)
-
-    def _read_stream(self, stream: Stream) -> None:
-        if not self._output.read(stream):
-            self._events.forget(stream.fd)
+        kinds = read_beats(worker, self._events, self.progress, self._clock)
+        if "failing" in kinds and self._stops.signal is None:
+            mute_all_but(self.workers, worker)
+        if "failing" in kinds and self.hooks.on_failing is not None:
+            self.hooks.on_failing(worker)
 
     def reap(self, worker: Worker) -> None:
         """Collect a rank that exited and judge its exit (``exits.settle``)."""
-        if worker.returncode is not None or worker.popen is None:
+        rc = exits.collect(worker, self._events)
+        if rc is None:
             return
-        rc = worker.returncode = worker.popen.wait()
-        worker.end_time = time.time()
-        if worker.pidfd is not None:
-            self._events.forget(worker.pidfd, close=True)
-            worker.pidfd = None
         self._read_beats(worker)  # a "done" it sent just before exiting may still be in the pipe
         # A stop signal recorded but not yet handled counts: SLURM's scancel and time limit send SIGTERM
         # to every process of the step, and a rank may die of it a moment before this loop handles ours,
@@ -233,34 +184,26 @@ class Supervisor:
             self._judge(p.worker, p.rc, stop)
 
     def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
-        first = min((f.time for f in self._failures if f.time is not None), default=None)
         failure = exits.settle(worker, rc, ending=self._closing or interrupted, interrupted=interrupted,
-                               output=self._output, notify=self._notify, first_failure=first)
+                               output=self._output, notify=self._notify,
+                               first_failure=self._outcome.first_time())
         if failure is not None:
-            self._failures.append(failure)
-            self._mute_all_but(worker)
+            self._outcome.failures.append(failure)
+            mute_all_but(self.workers, worker)
         elif worker.state is WorkerState.SUCCEEDED and not (self._closing or interrupted):
             self.progress.finished(worker.rank, self._clock())
-        self.changed(worker)
-
-    def output_losses(self) -> list[str]:
-        """Log files that could not be written in full (a full disk), one line each."""
-        return self._output.losses()
-
-    def changed(self, worker: Worker) -> None:
-        """Note a rank whose state changed; the listener hears of every change of a turn at once."""
         self._news.changed(worker)
 
     def _handle_signals(self) -> None:
         while self._external:
             failure = self._external.popleft()
             if not self._job_hang(failure):
-                self._failures.append(failure)
+                self._outcome.failures.append(failure)
         for signum in self._stops.take(self._closing):
             reaping.forward(self.workers, signum)  # SIGHUP, SIGUSR1/2: the ranks decide
 
     def _check_hang(self) -> None:
-        if self._failures or self._closing or self._hung or self._declared:
+        if self._outcome.failures or self._closing or self._outcome.hung or self._declared:
             return
         running = [w for w in self.workers if w.alive]
         hang = self.progress.check([w.rank for w in running], self._clock())
@@ -270,24 +213,24 @@ class Supervisor:
         elif hang is not None:
             since = self._collect_stacks(hang.notice)
             flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
-            self._failures.extend(hang_failures(hang, running, flight, time.time()))
+            self._outcome.failures.extend(hang_failures(hang, running, flight, time.time()))
 
     def _job_hang(self, notice: WorkerFailure) -> bool:
         """The job hangs (a node said so through the store): dump this node's ranks, then judge with
         every node (``jobhang.py``). False for any other failure from outside, and once this node has
         an outcome of its own."""
-        exchange = self.hooks.job_hang
-        if notice.error_type != HANG or exchange is None or self._hung or self._closing or self._failures:
+        exchange, outcome = self.hooks.job_hang, self._outcome
+        if notice.error_type != HANG or exchange is None or outcome.hung or self._closing or outcome.failures:
             return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
-        self._failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
+        outcome.failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
                                                      self.turn, self._clock, self._stops.seen))
         return True
 
     def _collect_stacks(self, notice: str) -> float:
         """Say what is known, then dump every live rank's stacks; when the request went out."""
         self._notify(f"hang: {notice}; collecting every rank's stacks")
-        self._hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
+        self._outcome.hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
         request = self.dump_stacks([w for w in self.workers if w.alive])
         return request.wall_start if request is not None else time.time()
 
@@ -322,8 +265,7 @@ class Supervisor:
                 self._stops.told_at = self._clock()
                 if sig == signal.SIGINT:  # the user's Ctrl-C: the report says where each rank was
                     self._output.hide_interrupts()
-                teardown.stop_groups(self.workers, sig, grace, self, self.options, self._spawner.spared,
-                                     self._notify)
+                self._stop_groups(sig, grace)
                 for w in self.workers:
                     self._output.drain(self._output.of(w))
                 self._news.publish(final=True)
@@ -331,11 +273,22 @@ class Supervisor:
             self._news.tell()
             teardown.release(self.workers, self._output, self._events)
 
-
-    @property
-    def kill_now(self) -> bool:
-        """A second Ctrl-C came: the teardown's grace is over."""
-        return self._stops.kill_now
+    def _stop_groups(self, sig: int, grace: float) -> None:
+        """``sig`` to every group; the loop turns until all are gone, ``grace`` passes or a second
+        Ctrl-C comes; SIGKILL for the rest (``teardown``), and every rank reaped."""
+        workers, clock = self.workers, self._clock
+        teardown.signal_groups(workers, sig)
+        deadline = clock() + grace
+        while clock() < deadline and not self._stops.kill_now and not teardown.all_gone(workers):
+            self.turn(0.01)
+            teardown.reap_adopted(workers, self.options)
+        why = "after a second interrupt" if self._stops.kill_now else f"{grace:g}s after {signal_name(sig)}"
+        for w in teardown.kill_rest(workers, why, self.options, self._spawner.spared, self._notify):
+            if w.ending.unkillable:
+                self._news.changed(w)
+            else:
+                self.reap(w)
+        teardown.wait_for_groups(workers, self.options)
 
     def __enter__(self) -> Supervisor:
         return self
@@ -345,9 +298,10 @@ class Supervisor:
 
 
 def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOutput,
-            workers: Sequence[Worker], remaining: float | None) -> float:
+            workers: Sequence[Worker], remaining: float | None, race_due: float | None) -> float:
     """How long one turn may wait: the tick, a quarter of the shortest hang timeout, the next partial
-    line due on the console, or a short poll where no pidfd tells a rank's exit."""
+    line due on the console, a short poll where no pidfd tells a rank's exit, or until a rank killed
+    by an outside stop signal is judged (``race_due``)."""
     period = options.tick_period
     shortest = progress.shortest_timeout()
     if shortest is not None:
@@ -357,18 +311,6 @@ def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOu
         period = min(period, max(0.01, due))
     if any(w.pidfd is None and w.alive for w in workers):
         period = min(period, 0.05)
-    return period if remaining is None else max(0.0, min(period, remaining))
+    period = period if remaining is None else max(0.0, min(period, remaining))
+    return period if race_due is None else max(0.0, min(period, race_due - options.clock()))
 
-
-def by_time(failures: Sequence[WorkerFailure]) -> list[WorkerFailure]:
-    """The first failure in time first: the root cause (a failure of unknown time last).
-
-    Cause before time in one case: a rank that failed only because a peer's connection closed comes
-    after a lost node or store, whatever the clocks say. A lost node's time is when the watcher last
-    saw its counter move, up to a beat after the node really died, so the peer's "Connection reset"
-    can carry the earlier time although the loss caused it."""
-    ordered = sorted(failures, key=lambda f: f.time if f.time is not None else float("inf"))
-    lost = next((f for f in ordered if f.explains(ordered[0])), None) if ordered else None
-    if lost is None:
-        return ordered
-    return [lost, *(f for f in ordered if f is not lost)]

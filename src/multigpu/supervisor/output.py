@@ -172,7 +172,7 @@ class WorkerOutput:
             extra = self._stream_files.get((worker.rank, name))
             stream = Stream(worker, name, pipe, [extra] if extra else [])
             self.streams[stream.fd] = stream
-            worker.open_streams += 1
+            worker.lines.open_streams += 1
             streams.append(stream)
         return streams
 
@@ -185,6 +185,15 @@ class WorkerOutput:
         for stream in list(streams):
             while stream.fd in self.streams and self._read_once(stream) > 0:
                 pass
+
+    def take(self, stream: Stream, events: Events) -> bool:
+        """Read a ready pipe unless the console is full (``hold``); True when it was read. A pipe at
+        its end is forgotten."""
+        if self.hold(stream, events):
+            return False
+        if not self.read(stream):
+            events.forget(stream.fd)
+        return True
 
     def hold(self, stream: Stream, events: Events) -> bool:
         """The console's buffer is full and it is still reading: leave this pipe unread until it has
@@ -219,7 +228,7 @@ class WorkerOutput:
         if not data:
             self.end(stream)
             return -1
-        stream.worker.last_output = self._clock()
+        stream.worker.lines.last_at = self._clock()
         for f in stream.files:
             f.write(data)
         stream.pending += data
@@ -251,7 +260,7 @@ class WorkerOutput:
             self._sink.write_lines(stream.worker, stream.name, [display_text(line) for line in held])
         self.streams.pop(stream.fd, None)
         stream.pipe.close()
-        stream.worker.open_streams -= 1
+        stream.worker.lines.open_streams -= 1
 
     def due_in(self) -> float | None:
         """Seconds until a progress bar is due on the console, for the loop's select timeout."""
@@ -276,7 +285,8 @@ class WorkerOutput:
 
     def _shows(self, stream: Stream) -> bool:
         worker = stream.worker
-        return self._sink is not None and not worker.muted and stream.name in worker.spec.console_streams
+        shown = stream.name in worker.spec.console_streams
+        return self._sink is not None and not worker.lines.muted and shown
 
     def _emit(self, stream: Stream, chunk: bytes, logged: bytes | None = None) -> None:
         """``chunk`` holds whole lines; the log gets ``logged`` (the bytes as written), then the sink."""
@@ -288,10 +298,10 @@ class WorkerOutput:
         for copy in worker.spec.line_copies:
             if copy.stream == stream.name and (matched := copy.matching(lines)):
                 self._shared[copy.path].write(matched)
-        keep = worker.tail.maxlen or len(lines)
-        worker.tail.extend(_tail_line(line) for line in lines[-keep:])
-        if worker.capture is not None:
-            worker.capture.extend(line.decode(errors="replace") for line in lines)
+        keep = worker.lines.tail.maxlen or len(lines)
+        worker.lines.tail.extend(_tail_line(line) for line in lines[-keep:])
+        if worker.dumps.capture is not None:
+            worker.dumps.capture.extend(line.decode(errors="replace") for line in lines)
         stream.partial_shown = b""
         if stream.cpp_stacks is not None:
             lines = stream.cpp_stacks.feed(lines)
@@ -317,3 +327,10 @@ def _tail_line(line: bytes) -> str:
     if len(text) > TAIL_LINE_CHARS:
         return f"{text[:TAIL_LINE_CHARS]}... ({len(text) - TAIL_LINE_CHARS} more characters in the log)"
     return text
+
+
+def mute_all_but(workers: Iterable[Worker], failed: Worker) -> None:
+    """A rank failed (it said so, or it exited): what the others say from here on is a consequence,
+    for their logs only; the report names each of them in one line."""
+    for other in workers:
+        other.lines.muted = other.lines.muted or (other is not failed and other.alive)

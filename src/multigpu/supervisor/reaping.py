@@ -1,4 +1,5 @@
-"""Process groups at teardown: which groups may still be signalled, the SIGKILL wait, and orphans.
+"""Process groups and exits outside the pidfds: which groups may still be signalled, the exits only
+polling finds, the SIGKILL wait at teardown, and orphans.
 
 Each rank leads its own process group (its pid is the group id), so a signal to the group reaches
 everything the rank started. These helpers hold the rules that keep that safe: a group whose members
@@ -13,7 +14,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -62,6 +63,20 @@ def open_groups(workers: Sequence[Worker]) -> list[int]:
     return [w.pid for w in workers if w.group_open and w.pid is not None]
 
 
+def close_emptied(workers: Sequence[Worker]) -> None:
+    """Mark the groups of exited ranks that have emptied (``open_groups``), each loop turn."""
+    if any(w.group_open and w.returncode is not None for w in workers):
+        open_groups(workers)
+
+
+def unwatched_exits(workers: Sequence[Worker]) -> Iterator[Worker]:
+    """The running ranks without a pidfd (none on this kernel) whose process has exited, found by
+    polling; checked one by one as the caller reaps them."""
+    for w in workers:
+        if w.pidfd is None and w.alive and w.popen and w.popen.poll() is not None:
+            yield w
+
+
 def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> list[Worker]:
     """Wait for every rank after SIGKILL, all within KILL_WAIT_S; returns the ranks that ended or
     were given up on. One that survives (uninterruptible sleep) is marked, named, and left."""
@@ -75,8 +90,8 @@ def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> lis
         try:
             w.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            w.unkillable = True
-            w.state = WorkerState.STOPPED
+            w.ending.unkillable = True
+            w.to(WorkerState.STOPPED)
             w.returncode = None
             notify(f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
                    f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "

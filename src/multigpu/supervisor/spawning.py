@@ -87,11 +87,11 @@ def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Eve
     the rank to the node's sentinel."""
     output.open(worker)
     worker.popen, hb_r = start_rank(spawner, worker.spec, guarded=guard is not None)
+    worker.to(WorkerState.RUNNING)  # its process exists: from here on the teardown must end it
     worker.heartbeat_read_fd = hb_r
     events.watch(hb_r, "beat", worker)
-    worker.state = WorkerState.RUNNING
     worker.start_time = time.time()
-    worker.last_output = now
+    worker.lines.last_at = now
     pipes = (("stdout", worker.popen.stdout), ("stderr", worker.popen.stderr))
     for stream in output.attach(worker, pipes):
         events.watch(stream.fd, "out", stream)

@@ -42,15 +42,15 @@ class DumpRequest:
         self.targets = list(targets)
         self._clock = clock
         self.wall_start = time.time()
-        self._activity = {w.rank: w.last_output for w in self.targets}
+        self._activity = {w.rank: w.lines.last_at for w in self.targets}
         # Only a rank that has beaten has armed its dump thread; to any other FR_SIGNAL is fatal.
         self._answering = [w for w in self.targets if FR_DUMP_ENV in w.spec.env and w.progress is not None
                            and w.progress.beats]
         self.recording = [w for w in self._answering if w.spec.env[FR_DUMP_ENV]]
         self._quiet = [w for w in self.targets if w not in self._answering]
         for w in self.targets:
-            w.capture, w.recorded, w.stacked = [], False, False
-            w.muted = True  # the stacks go to the log; the report shows them where they are the point
+            w.dumps.capture, w.dumps.recorded, w.dumps.stacked = [], False, False
+            w.lines.muted = True  # the stacks go to the log; the report shows them where they are the point
             _send(w, FR_SIGNAL if w in self._answering else DUMP_SIGNAL)
         self._start = clock()
         self._fallback_at = self._start + ANSWER_S
@@ -63,37 +63,37 @@ class DumpRequest:
             return True
         if now >= self._fallback_at:
             self._fall_back()
-        answered = all(w.stacked or not w.alive for w in self._answering)
+        answered = all(w.dumps.stacked or not w.alive for w in self._answering)
         stacks = (answered and self._quiet_now(now)) or now >= self._stacks_by
-        return stacks and all(w.recorded or not w.alive for w in self.recording)
+        return stacks and all(w.dumps.recorded or not w.alive for w in self.recording)
 
     def next_check_in(self) -> float:
         """How long the loop may wait before ``done()`` can change without an event: the quiet
         period of a faulthandler dump ends, or a deadline passes."""
         now = self._clock()
         times = [self._deadline, self._stacks_by]
-        times += [w.last_output + QUIET_S for w in self._quiet if w.alive]
-        if any(w.alive and not w.stacked for w in self._answering):
+        times += [w.lines.last_at + QUIET_S for w in self._quiet if w.alive]
+        if any(w.alive and not w.dumps.stacked for w in self._answering):
             times.append(self._fallback_at)
         return max(0.0, min(t for t in times if t > now) - now) if any(t > now for t in times) else 0.0
 
     def _quiet_now(self, now: float) -> bool:
         live = [w for w in self._quiet if w.alive]
-        pending = [w for w in live if w.last_output == self._activity[w.rank]]
-        return not pending and all(now - w.last_output >= QUIET_S for w in live)
+        pending = [w for w in live if w.lines.last_at == self._activity[w.rank]]
+        return not pending and all(now - w.lines.last_at >= QUIET_S for w in live)
 
     def _fall_back(self) -> None:
-        for w in [w for w in self._answering if w.alive and not w.stacked]:
+        for w in [w for w in self._answering if w.alive and not w.dumps.stacked]:
             self._answering.remove(w)
             if w in self.recording:
                 self.recording.remove(w)
             self._quiet.append(w)
-            self._activity[w.rank] = w.last_output
+            self._activity[w.rank] = w.lines.last_at
             _send(w, DUMP_SIGNAL)
 
     def finish(self) -> None:
         for w in self.targets:
-            w.dump, w.capture = w.capture or [], None
+            w.dumps.stacks, w.dumps.capture = w.dumps.capture or [], None
 
 
 def _send(worker: Worker, signum: int) -> None:

@@ -4,10 +4,13 @@ record (``Worker``, the launcher's record of one rank) and an attempt's result.
 The bottom of ``supervisor/``: it imports none of the modules that use it, only ``contract``. Runs
 in the launcher and in function mode's caller.
 
-Worker states::
+Worker states (``MOVES``; ``Worker.to`` is the one writer of a rank's state)::
 
-    PENDING -> RUNNING -> SUCCEEDED | FAILED      (the rank's own exit)
-                       -> STOPPED                 (ended by the launcher's teardown)
+    PENDING -> RUNNING                            (its process exists: ``spawning.bring_up``)
+    RUNNING -> SUCCEEDED | FAILED | STOPPED       (its exit judged: ``exits.settle``)
+    RUNNING -> STOPPED                            (it outlived SIGKILL: ``reaping.reap_killed``)
+
+SUCCEEDED, FAILED and STOPPED are final. A rank that never started stays PENDING.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ class WorkerState(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+MOVES: Mapping[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.PENDING: frozenset({WorkerState.RUNNING}),
+    WorkerState.RUNNING: frozenset({WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED}),
+    WorkerState.SUCCEEDED: frozenset(),
+    WorkerState.FAILED: frozenset(),
+    WorkerState.STOPPED: frozenset(),
+}
+"""The state a rank may go to from each state (the module docstring draws them)."""
+
+
+class IllegalMove(RuntimeError):
+    """A rank asked to go where ``MOVES`` does not lead: a bug of the supervisor's, never a rank's."""
 
 
 class RunStatus(str, enum.Enum):
@@ -138,39 +155,76 @@ class WorkerSpec:
 
 
 @dataclass
-class Worker:
-    spec: WorkerSpec
-    state: WorkerState = WorkerState.PENDING
-    popen: ProcessHandle | None = None
-    pidfd: int | None = None
-    start_time: float | None = None
-    end_time: float | None = None
-    returncode: int | None = None
-    last_output: float = 0.0
-    failure: WorkerFailure | None = None
-    oom: OomWatch | None = None
-    """Its memory cgroup's OOM-kill count at its start (``oom.py``): read again if it dies of SIGKILL."""
+class Lines:
+    """What the supervisor keeps of a rank's output (``output.WorkerOutput`` reads its pipes)."""
+
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    """Its last lines, for its failure's record and the report."""
+    last_at: float = 0.0
+    """When it last wrote anything (the loop's clock)."""
     open_streams: int = 0
-    heartbeat_read_fd: int | None = None
-    capture: list[str] | None = None
     muted: bool = False
     """Its lines go to its log only: the attempt already failed (what it says now is a consequence,
     named in the report) or it is dumping its stacks (shown by the report where they are the point)."""
-    group_open: bool = True
-    dump: list[str] = field(default_factory=list)
-    progress: RankProgress | None = None
-    """Its steps and sections (``hang.ProgressBook``), for the live view."""
-    decoder: BeatDecoder = field(default_factory=BeatDecoder)
+
+
+@dataclass
+class Dumps:
+    """What it gave for the last dump request (``stack_dumps.DumpRequest``)."""
+
+    stacks: list[str] = field(default_factory=list)
+    """The lines it wrote while the last request ran: its stacks."""
+    capture: list[str] | None = None
+    """Where its lines are collected while a request runs (None: no request running)."""
     recorded: bool = False
     """It wrote its flight-recorder dump after the last request."""
     stacked: bool = False
     """Its dump thread wrote its stacks after the last request (all of them are in its stderr pipe)."""
-    finished: bool = False
-    """The bootstrap said its script returned and everything it left to do at exit is done."""
+
+
+@dataclass
+class Ending:
+    """How it ended, beyond its exit status: for the report, run.json and the error files."""
+
+    failure: WorkerFailure | None = None
     late_death: str | None = None
     """How a finished rank's process ended badly anyway (torch's exit-time abort), for the report."""
     unkillable: bool = False
+    """It outlived SIGKILL (uninterruptible sleep) and was left behind."""
+
+
+@dataclass
+class Worker:
+    """The launcher's record of one rank: its process and descriptors, its progress, what it wrote
+    (``lines``), what it gave for a dump (``dumps``) and how it ended (``ending``)."""
+
+    spec: WorkerSpec
+    state: WorkerState = WorkerState.PENDING
+    """Written by ``to`` only, along ``MOVES``."""
+    popen: ProcessHandle | None = None
+    pidfd: int | None = None
+    heartbeat_read_fd: int | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    returncode: int | None = None
+    oom: OomWatch | None = None
+    """Its memory cgroup's OOM-kill count at its start (``oom.py``): read again if it dies of SIGKILL."""
+    group_open: bool = True
+    progress: RankProgress | None = None
+    """Its steps and sections (``hang.ProgressBook``), for the live view."""
+    decoder: BeatDecoder = field(default_factory=BeatDecoder)
+    finished: bool = False
+    """The bootstrap said its script returned and everything it left to do at exit is done."""
+    lines: Lines = field(default_factory=Lines)
+    dumps: Dumps = field(default_factory=Dumps)
+    ending: Ending = field(default_factory=Ending)
+
+    def to(self, state: WorkerState) -> None:
+        """Move to ``state``; ``IllegalMove`` where ``MOVES`` does not lead there."""
+        if state not in MOVES[self.state]:
+            raise IllegalMove(f"rank {self.rank}: {self.state.value} -> {state.value} is not a move a "
+                              f"rank makes")
+        self.state = state
 
     @property
     def rank(self) -> int:
@@ -188,8 +242,9 @@ class Worker:
         """(exit code, signal name), the one reading that run.json, the summary, the report and the
         error files give: its failure's when it has one (a rank that raised and was then cut short by
         the teardown counts as exit 1: the exception is what it did), else its exit status."""
-        if self.failure is not None:
-            return self.failure.exit_code, self.failure.signal
+        failure = self.ending.failure
+        if failure is not None:
+            return failure.exit_code, failure.signal
         return exit_status(self.returncode)
 
     @property
@@ -217,7 +272,7 @@ class Worker:
         spec = self.spec
         return WorkerFailure.from_exit(spec.rank, spec.local_rank, spec.node, self.pid, returncode, record,
                                        log_path=str(spec.log_path) if spec.log_path else None,
-                                       log_tail=list(self.tail) if with_tail else [])
+                                       log_tail=list(self.lines.tail) if with_tail else [])
 
 
 @dataclass

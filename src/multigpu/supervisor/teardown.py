@@ -1,9 +1,10 @@
-"""``Supervisor.close()``'s sequence: the stop signal to every group, one shared deadline, SIGKILL for
-what is left, a bounded reap, and the ranks' last output.
+"""The steps of ``Supervisor.close()`` that need no loop: the stop signal to every group, SIGKILL for
+what is left, a bounded wait for emptied groups, and the descriptors released at the end.
 
-Runs in the launcher (and function mode's caller). It drives the supervisor's own loop while it waits
-(``Loop``), so output is still read, exits are still judged and a second Ctrl-C still cuts the grace
-short; it never waits on a console or a rank without a deadline.
+Runs in the launcher (and function mode's caller). The wait between the stop signal and SIGKILL is
+the supervisor's own (``Supervisor._stop_groups``): it keeps turning its loop, so output is still
+read, exits are still judged and a second Ctrl-C still cuts the grace short. Nothing here waits on a
+console or a rank without a deadline.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from multigpu.console.writer import active_writer
-from multigpu.contract.signals import signal_name
 from multigpu.supervisor import reaping
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.output import WorkerOutput
@@ -25,52 +24,40 @@ ORPHAN_WAIT_S = 1.0
 """How long the groups of ranks that were killed may take to empty (their adopted orphans reaped)."""
 
 
-class Loop(Protocol):
-    """The part of the supervisor the teardown drives."""
-
-    @property
-    def kill_now(self) -> bool: ...
-
-    def turn(self, timeout: float) -> None:
-        """One turn of the event loop: output, exits, beats, signals."""
-
-    def reap(self, worker: Worker) -> None: ...
-
-    def changed(self, worker: Worker) -> None: ...
-
-
-def stop_groups(workers: Sequence[Worker], sig: int, grace: float, loop: Loop, options: SupervisorOptions,
-                spared: Callable[[], frozenset[int]], notify: Callable[[str], None]) -> None:
-    """``sig`` to every group that may still hold a process; SIGKILL for what outlives ``grace``.
-
-    ``spared``: the spawner's own processes (the template, its store), asked after the grace period."""
-    clock = options.clock
+def signal_groups(workers: Sequence[Worker], sig: int) -> None:
+    """``sig`` to every group that may still hold a process (exited ranks' included)."""
     for pgid in reaping.open_groups(workers):
         reaping.signal_group(pgid, sig)
-    deadline = clock() + grace
-    while clock() < deadline and not loop.kill_now:
-        if not any(w.alive for w in workers) and not reaping.open_groups(workers):
-            break
-        loop.turn(0.01)
-        _reap_adopted(workers, options)
+
+
+def all_gone(workers: Sequence[Worker]) -> bool:
+    """No rank runs and no group holds a process any more: the grace can end early."""
+    return not any(w.alive for w in workers) and not reaping.open_groups(workers)
+
+
+def kill_rest(workers: Sequence[Worker], why: str, options: SupervisorOptions,
+              spared: Callable[[], frozenset[int]], notify: Callable[[str], None]) -> list[Worker]:
+    """SIGKILL for every group still open (the ranks still running named, ``why``), the escaped
+    descendants ended, then every rank waited for (``reaping.reap_killed``): the ranks to reap.
+
+    ``spared``: the spawner's own processes (the template, its store), asked only now."""
     stragglers = [w for w in workers if w.alive]
     groups = reaping.open_groups(workers)
     if stragglers:
-        why = "after a second interrupt" if loop.kill_now else f"{grace:g}s after {signal_name(sig)}"
         ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
         notify(f"{ranks}: still running {why}; sending SIGKILL")
     for pgid in groups:
         reaping.signal_group(pgid, signal.SIGKILL)
     if options.reap_orphans:
         reaping.kill_escaped(workers, spared())
-    for w in reaping.reap_killed(workers, notify):
-        if w.unkillable:
-            loop.changed(w)
-        else:
-            loop.reap(w)
-    end = clock() + ORPHAN_WAIT_S
-    while reaping.open_groups(workers) and clock() < end:
-        _reap_adopted(workers, options)
+    return reaping.reap_killed(workers, notify)
+
+
+def wait_for_groups(workers: Sequence[Worker], options: SupervisorOptions) -> None:
+    """Give the killed ranks' groups ``ORPHAN_WAIT_S`` to empty, reaping their adopted orphans."""
+    end = options.clock() + ORPHAN_WAIT_S
+    while reaping.open_groups(workers) and options.clock() < end:
+        reap_adopted(workers, options)
         time.sleep(0.005)
 
 
@@ -89,6 +76,7 @@ def release(workers: Sequence[Worker], output: WorkerOutput, events: Events) -> 
     events.close()
 
 
-def _reap_adopted(workers: Sequence[Worker], options: SupervisorOptions) -> None:
+def reap_adopted(workers: Sequence[Worker], options: SupervisorOptions) -> None:
+    """Reap the orphans re-parented to the launcher, where it is a child subreaper."""
     if options.reap_orphans:
         reaping.reap_adopted(workers)
