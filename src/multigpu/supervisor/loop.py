@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.supervisor import exits, hang, jobhang, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.events import Events, read_ready
@@ -277,7 +277,8 @@ class Supervisor:
         every node (``jobhang.py``). False for any other failure from outside, and once this node has
         an outcome of its own."""
         exchange = self.hooks.job_hang
-        if notice.error_type != HANG or exchange is None or self._hung or self._closing or self._failures:
+        if (notice.kind is not FailureKind.HANG or exchange is None or self._hung or self._closing
+                or self._failures):
             return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
         self._failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
