@@ -413,14 +413,15 @@ def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_c
 def test_a_node_told_to_stop_is_one_record_with_its_signal_and_exit_code() -> None:
     import signal as signals
 
-    from multigpu.contract.errors import INTERRUPTED, LEARNED_FROM_SILENCE
+    from multigpu.contract.errors import LEARNED_FROM_SILENCE, FailureKind, Subject
     from multigpu.rendezvous.failure_sharing import failure_from_record, failure_record, node_interrupted
 
     told = failure_from_record(failure_record(node_interrupted(1, signals.SIGTERM)))
-    assert told.error_type == INTERRUPTED and told.signal == "SIGTERM" and told.node == 1
+    assert told.kind is FailureKind.INTERRUPTED and told.signal == "SIGTERM" and told.node == 1
+    assert told.subject is Subject.NODE and told.rank == -1
     assert told.describe() == "node 1 was stopped: its launcher received SIGTERM"
     assert told.launcher_exit_code == 143  # every node exits as the stopped one does
-    assert INTERRUPTED in LEARNED_FROM_SILENCE  # the receivers publish nothing back
+    assert FailureKind.INTERRUPTED in LEARNED_FROM_SILENCE  # the receivers publish nothing back
 
 
 def test_a_static_job_stops_with_the_signal_an_elastic_one_takes_it_as_a_node_leaving() -> None:

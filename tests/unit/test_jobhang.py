@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import types
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments, write_script
 from multigpu.contract.beats import BeatDecoder
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.rank import progress
 from multigpu.rendezvous.hangs import Exchange, StoreHangs
 from multigpu.rendezvous.job import JobStore
@@ -146,8 +145,8 @@ def states() -> list[RankState]:
 
 
 def notice(node: int = 0) -> WorkerFailure:
-    return WorkerFailure(-1, -1, None, node=node, error_type=HANG,
-                         message="no progress for 5.0s (--hang-timeout 5s)", time=1000.0)
+    return WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG,
+                                        "no progress for 5.0s (--hang-timeout 5s)", node=node, at=1000.0)
 
 
 def test_the_verdict_names_the_rank_outside_the_collective_with_file_and_line() -> None:
@@ -179,7 +178,7 @@ def test_every_node_makes_the_same_failures_from_the_same_verdict(tmp_path: Path
     for failures in (on0, on1):
         assert [(f.rank, f.node, f.pid) for f in failures] == [(1, 1, 2000), (0, 0, 1000)]
         assert failures[0].message == verdict["line"] and failures[1].message == "no progress for 5.1s"
-        assert all(f.error_type == HANG for f in failures)
+        assert all(f.kind is FailureKind.HANG for f in failures)
         assert failures[0].traceback is not None and "train.py\", line 10" in failures[0].traceback
         assert failures[0].time is not None and failures[1].time is not None
         assert failures[0].time < failures[1].time < (notice().time or 0)
@@ -241,7 +240,7 @@ def test_the_notice_is_the_jobs_abort_record_and_the_earliest_stands() -> None:
             break
         deadline.wait(0.05)
     record = jobs[1].read_abort()
-    assert record is not None and record["error_type"] == HANG and record["rank"] == -1
+    assert record is not None and record["error_type"] == "Hang" and record["rank"] == -1
     assert record["message"] == "no progress for 5.0s (--hang-timeout 5s)" and record["node"] == 0
 
 
@@ -273,8 +272,7 @@ class FakeExchange:
 
     def declare(self, notice: str) -> None:
         self.notices.append(notice)
-        self.supervisor.abort(WorkerFailure(-1, -1, None, node=0, error_type=HANG, message=notice,
-                                            time=time.time()))
+        self.supervisor.abort(WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, notice, node=0))
 
     def exchange(self, mine: list[RankState], notice: WorkerFailure) -> Answer:
         self.shared = mine

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from multigpu.config.run import RunConfig, SupervisionConfig
-from multigpu.contract.errors import MEMBERSHIP_CHANGE, NODE_LOST, STORE_LOST, WorkerFailure
+from multigpu.contract.errors import NO_NODE, FailureKind, WorkerFailure, subject_without_rank
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore
@@ -37,14 +37,14 @@ def failed(failure: WorkerFailure) -> RunResult:
     return RunResult(RunStatus.FAILED, [failure])
 
 
-def launcher_named(kind: str, message: str) -> RunResult:
-    return RunResult(RunStatus.FAILED, [WorkerFailure(rank=-1, local_rank=-1, pid=None, error_type=kind,
-                                                      message=message)])
+def launcher_named(kind: FailureKind, message: str, node: int = NO_NODE) -> RunResult:
+    failure = WorkerFailure.launcher_named(subject_without_rank(kind), kind, message, node=node)
+    return RunResult(RunStatus.FAILED, [failure])
 
 
-JOINED = launcher_named(MEMBERSHIP_CHANGE, "1 node(s) asked to join: a new rendezvous round")
-LOST = launcher_named(NODE_LOST, "node 1 stopped beating")
-STORE_GONE = launcher_named(STORE_LOST, "the store is gone")
+JOINED = launcher_named(FailureKind.MEMBERSHIP_CHANGE, "1 node(s) asked to join: a new rendezvous round")
+LOST = launcher_named(FailureKind.NODE_LOST, "node 1 stopped beating", node=1)
+STORE_GONE = launcher_named(FailureKind.STORE_LOST, "the store is gone", node=0)
 OK = RunResult(RunStatus.SUCCEEDED, [])
 
 
@@ -75,8 +75,8 @@ class Scripted:
         return Meeting(self.count, self.config, "127.0.0.1", 29400)
 
     def can_meet_again(self, result: RunResult) -> bool:
-        return all(f.error_type != STORE_LOST for f in result.failures) if self.elastic else \
-            all(f.error_type not in (NODE_LOST, STORE_LOST) for f in result.failures)
+        gone = {FailureKind.STORE_LOST} if self.elastic else {FailureKind.NODE_LOST, FailureKind.STORE_LOST}
+        return all(f.kind not in gone for f in result.failures)
 
     def restart(self, meeting: Meeting) -> str:
         self.count = meeting.attempt + 1

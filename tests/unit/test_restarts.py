@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sysconfig
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.runner.crash_loop import CrashLoopPolicy, Signature, signature
 
@@ -60,7 +60,7 @@ def test_a_changing_failure_keeps_its_restarts() -> None:
     policy = CrashLoopPolicy()
     sequence = [failure(), failure("KeyError"), failure(frames=(("/w/train.py", 13),)),
                 WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"),
-                failure(), WorkerFailure(rank=-1, local_rank=-1, pid=None, error_type="NodeLost",
-                                         message="node 1 stopped beating"), failure()]
+                failure(), WorkerFailure.launcher_named(Subject.NODE, FailureKind.NODE_LOST,
+                                                        "node 1 stopped beating", node=1), failure()]
     assert [policy.check(f) for f in sequence] == [None] * len(sequence)
     assert policy.check(failure()) is not None  # ...until it repeats

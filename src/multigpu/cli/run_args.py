@@ -25,12 +25,14 @@ from multigpu.cluster.devices import dedupe, parse_index_list, visible_gpus
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import (
     HangConfig,
+    LiveView,
     OutputConfig,
     RunConfig,
+    RunMode,
     StartConfig,
     SupervisionConfig,
 )
-from multigpu.contract.environment import usable_cpu_count
+from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV
 from multigpu.contract.values import integer, seconds
@@ -47,7 +49,7 @@ def _factor(value: str) -> float:
 
 
 def _choose_devices(choice: DeviceChoice, env: Mapping[str, str],
-                    torchrun_line: bool = False) -> tuple[str, int, tuple[int, ...], str | None]:
+                    torchrun_line: bool = False) -> tuple[Device, int, tuple[int, ...], str | None]:
     """(device, local worker count, GPU indices, a note for the user).
 
     Without a device option, a torchrun line gets torchrun's default of one worker per node (its world
@@ -81,7 +83,7 @@ def _choose_devices(choice: DeviceChoice, env: Mapping[str, str],
     return "cuda", len(indices), tuple(indices), None
 
 
-def _nproc_per_node(value: str, visible: int) -> tuple[str, int, tuple[int, ...], str | None]:
+def _nproc_per_node(value: str, visible: int) -> tuple[Device, int, tuple[int, ...], str | None]:
     """torchrun's ``--nproc-per-node``: local rank i uses visible GPU i, as ``set_device(LOCAL_RANK)``."""
     if value == "cpu" or (value == "auto" and not visible):
         return "cpu", usable_cpu_count(), (), None
@@ -125,7 +127,7 @@ def _runnable_by_python(path: Path) -> bool:
     return path.is_file()
 
 
-def _check_target(script: str | None, module: str | None, run_mode: str) -> None:
+def _check_target(script: str | None, module: str | None, run_mode: RunMode) -> None:
     if module is not None:
         top = module.split(".")[0]
         if not module or not _module_exists(top):
@@ -145,7 +147,7 @@ def _check_target(script: str | None, module: str | None, run_mode: str) -> None
         raise UsageError(f"{script!r} is a directory or archive without a __main__.py")
 
 
-def _run_mode(values: RunOptions) -> tuple[str, bool]:
+def _run_mode(values: RunOptions) -> tuple[RunMode, bool]:
     """(run mode, module mode), as torchrun: --run-path beats --no-python; -m with --no-python is refused."""
     module = bool(values.module)
     if values.run_path:
@@ -157,10 +159,14 @@ def _run_mode(values: RunOptions) -> tuple[str, bool]:
     return "python", module
 
 
-def _status(value: str | None) -> str:
-    if value not in (None, "auto", "on", "off"):
+_VIEWS: dict[str | None, LiveView] = {None: "auto", "auto": "auto", "on": "on", "off": "off"}
+
+
+def _status(value: str | None) -> LiveView:
+    view = _VIEWS.get(value)
+    if view is None:
         raise UsageError(f"MULTIGPU_STATUS must be auto, on or off, got {value!r}")
-    return value or "auto"
+    return view
 
 
 def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[RunConfig, str | None]:
@@ -200,7 +206,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     return config, note
 
 
-def _our_values(values: RunOptions) -> tuple[float, float | None, int, str, float, float]:
+def _our_values(values: RunOptions) -> tuple[float, float | None, int, LiveView, float, float]:
     """(grace period, hang timeout, max restarts, status, hang factor, hang floor), checked in this order."""
     grace, timeout, restarts = values.grace_period, values.hang_timeout, values.max_restarts
     return (seconds(grace, "--grace-period") if grace else SupervisionConfig.grace_period,

@@ -14,10 +14,16 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.streams import StdStreams
-from multigpu.contract.environment import node_count
+from multigpu.contract.environment import Device, node_count
+
+LiveView = Literal["auto", "on", "off"]
+"""``--status``: a live view on a terminal (``auto``), always (``on``) or never (``off``)."""
+RunMode = Literal["python", "exec"]
+"""How a rank runs its target: ``python`` (a script or module), or ``exec`` (``--no-python``: a program)."""
 
 
 def new_run_id() -> str:
@@ -73,8 +79,7 @@ class OutputConfig:
     run_id: str | None = None
     log_ranks: frozenset[int] | None = None
     """Global ranks shown on the console (``--log-ranks``); None: all."""
-    status: str = "auto"
-    """``auto`` (a live view on a terminal), ``on`` or ``off``."""
+    status: LiveView = "auto"
     log_dir: Path | None = None
     """torchrun's ``--log-dir``: its per-local-rank files are written there too."""
     redirects: StdStreams = field(default_factory=StdStreams)
@@ -101,8 +106,7 @@ class PreemptionConfig:
 class StartConfig:
     """How each rank's process is started (torchrun's per-worker options)."""
 
-    run_mode: str = "python"
-    """``python`` (a script or module), or ``exec`` (``--no-python``: SCRIPT is a program)."""
+    run_mode: RunMode = "python"
     role: str = "default"
     virtual_local_rank: bool = False
     numa_binding: str | None = None
@@ -121,7 +125,7 @@ class RunConfig:
     """``target`` is a pickled payload for ``python -m multigpu.rank function`` (``MultiGPUManager``)."""
     first_local_rank: int = 0
     """The first local rank to start: 1 in function mode, where the caller is local rank 0."""
-    device: str = "cpu"
+    device: Device = "cpu"
     """``cpu`` (gloo workers) or ``cuda`` (one GPU per worker)."""
     nproc: int = 1
     gpus: tuple[int, ...] = ()

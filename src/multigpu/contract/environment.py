@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from multigpu.contract.names import (
     ANNOUNCE_ENV,
@@ -24,6 +25,22 @@ from multigpu.contract.names import (
     RUN_ID_ENV,
     WARNING_SIGNALS_ENV,
 )
+
+Device = Literal["cpu", "cuda"]
+"""What a job's workers run on: CPU workers (gloo), or one GPU each (``MULTIGPU_DEVICE``'s value)."""
+
+
+def device_named(text: str) -> Device:
+    """``MULTIGPU_DEVICE``'s text as a ``Device`` (the launcher writes one of the two; anything else is
+    no GPU)."""
+    return "cuda" if text == "cuda" else "cpu"
+
+
+RankMode = Literal["script", "module", "function", "exec"]
+"""What ``python -m multigpu.rank MODE TARGET`` runs: a script, a module, function mode's payload, or a
+program (``--no-python``). The rank's bootstrap (``rank/bootstrap.run_target``) reads it from its argv,
+and refuses any other."""
+
 
 # Variables that describe one launched group. A launcher clears stale ones inherited from its own
 # environment so a worker never sees a mix of two jobs.
@@ -75,7 +92,7 @@ class JobContext:
     master_addr: str
     master_port: int
     run_id: str
-    device: str = "cpu"
+    device: Device = "cpu"
     restart_count: int = 0
     max_restarts: int = 0
     output_dir: str | None = None

@@ -2,12 +2,16 @@
 
 ``WorkerFailure`` is also the one error record: a rank's bootstrap writes it (``write``), the
 supervisor reads it back (``read``, which also understands torch elastic's ``@record`` files), and the
-nodes of a job share it through the store (``to_dict``/``from_dict``). One type, one format.
+nodes of a job share it through the store (``to_dict``/``from_dict``). One type, one format. A failure
+the launchers name themselves has a ``FailureKind``; one of a node, the store or the job, not of a rank,
+has its ``Subject``: both are types in memory, and plain values in the record (a kind's string, a rank
+of ``NO_RANK``), so that launchers of every version read each other's records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import signal
 import time as _time
@@ -17,18 +21,75 @@ from typing import Any
 
 from multigpu.contract.signals import signal_name
 
-HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE = "Hang", "NodeLost", "StoreLost", "MembershipChange"
-REFUSED = "Refused"
-"""A node's layout refused at the rendezvous (the job's abort record says why)."""
-INTERRUPTED = "Interrupted"
-"""A node's launcher was told to stop (SIGTERM, Ctrl-C): the record's ``signal`` says which."""
-"""The kinds of failure the launcher names itself (``WorkerFailure.error_type``); a rank that raised has
-its exception's type name there instead."""
-NAMED_BY_THE_LAUNCHER = frozenset({HANG, NODE_LOST, STORE_LOST, MEMBERSHIP_CHANGE, REFUSED, INTERRUPTED})
-"""No exception was raised, even when a stack dump is attached."""
-LEARNED_FROM_SILENCE = frozenset({NODE_LOST, STORE_LOST, REFUSED, INTERRUPTED})
+
+class FailureKind(str, enum.Enum):
+    """The failures the launchers name themselves (no rank raised them): a ``WorkerFailure``'s
+    ``error_type`` holds one of these, where a rank that raised holds its exception's type name (a plain
+    ``str``). ``str``-valued, so that every record (run.json, a rank's error file, the job's abort record
+    in the store) holds the plain value ("NodeLost"), which reads back to the same kind."""
+
+    HANG = "Hang"
+    """A rank (or, without a rank, a node's notice to the job) that stopped progressing."""
+    NODE_LOST = "NodeLost"
+    """A node whose launcher stopped beating (killed, or its network is down)."""
+    STORE_LOST = "StoreLost"
+    """The job's c10d store is gone (its host's launcher killed, or the network down)."""
+    MEMBERSHIP_CHANGE = "MembershipChange"
+    """An elastic round ended for a node that joins or left: nothing failed."""
+    REFUSED = "Refused"
+    """A node's layout refused at the rendezvous (the job's abort record says why)."""
+    INTERRUPTED = "Interrupted"
+    """A node's launcher was told to stop (SIGTERM, Ctrl-C): the record's ``signal`` says which."""
+
+    def __str__(self) -> str:
+        return self.value  # f-strings and str() read "NodeLost", as the string constants did
+
+
+LEARNED_FROM_SILENCE = frozenset({FailureKind.NODE_LOST, FailureKind.STORE_LOST, FailureKind.REFUSED,
+                                  FailureKind.INTERRUPTED})
 """Known from a peer's or the store's silence (or the store's refusal, or a peer's word that it was
 told to stop): nothing to publish, nothing to ask the store."""
+
+
+class Subject(enum.Enum):
+    """Whom a failure is about. Only the launcher holds it: a record says it by its ``rank`` (``NO_RANK``
+    for anything but a rank) and its kind, and reads back to the same subject (``from_dict``)."""
+
+    RANK = "rank"
+    """One rank: ``rank``, ``local_rank``, ``node`` and ``pid`` name it."""
+    NODE = "node"
+    """A node's launcher (``node``): lost, stopped, refused at the rendezvous, or declaring a hang."""
+    STORE = "store"
+    """The job's store: ``node`` is its host, ``NO_NODE`` when it is served off the job's nodes."""
+    JOB = "job"
+    """The job as a whole, no one rank or node: a membership change, or a record that names no rank."""
+
+
+NO_RANK = -1
+"""The ``rank`` (and ``local_rank``) of a failure whose subject is not a rank, in memory and on the wire."""
+NO_NODE = -1
+"""The ``node`` of a failure that names none: a store served off the job's nodes, a membership change."""
+
+
+def subject_without_rank(kind: FailureKind | None) -> Subject:
+    """Whom a record that names no rank is about, from its kind: how ``from_dict`` reads the subject back."""
+    if kind is FailureKind.STORE_LOST:
+        return Subject.STORE
+    if kind is None or kind is FailureKind.MEMBERSHIP_CHANGE:
+        return Subject.JOB
+    return Subject.NODE
+
+
+_KINDS = {kind.value: kind for kind in FailureKind}
+
+
+def _as_kind(error_type: str | None) -> str | None:
+    """``error_type`` as its ``FailureKind`` when it names one (a record read back, or a plain string),
+    else as it is: an exception's type name, or None."""
+    if not isinstance(error_type, str) or isinstance(error_type, FailureKind):
+        return error_type  # None, a kind, or what a garbled record holds: kept as it is
+    return _KINDS.get(error_type, error_type)
+
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
 """What a collective's error says when the rank only saw a peer die (gloo's words): such a failure is
 the consequence of another rank's, never preferred to it as the root cause."""
@@ -81,15 +142,19 @@ def exit_text(exit_code: int | None, signal_text: str | None) -> str:
 
 @dataclass
 class WorkerFailure:
-    """Why one rank ended badly; enough to debug it without opening another file."""
+    """Why one rank ended badly (or a node, the store, the job: ``subject``); enough to debug it without
+    opening another file."""
 
     rank: int
+    """The global rank; ``NO_RANK`` when the subject is not a rank."""
     local_rank: int
     pid: int | None
     exit_code: int | None = None
     signal: str | None = None
     node: int = 0
     error_type: str | None = None
+    """The type name of the exception a rank raised ("ValueError"), or the ``FailureKind`` the launcher
+    named the failure with (``kind``); a kind's name given as a plain string is taken as the kind."""
     message: str | None = None
     traceback: str | None = None
     time: float | None = None
@@ -97,6 +162,23 @@ class WorkerFailure:
     log_path: str | None = None
     killed_by: str | None = None
     """Who sent the signal, where the launcher could tell: "the kernel's OOM killer (resident ...)"."""
+    subject: Subject = Subject.RANK
+    """Whom the failure is about; never written: a record says it by its rank and kind (``to_dict``)."""
+
+    def __post_init__(self) -> None:
+        self.error_type = _as_kind(self.error_type)
+
+    @property
+    def kind(self) -> FailureKind | None:
+        """The launcher's own name for the failure; None for a rank's exception or exit."""
+        return self.error_type if isinstance(self.error_type, FailureKind) else None
+
+    @classmethod
+    def launcher_named(cls, subject: Subject, kind: FailureKind, message: str, *, node: int,
+                       at: float | None = None) -> WorkerFailure:
+        """A failure of a node, the store or the job, found by a launcher (``at``: when; default now)."""
+        return cls(rank=NO_RANK, local_rank=NO_RANK, pid=None, node=node, error_type=kind, message=message,
+                   time=_time.time() if at is None else at, subject=subject)
 
     @property
     def saw_a_peer_die(self) -> bool:
@@ -106,8 +188,8 @@ class WorkerFailure:
     def explains(self, other: WorkerFailure) -> bool:
         """This lost node (or store) caused ``other``, a rank that only saw a peer's connection close:
         cause before effect, whatever the clocks say (a lost node is dated when its silence was seen)."""
-        gone = self.error_type in (NODE_LOST, STORE_LOST, INTERRUPTED)
-        return self.rank < 0 and gone and other.saw_a_peer_die
+        gone = self.kind in (FailureKind.NODE_LOST, FailureKind.STORE_LOST, FailureKind.INTERRUPTED)
+        return self.subject is not Subject.RANK and gone and other.saw_a_peer_die
 
     @property
     def launcher_exit_code(self) -> int:
@@ -120,7 +202,7 @@ class WorkerFailure:
         return self.exit_code if self.exit_code else 1
 
     def describe(self) -> str:
-        if self.rank < 0:  # not a rank: a node or the store, named by the launchers
+        if self.subject is not Subject.RANK:  # a node, the store or the job, named by the launchers
             return self._describe_node()
         how = (f"was killed by {self.killed_by or self.signal}" if self.signal
                else f"exited with code {self.exit_code}")
@@ -128,20 +210,27 @@ class WorkerFailure:
         return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
 
     def _describe_node(self) -> str:
-        if self.error_type == NODE_LOST:
+        kind = self.kind
+        if kind is FailureKind.NODE_LOST:
             return f"node {self.node} was lost: {self.message}"
-        if self.error_type == STORE_LOST and self.node < 0:  # served off the job's nodes
+        if kind is FailureKind.STORE_LOST and self.node == NO_NODE:  # served off the job's nodes
             return f"the rendezvous store {self.message}"
-        if self.error_type == STORE_LOST:
+        if kind is FailureKind.STORE_LOST:
             return f"node {self.node}, the store's host, {self.message}"
-        if self.error_type == REFUSED:
+        if kind is FailureKind.REFUSED:
             return f"the rendezvous refused a node: {self.message}"
-        if self.error_type == INTERRUPTED:
+        if kind is FailureKind.INTERRUPTED:
             return f"node {self.node} was stopped: its launcher received {self.signal}"
         return f"{self.error_type or 'the job'}: {self.message}"
 
     def to_dict(self, log_tail_lines: int | None = None) -> dict[str, Any]:
+        """The record, as every copy of it is written (JSON's types; the subject said by rank and kind)."""
         data = asdict(self)
+        del data["subject"]
+        if self.subject is not Subject.RANK:
+            data.update(rank=NO_RANK, local_rank=NO_RANK)
+        if self.kind is not None:
+            data["error_type"] = self.kind.value
         if log_tail_lines is not None:
             data["log_tail"] = data["log_tail"][-log_tail_lines:] if log_tail_lines else []
         return data
@@ -149,16 +238,17 @@ class WorkerFailure:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerFailure:
         """Tolerant of missing keys and of the bootstrap's older ``type`` key: records cross versions."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"subject"}
         values = {k: v for k, v in data.items() if k in known}
         if values.get("error_type") is None and isinstance(data.get("type"), str):
             values["error_type"] = data["type"]
         for key in ("rank", "local_rank"):
-            values[key] = _int_or(values.get(key), -1)
+            values[key] = _int_or(values.get(key), NO_RANK)
         values["node"] = _int_or(values.get("node"), 0)
         values["pid"] = _int_or(values.get("pid"), None)
         values["log_tail"] = [str(line) for line in values.get("log_tail") or []]
-        return cls(**values)
+        error_type = _as_kind(values.get("error_type"))
+        return cls(**values, subject=_subject_of(values["rank"], error_type))
 
     @classmethod
     def from_exit(cls, rank: int, local_rank: int, node: int, pid: int | None, returncode: int | None,
@@ -180,10 +270,11 @@ class WorkerFailure:
         import traceback  # here, not at import: every rank's start-up imports this module
 
         env = dict(os.environ) if env is None else env
+        rank = _int_or(env.get("RANK"), NO_RANK)
         return cls(
-            rank=_int_or(env.get("RANK"), -1), local_rank=_int_or(env.get("LOCAL_RANK"), -1),
-            pid=os.getpid(), node=_int_or(env.get("GROUP_RANK"), 0), error_type=type(exc).__name__,
-            message=str(exc), time=_time.time(),
+            rank=rank, local_rank=_int_or(env.get("LOCAL_RANK"), NO_RANK), pid=os.getpid(),
+            node=_int_or(env.get("GROUP_RANK"), 0), error_type=type(exc).__name__, message=str(exc),
+            time=_time.time(), subject=_subject_of(rank, None),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
     def write(self, path: str | Path) -> None:
@@ -211,9 +302,9 @@ class WorkerFailure:
         if isinstance(data.get("message"), dict):  # torch.distributed.elastic @record
             info = data["message"]
             extra = info.get("extraInfo") or {}
-            return cls(rank=-1, local_rank=-1, pid=None, message=info.get("message"),
+            return cls(rank=NO_RANK, local_rank=NO_RANK, pid=None, message=info.get("message"),
                        traceback=extra.get("py_callstack"),
-                       time=float(extra.get("timestamp", 0) or 0) or None)
+                       time=float(extra.get("timestamp", 0) or 0) or None, subject=_subject_of(NO_RANK, None))
         return cls.from_dict(data)
 
 
@@ -221,6 +312,13 @@ def _json() -> Any:
     import json  # only where a record is written or read, not in every rank's start-up
 
     return json
+
+
+def _subject_of(rank: int, error_type: str | None) -> Subject:
+    """Whom a record is about, read from what it writes: its rank, else its kind."""
+    if rank != NO_RANK:
+        return Subject.RANK
+    return subject_without_rank(error_type if isinstance(error_type, FailureKind) else None)
 
 
 def _int_or(value: Any, default: int | None) -> Any:

@@ -26,7 +26,7 @@ from multigpu.cluster.devices import dedupe, get_gpu_ids, parse_index_list
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import SupervisionConfig
 from multigpu.console.caller import caller_lines
-from multigpu.contract.environment import inside_launched_worker
+from multigpu.contract.environment import Device, inside_launched_worker
 from multigpu.contract.errors import MultiGPUError, WorkerFailedError
 from multigpu.contract.names import LAUNCHER_PID_ENV
 from multigpu.function import prepare as fm
@@ -66,7 +66,7 @@ class MultiGPUManager:
         if device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
         requested = dedupe(parse_index_list(gpu_ids), what="gpu_ids")
-        self._device = "cpu" if device == "cpu" else "cuda"
+        self._device: Device = "cpu" if device == "cpu" else "cuda"
         self._gpu_ids = requested if device == "cpu" else get_gpu_ids(gpu_ids)
         self._endpoint = parse_endpoint(rdzv_endpoint)
         self._world_size = fm.check_layout(self._endpoint, rdzv_endpoint, base_rank, world_size,

@@ -22,6 +22,7 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig
+from multigpu.contract.environment import Device
 from multigpu.contract.errors import MultiGPUError
 from multigpu.function.argv import flatten_parameters, set_arguments_to_argv
 from multigpu.function.interrupt_caller import GroupSockets
@@ -134,7 +135,7 @@ def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any,
 class Layout:
     """Where the manager's ranks sit: its constructor's arguments, checked (``check_layout``)."""
 
-    device: str
+    device: Device
     gpu_ids: list[int]
     endpoint: Endpoint
     base_rank: int

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from multigpu.config.endpoint import parse_endpoint
-from multigpu.contract.environment import CONTRACT_KEYS, JobContext, RankPlacement, rank_env
+from multigpu.contract.environment import (
+    CONTRACT_KEYS,
+    Device,
+    JobContext,
+    RankPlacement,
+    device_named,
+    rank_env,
+)
 from multigpu.contract.names import DEVICE_ENV, OUTPUT_DIR_ENV, RUN_ID_ENV
 from multigpu.function.argv import remove_option, set_arguments_to_argv
 from multigpu.function.prepare import GROUP_SOCKETS, TIMEOUT_ENV
@@ -53,7 +60,7 @@ def wait_for_every_rank(store: Any, key: str, world_size: int, timeout: float,
         count = int(store.add(key, 0))
 
 
-def become_rank_environ(run_id: str, out: Path, device: str, timeout: float) -> dict[str, str | None]:
+def become_rank_environ(run_id: str, out: Path, device: Device, timeout: float) -> dict[str, str | None]:
     """The job's keys in this process's environment; returns what to restore."""
     saved = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
     os.environ.setdefault(TIMEOUT_ENV, str(timeout))
@@ -85,7 +92,7 @@ def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int
     import torch
     import torch.distributed as dist
 
-    device = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_named(os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu"))
     placement = RankPlacement.on_node(rank, local_rank, world_size, len(gpu_ids))
     job = JobContext(master_addr=endpoint.bind_host, master_port=endpoint.port, device=device,
                      run_id=os.environ.get("TORCHELASTIC_RUN_ID", "multigpu"),

@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Iterable
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import Subject, WorkerFailure
 from multigpu.contract.frames import fold_own_frames, fold_own_threads, library_file
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
@@ -51,7 +51,7 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
     if root is not None and result.status is not RunStatus.HUNG:
         lines.append("root cause: " + format_failure(root))
     elif root is not None:
-        for failure in first_per_rank([f for f in result.failures if f.rank >= 0]):
+        for failure in first_per_rank([f for f in result.failures if f.subject is Subject.RANK]):
             lines.append(f"rank {failure.rank} (pid {failure.pid}) stacks:")
             dump = fold_own_threads(failure.traceback) if failure.traceback else "(no stack dump arrived)"
             lines.append(_indent(fold_own_frames(dump)))

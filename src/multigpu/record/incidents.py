@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from multigpu.contract.errors import MEMBERSHIP_CHANGE
+from multigpu.contract.errors import FailureKind
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -38,7 +38,7 @@ def incident(attempt: int, result: RunResult, now: float) -> dict[str, Any] | No
     detected = result.detected_time or now
     failed = root.time if root is not None and root.time else detected
     # An elastic round that ended for a node joining or leaving failed nothing: its own kind.
-    kind = "membership change" if root is not None and root.error_type == MEMBERSHIP_CHANGE else \
+    kind = "membership change" if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE else \
         result.status.value
     return {"attempt": attempt, "kind": kind, "rank": root.rank if root else None,
             "what": what, "failed_time": min(failed, detected), "detected_time": detected,

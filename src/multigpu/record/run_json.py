@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from multigpu.config.run import RunConfig
 from multigpu.console.writer import say
@@ -88,6 +88,10 @@ def complete_error_files(workers: list[Worker]) -> None:
         if w.ending.failure is not None and path is not None and w.own_record() is not None:
             with contextlib.suppress(OSError):
                 w.ending.failure.write(path)
+
+
+RunEnd = Literal["succeeded", "failed", "interrupted", "preempted"]
+"""How a run ends, as its launcher finishes the record (``RunRecord.finish``)."""
 
 
 class RunRecord:
@@ -188,7 +192,7 @@ class RunRecord:
         if losses:
             self.data.setdefault("output_lost", []).extend(losses)
 
-    def finish(self, status: str, exit_code: int) -> None:
+    def finish(self, status: RunEnd, exit_code: int) -> None:
         """The end record; a run whose last attempt was interrupted says so, with the signal."""
         attempts = self.data["attempts"]
         if attempts and attempts[-1]["status"] in ("running", "interrupted") and status != "succeeded":
@@ -257,7 +261,7 @@ class LauncherFate:
     """What a reader can tell of a record's launcher: ``alive``, ``gone`` or ``unknown`` (another
     host or boot, or a record that names none), and the line that says so."""
 
-    state: str
+    state: Literal["alive", "gone", "unknown"]
     line: str
 
 

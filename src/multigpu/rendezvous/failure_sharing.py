@@ -21,14 +21,12 @@ from typing import Any, TypeVar
 
 from multigpu.console.writer import say
 from multigpu.contract.errors import (
-    INTERRUPTED,
     LEARNED_FROM_SILENCE,
-    MEMBERSHIP_CHANGE,
-    NODE_LOST,
-    REFUSED,
+    NO_NODE,
     STORE_HOST_ENDED,
-    STORE_LOST,
+    FailureKind,
     StoreLostError,
+    Subject,
     WorkerFailure,
 )
 from multigpu.contract.signals import signal_name
@@ -48,19 +46,20 @@ def failure_record(failure: WorkerFailure) -> dict[str, Any]:
 
 def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
     if "reason" in record:  # an inconsistent layout refused at the rendezvous
-        return node_lost(int(record.get("node", -1)), str(record["reason"]), REFUSED)
+        return node_lost(int(record.get("node", NO_NODE)), str(record["reason"]), FailureKind.REFUSED)
     return WorkerFailure.from_dict(record)
 
 
-def node_lost(node: int, why: str, kind: str = NODE_LOST, at: float | None = None) -> WorkerFailure:
-    return WorkerFailure(rank=-1, local_rank=-1, pid=None, node=node, error_type=kind, message=why,
-                         time=time.time() if at is None else at)
+def node_lost(node: int, why: str, kind: FailureKind = FailureKind.NODE_LOST,
+              at: float | None = None) -> WorkerFailure:
+    """A failure of node ``node`` (lost, refused, stopped: ``kind``), ``at`` when it was seen."""
+    return WorkerFailure.launcher_named(Subject.NODE, kind, why, node=node, at=at)
 
 
 def node_interrupted(node: int, signum: int) -> WorkerFailure:
     """This node's launcher was told to stop (``signum``): the other nodes hear it at once, not from
     its silence a beat later, while their ranks' collectives fail on its closed connections."""
-    failure = node_lost(node, f"its launcher received {signal_name(signum)}", INTERRUPTED)
+    failure = node_lost(node, f"its launcher received {signal_name(signum)}", FailureKind.INTERRUPTED)
     failure.signal = signal_name(signum)
     return failure
 
@@ -74,7 +73,8 @@ def store_lost(why: str = STORE_HOST_ENDED, host: int | None = 0) -> WorkerFailu
     """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone;
     ``why`` completes "node 0, the store's host, ...". The one record of a lost store, however it was
     learned (a failed call: ``StoreLostError``; a call that never returned: the deadman)."""
-    return node_lost(-1 if host is None else host, why, STORE_LOST)  # -1: a store off the job's nodes
+    return WorkerFailure.launcher_named(Subject.STORE, FailureKind.STORE_LOST, why,
+                                        node=NO_NODE if host is None else host)
 
 
 class FateMonitor:
@@ -129,7 +129,7 @@ class FateMonitor:
             if self._fired or self._stop.is_set():
                 return
             self._fired = True
-            self._store_gone = failure.error_type == STORE_LOST
+            self._store_gone = failure.kind is FailureKind.STORE_LOST
             self.verdict = failure
         self._verdict.set()
         if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
@@ -220,7 +220,8 @@ class FateMonitor:
         if self.watcher:
             change = self._timed(self.job.membership_change, measure=False)  # mostly no call at all
             if change is not None:  # published, so a peer whose ranks fail first restarts too
-                return self._publish(node_lost(-1, change, MEMBERSHIP_CHANGE))
+                return self._publish(WorkerFailure.launcher_named(
+                    Subject.JOB, FailureKind.MEMBERSHIP_CHANGE, change, node=NO_NODE))
         if not self._watched:
             return False
         watched = list(self._watched)
@@ -264,7 +265,7 @@ def share_failure(job: JobStore, result: RunResult) -> RunResult:
     """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
     root = result.root_cause
     assert root is not None
-    if root.error_type in LEARNED_FROM_SILENCE:
+    if root.kind in LEARNED_FROM_SILENCE:
         return result  # learned from the store (or its silence): nothing new to tell it
     return _with_root(result, _bounded(lambda: job.publish_abort(failure_record(root))))
 
@@ -275,7 +276,7 @@ def settle_root(job: JobStore, result: RunResult) -> RunResult:
     root = result.root_cause
     if result.status not in (RunStatus.FAILED, RunStatus.HUNG) or root is None:
         return result
-    if root.error_type in LEARNED_FROM_SILENCE:
+    if root.kind in LEARNED_FROM_SILENCE:
         return result  # a lost node or store: asking the store again would only wait
     return _with_root(result, _bounded(job.read_abort))
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.rendezvous.failure_sharing import failure_record
 from multigpu.rendezvous.job import DONE, JobStore
 from multigpu.supervisor.jobhang import GATHER_S, RankState, decide
@@ -30,8 +30,7 @@ class StoreHangs:
         self.job = job
 
     def declare(self, notice: str) -> None:
-        failure = WorkerFailure(rank=-1, local_rank=-1, pid=None, node=self.job.node, error_type=HANG,
-                                message=notice, time=time.time())
+        failure = WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, notice, node=self.job.node)
         record = failure_record(failure)
         threading.Thread(target=_quietly, args=(lambda: self.job.publish_abort(record),),
                          name="multigpu-hang-notice", daemon=True).start()

@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from multigpu.config.run import RunConfig
 from multigpu.console.ranks import PrefixedConsole
 from multigpu.console.writer import active_writer, say
-from multigpu.contract.errors import INTERRUPTED, MEMBERSHIP_CHANGE, WorkerFailure
+from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.record.failure_report import plain_summary
 from multigpu.record.run_json import RunRecord, complete_error_files
@@ -59,7 +59,7 @@ def _use_live_view(config: RunConfig) -> bool:
 
 def _membership_change(result: RunResult) -> bool:
     """An elastic round ended for a joining node: nothing failed, so there are no stacks to dump."""
-    return result.root_cause is not None and result.root_cause.error_type == MEMBERSHIP_CHANGE
+    return result.root_cause is not None and result.root_cause.kind is FailureKind.MEMBERSHIP_CHANGE
 
 
 def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResult:
@@ -70,10 +70,10 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
     that died on a live node is published by its launcher at once, and that ends the wait; a node
     that is gone entirely (its launcher killed, the machine down) is found by its silence."""
     root = result.root_cause
-    if monitor is None or root is None or root.rank < 0 or not root.saw_a_peer_die:
+    if monitor is None or root is None or root.subject is not Subject.RANK or not root.saw_a_peer_die:
         return result
     verdict = monitor.await_verdict()
-    if verdict is None or verdict.rank >= 0:
+    if verdict is None or verdict.subject is Subject.RANK:
         return result  # a peer's own failure: share_failure and settle_root order it by time
     return RunResult(result.status, [verdict, *result.failures], result.signal, result.detected_time)
 
@@ -86,7 +86,7 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
     if result.status is RunStatus.INTERRUPTED:
         sig = result.signal or signal.SIGTERM
         told = monitor.verdict if monitor is not None else None
-        if told is None or told.error_type != INTERRUPTED:
+        if told is None or told.kind is not FailureKind.INTERRUPTED:
             told = None
             if job is not None:
                 share_interrupt(job, sig)  # before our ranks go: the other nodes stop theirs at once
@@ -115,7 +115,7 @@ def _on_remote(supervisor: Supervisor, job: JobStore) -> Callable[[WorkerFailure
     (and a stopped node in an elastic job: it left) ends this attempt as failed."""
 
     def act(failure: WorkerFailure) -> None:
-        if failure.error_type == INTERRUPTED and job.interrupt_stops_job and failure.signal:
+        if failure.kind is FailureKind.INTERRUPTED and job.interrupt_stops_job and failure.signal:
             supervisor.request_signal(int(signal.Signals[failure.signal]))
         else:
             supervisor.abort(failure)

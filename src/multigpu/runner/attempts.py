@@ -19,7 +19,7 @@ from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
 from multigpu.console.writer import ConsoleWriter, say
-from multigpu.contract.errors import MEMBERSHIP_CHANGE, Interrupted, RendezvousError
+from multigpu.contract.errors import FailureKind, Interrupted, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
@@ -184,7 +184,7 @@ def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker
             serve_until_all_done(meeting.job)
         return _finish(run, 0)
     root = result.root_cause
-    if root is not None and root.error_type == MEMBERSHIP_CHANGE:
+    if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE:
         say(f"{root.message}; stopping this round on every node")
         return None
     if result.status is not RunStatus.SUCCEEDED:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from multigpu.contract.errors import NAMED_BY_THE_LAUNCHER, WorkerFailure
+from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.frames import library_file
 
@@ -43,7 +43,7 @@ def signature(failure: WorkerFailure | None) -> Signature | None:
         return Signature(f"{failure.signal} from {failure.killed_by.split(' (')[0]}", "")
     if failure is None or not failure.error_type or not failure.traceback:
         return None
-    if failure.error_type in NAMED_BY_THE_LAUNCHER:
+    if failure.kind is not None:  # named by the launcher: no exception was raised, even with a dump
         return None
     frames = _FRAME.findall(failure.traceback)
     if not frames:

@@ -133,7 +133,7 @@ class StaticMembership:
 
     def can_meet_again(self, result: RunResult) -> bool:
         """Not without the store's host or one of the fixed nodes."""
-        return not any(f.error_type in LEARNED_FROM_SILENCE for f in result.failures)
+        return not any(f.kind in LEARNED_FROM_SILENCE for f in result.failures)
 
     def restart(self, meeting: Meeting) -> str:
         self._next = meeting.attempt + 1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
 from multigpu.console.writer import say
-from multigpu.contract.errors import STORE_LOST
+from multigpu.contract.errors import FailureKind
 from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.elastic import (
     ElasticRendezvous,
@@ -93,7 +93,7 @@ class ElasticMembership:
 
     def can_meet_again(self, result: RunResult) -> bool:
         """Whenever the store is left: a lost node is what a new round is for."""
-        return all(f.error_type != STORE_LOST for f in result.failures)
+        return all(f.kind is not FailureKind.STORE_LOST for f in result.failures)
 
     def restart(self, meeting: Meeting) -> str:
         count = self.rdzv.count_restart(meeting.attempt)

@@ -13,14 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.environment import JobContext, RankPlacement, build_worker_env, usable_cpu_count
+from multigpu.contract.environment import (
+    JobContext,
+    RankMode,
+    RankPlacement,
+    build_worker_env,
+    usable_cpu_count,
+)
 from multigpu.contract.names import ANNOUNCE_ENV
 from multigpu.runner import torchrun_rules as extras
 from multigpu.supervisor.states import WorkerSpec
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
-    mode = ("function" if config.function else "exec" if config.start.run_mode == "exec"
+    mode: RankMode = ("function" if config.function else "exec" if config.start.run_mode == "exec"
             else "module" if config.module else "script")
     return [python, "-m", "multigpu.rank", mode, config.target, *config.target_args]
 

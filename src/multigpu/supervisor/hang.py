@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.supervisor.culprit import find_culprits
 from multigpu.supervisor.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
@@ -329,7 +329,8 @@ def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
         quiet = hang.quiet.get(w.rank, 0.0)
         message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
         failures.append(dataclasses.replace(
-            w.ended_with(None), error_type=HANG, message=message, traceback="\n".join(w.dumps.stacks) or None,
+            w.ended_with(None), error_type=FailureKind.HANG, message=message,
+            traceback="\n".join(w.dumps.stacks) or None,
             time=base + order.get(w.rank, len(order)) * 1e-3))  # sorted later: keeps the culprits' order
     return failures
 

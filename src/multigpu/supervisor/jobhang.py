@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.supervisor.culprit import find_culprits
 from multigpu.supervisor.hang import ProgressBook
 from multigpu.supervisor.states import Worker
@@ -134,7 +134,8 @@ def job_failures(verdict: dict[str, Any], states: Sequence[RankState],
         own = local.get(s.rank)
         failure = own.ended_with(None) if own is not None else WorkerFailure(s.rank, s.local_rank, s.pid,
                                                                             node=s.node)
-        failure.error_type, failure.pid, failure.traceback = HANG, s.pid, "\n".join(s.dump) or None
+        failure.error_type, failure.pid = FailureKind.HANG, s.pid
+        failure.traceback = "\n".join(s.dump) or None
         failure.message = str(verdict.get("line")) if i == 0 else f"no progress for {s.quiet:.1f}s"
         failure.time = base + i * 1e-3  # keeps the culprits' order when sorted by time
         failures.append(failure)

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import HANG, WorkerFailure
+from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import exits, jobhang, reaping, spawning, teardown
 from multigpu.supervisor.beat_pipe import read_beats
@@ -220,7 +220,8 @@ class Supervisor:
         every node (``jobhang.py``). False for any other failure from outside, and once this node has
         an outcome of its own."""
         exchange, outcome = self.hooks.job_hang, self._outcome
-        if notice.error_type != HANG or exchange is None or outcome.hung or self._closing or outcome.failures:
+        if (notice.kind is not FailureKind.HANG or exchange is None or outcome.hung or self._closing
+                or outcome.failures):
             return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
         outcome.failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from multigpu.contract.beats import BeatDecoder
-from multigpu.contract.errors import WorkerFailure, exit_status, exit_text
+from multigpu.contract.errors import Subject, WorkerFailure, exit_status, exit_text
 from multigpu.supervisor.oom import OomWatch
 
 LOG_TAIL_LINES = 20
@@ -291,9 +291,10 @@ class RunResult:
         the loss of the peer's whole node."""
         first = next(iter(self.failures), None)
         if first is not None and first.saw_a_peer_die:
-            own = next((f for f in self.failures if f.rank >= 0 and not f.saw_a_peer_die), None)
-            # else a lost node (rank < 0), even when its silence was first seen after our rank failed
-            return own or next((f for f in self.failures if f.rank < 0), first)
+            own = next((f for f in self.failures if f.subject is Subject.RANK and not f.saw_a_peer_die),
+                       None)
+            # else a lost node (or store), even when its silence was first seen after our rank failed
+            return own or next((f for f in self.failures if f.subject is not Subject.RANK), first)
         return first
 
 
