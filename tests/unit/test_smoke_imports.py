@@ -1,13 +1,17 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.integration  # a fresh interpreter
 def test_import_multigpu_does_not_import_torch() -> None:
     code = "import multigpu, multigpu.cli.main, multigpu.rank.bootstrap, sys; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.integration  # a fresh interpreter
 def test_import_multigpu_hides_torchs_numpy_warning_and_only_it() -> None:
     """Every process of a run (launcher, template, ranks) imports multigpu before torch: the filter
     there is what keeps torch's "Failed to initialize NumPy" off every first screen."""
