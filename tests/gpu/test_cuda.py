@@ -12,6 +12,7 @@ from multigpu.cluster.devices import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.integration,
     pytest.mark.skipif(not visible_gpus(), reason="no CUDA GPU is visible (NVML and /proc/driver/nvidia)"),
 ]
 

@@ -15,6 +15,7 @@ from multigpu.supervisor.flight_record import read_dumps
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.integration,
     pytest.mark.skipif(not visible_gpus(), reason="no CUDA GPU is visible (NVML and /proc/driver/nvidia)"),
 ]
 

@@ -16,6 +16,7 @@ from multigpu.cluster.devices import visible_gpus
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.integration,
     pytest.mark.skipif(len(visible_gpus()) < 2,
                        reason="needs two visible CUDA GPUs for a two-rank NCCL group"),
 ]

@@ -18,12 +18,14 @@ def bare(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*BARE, str(RUN), *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.integration
 def test_help_works_without_the_venv() -> None:
     result = bare("--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: benchmarks/run.py") and "--quick" in result.stdout
 
 
+@pytest.mark.integration
 def test_a_run_without_the_venv_is_one_line_naming_the_fix() -> None:
     result = bare("--quick", "--only", "badinput")
     assert result.returncode == 2 and result.stdout == ""

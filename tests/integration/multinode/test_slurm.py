@@ -33,7 +33,7 @@ from slurm_cluster import SlurmCluster, ensure_hosts, missing
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120),
               pytest.mark.xdist_group("slurm")]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SBATCH = REPO / "docs" / "examples" / "multigpu.sbatch"
 BIN = Path(sys.executable).parent
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY")

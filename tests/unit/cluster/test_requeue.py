@@ -2,7 +2,7 @@
 
 SLURM's environment is recorded from a batch job's ``srun`` step (variable names as in the sbatch and
 srun manuals). The real ``scontrol requeue`` of a job and of an array task runs in the SLURM tier
-(``tests/integration/test_slurm.py``); here a stand-in ``scontrol`` on PATH only plays a refusal.
+(``tests/integration/multinode/test_slurm.py``); here a stand-in ``scontrol`` on PATH only plays a refusal.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def _stand_in_scontrol(tmp_path: Path, code: int = 0) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
 
 
+@pytest.mark.integration
 def test_a_refused_requeue_says_why(tmp_path: Path) -> None:
     job, why = requeue.requeue_job({**SLURM_ENV, **_stand_in_scontrol(tmp_path, code=1)})
     assert job == "4242" and why == "scontrol exited with 1: scontrol: error: Job is not a batch job"

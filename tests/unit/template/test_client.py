@@ -32,6 +32,7 @@ def spawned(code: str) -> AdoptedProcess:
     return AdoptedProcess(pid, null, null)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("code", "expected"), [("import sys; sys.exit(3)", 3),
                                                 ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
                                                  -signal.SIGTERM)])
@@ -46,6 +47,7 @@ def test_an_adopted_child_reports_its_status_as_popen_would(code: str, expected:
     assert_gone([child.pid])
 
 
+@pytest.mark.integration
 def test_an_adopted_child_times_out_like_popen() -> None:
     child = spawned("import time; time.sleep(30)")
     try:
@@ -77,6 +79,7 @@ def test_only_python_ranks_of_our_bootstrap_are_forked() -> None:
     assert not forkable(WorkerSpec(rank=0, local_rank=0, env={}, argv=["/bin/true"]))
 
 
+@pytest.mark.integration
 def test_a_template_that_cannot_start_means_plain_processes_said_once() -> None:
     notes: list[str] = []
     spawner = NodeSpawner(use_template=True, store=None, notify=notes.append, python="/bin/false")
@@ -113,6 +116,7 @@ with open("fds.json", "w") as out:  # stdout and stderr are pipes nobody reads n
 """
 
 
+@pytest.mark.integration
 def test_a_forked_rank_keeps_exactly_its_descriptors(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(PLACE)], capture_output=True, timeout=30,
                          pass_fds=(), cwd=tmp_path)
@@ -167,6 +171,7 @@ print(json.dumps({"launcher": os.getpid(), **answer}))
 """
 
 
+@pytest.mark.integration
 def test_a_forked_rank_is_told_its_middle_process_by_the_middle_itself(tmp_path: Path) -> None:
     """Read by the rank, the middle's pid was the launcher's whenever the middle exited first, and
     the rank then waited 5 s for a re-parenting that had already happened."""

@@ -9,7 +9,11 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
+import pytest
+
 from helpers import PYTHON, clean_env
+
+pytestmark = pytest.mark.integration
 
 SCENARIO = """
     import pickle

@@ -279,6 +279,7 @@ class FakeExchange:
         return Answer(mine, RankState(1, 0, 1, 4242, True, None, 9.0, STUCK), notice)
 
 
+@pytest.mark.integration
 def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict(tmp_path: Path) -> None:
     script = write_script(tmp_path, "waits.py", """
         import time

@@ -223,6 +223,7 @@ def test_prefixed_console_redraws_a_bar_in_place_on_a_terminal() -> None:
 # ---- the supervisor's output ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_stream_files_get_exactly_their_streams_bytes(make: Callable[..., Supervisor],
                                                       tmp_path: Path) -> None:
     argv = py("""
@@ -246,6 +247,7 @@ def test_stream_files_get_exactly_their_streams_bytes(make: Callable[..., Superv
     assert_gone([w.pid for w in sup.workers if w.pid])
 
 
+@pytest.mark.integration
 def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(make: Callable[..., Supervisor],
                                                                  tmp_path: Path) -> None:
     go = tmp_path / "go"
@@ -272,6 +274,7 @@ def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(make: Callable[
     assert_gone([w.pid for w in sup.workers if w.pid])
 
 
+@pytest.mark.integration
 def test_a_rank_that_survives_sigkill_is_named_not_waited_on(make: Callable[..., Supervisor],
                                                             tmp_path: Path, notes: list[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,6 +321,7 @@ def test_no_console_thread_outlives_its_writer() -> None:
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
 
 
+@pytest.mark.integration
 def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
     import subprocess
 

@@ -127,6 +127,7 @@ def test_get_gpu_ids_counts_only_visible_devices(monkeypatch: pytest.MonkeyPatch
         assert get_gpu_ids("1,2,0") == [1, 0]
 
 
+@pytest.mark.integration
 def test_get_gpu_ids_imports_no_torch() -> None:
     code = ("import sys, warnings; warnings.simplefilter('ignore'); import multigpu; "
             "multigpu.get_gpu_ids('0,1'); print('torch' in sys.modules)")

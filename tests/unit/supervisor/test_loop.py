@@ -22,7 +22,7 @@ from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
 GRACE = 0.3
 

@@ -14,7 +14,7 @@ from multigpu.contract.errors import WorkerFailure
 from multigpu.record.run_json import RunRecord, complete_error_files, with_utc_times
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 
-SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "run.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "schemas" / "run.schema.json").read_text())
 
 
 class _Popen:

@@ -40,7 +40,7 @@ from multigpu.supervisor.stop_requests import SAME_INTERRUPT_S
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 GRACE = "0.5"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 RUN_TIMEOUT = 60.0
 
 # Common prologue: the rank, its pid on stdout, and a ready marker the test (or a peer) can wait for.

@@ -1,6 +1,6 @@
 """The nodes' fingerprints: what each reads without importing torch, and the verdict on differences.
 
-The two-node refusals themselves run for real in ``tests/integration/test_multinode.py``."""
+The two-node refusals themselves run for real in ``tests/integration/multinode/test_multinode.py``."""
 
 from __future__ import annotations
 

@@ -9,7 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from helpers import clean_env
+
+pytestmark = pytest.mark.integration
 
 SCRIPT = """
     import os, sys

@@ -1,6 +1,6 @@
 """Preemption and crash loops with real launches of 2 CPU workers.
 
-The requeue cycle itself runs against a real SLURM (``test_slurm.py``). What a real cluster does not
+The requeue cycle itself runs against a real SLURM (``multinode/test_slurm.py``). What a real cluster does not
 show runs here under a recorded SLURM environment with a stand-in ``scontrol`` on PATH: a node whose
 launcher missed the warning, ranks that ignore it, crash loops. Every test proves by PID that nothing
 is left.

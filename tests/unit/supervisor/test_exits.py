@@ -1,0 +1,44 @@
+"""What a rank's exit means (``supervisor/exits.py``), on stand-in ranks: the race a rank killed by an
+outside stop signal waits out, which exits count as such a stop, and who sent a fatal signal where the
+traces say. No processes."""
+
+from __future__ import annotations
+
+import signal
+from types import SimpleNamespace
+
+from multigpu.supervisor.exits import STOP_RACE_S, StopRace, outside_stop, who_killed
+
+
+def test_a_held_rank_is_due_when_its_window_closes_or_when_ours_comes() -> None:
+    race = StopRace()
+    assert not race and race.next_due() is None
+    first, second = SimpleNamespace(rank=0), SimpleNamespace(rank=1)
+    race.hold(first, -signal.SIGTERM, now=10.0)  # type: ignore[arg-type]
+    race.hold(second, -signal.SIGINT, now=10.1)  # type: ignore[arg-type]
+    assert race and race.next_due() == 10.0 + STOP_RACE_S
+    assert race.due(10.0, all_of_them=False) == []
+    due = race.due(10.0 + STOP_RACE_S, all_of_them=False)
+    assert [(p.worker, p.rc) for p in due] == [(first, -signal.SIGTERM)]
+    assert [p.worker for p in race.due(10.0, all_of_them=True)] == [second]
+    assert not race and race.next_due() is None
+
+
+def _rank(finished: bool = False, record: object = None) -> SimpleNamespace:
+    return SimpleNamespace(finished=finished, own_record=lambda: record)
+
+
+def test_an_outside_stop_is_a_stop_signal_the_rank_did_not_explain() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        assert outside_stop(_rank(), -sig)  # type: ignore[arg-type]
+    assert not outside_stop(_rank(), -signal.SIGKILL)  # type: ignore[arg-type]
+    assert not outside_stop(_rank(), 1)  # type: ignore[arg-type]
+    assert not outside_stop(_rank(finished=True), -signal.SIGTERM)  # type: ignore[arg-type]
+    assert not outside_stop(_rank(record=object()), -signal.SIGTERM)  # type: ignore[arg-type]
+
+
+def test_a_sigabrt_after_nccls_watchdog_line_names_the_watchdog() -> None:
+    watched = SimpleNamespace(oom=None, pid=7, tail=["[rank1] Watchdog caught collective operation timeout"])
+    assert "NCCL's watchdog" in (who_killed(watched, -signal.SIGABRT) or "")  # type: ignore[arg-type]
+    assert who_killed(SimpleNamespace(oom=None, pid=7, tail=["x"]), -signal.SIGABRT) is None  # type: ignore[arg-type]
+    assert who_killed(watched, -signal.SIGKILL) is None  # type: ignore[arg-type]  # no OOM evidence

@@ -1,0 +1,112 @@
+"""Every module of the package is imported by a test, or this file says why not.
+
+A test imports a module by ``import multigpu.x.y``, ``from multigpu.x.y import ...`` or
+``from multigpu.x import y``, in its own code or in a Python script it writes for a child process
+(``textwrap.dedent``-ed string literals are read too). A module no test imports is tested, if at all,
+through other modules or end to end: ``NOT_IMPORTED`` names each one with the reason beside it. A
+module added without a test, or one a test stopped importing, fails here until it gets a test or a
+line; an entry whose module a test now imports, or that no longer exists, or that names a test file
+that does not exist, fails too, so the list only shrinks by being kept true. Subpackage ``__init__``
+files hold only their docstring and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import re
+import textwrap
+from pathlib import Path
+
+from package_map import MODULES, imports_of
+
+TESTS = Path(__file__).resolve().parents[1]
+
+NOT_IMPORTED = {
+    "multigpu.__main__": "`python -m multigpu`: helpers.MULTIGPU, in every integration test",
+    "multigpu._version": "one constant: multigpu.__version__, and pyproject's dynamic version",
+    "multigpu.cli.demo": "`multigpu demo` in integration/cli/test_run_cli.py",
+    "multigpu.cli.layout": "through cli.main.parse_run_args in unit/cli/test_layout.py",
+    "multigpu.cli.preemption_flags": "through cli.main.parse_run_args in unit/cluster/test_requeue.py",
+    "multigpu.cli.report": "`multigpu report`, `status`, `stacks` in integration/cli/test_report_cmd.py",
+    "multigpu.cli.store_server": "`multigpu store` in integration/multinode/test_store_command.py",
+    "multigpu.cli.torchrun": "through cli.main.parse_run_args in unit/cli/test_torchrun.py",
+    "multigpu.function.prepare": "MultiGPUManager's setup in integration/function/ (real ranks)",
+    "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
+    "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
+    "multigpu.rank.debug_frontend": "the debug page's helper process in integration/cli/test_debug_server.py",
+    "multigpu.rank.debug_server": "`--debug-server` in a 2-rank job, integration/cli/test_debug_server.py",
+    "multigpu.rank.dump_signal": "stacks on a hang: unit/supervisor/test_loop.py, integration/faults/",
+    "multigpu.rank.exiting": "how a failed rank leaves: integration/faults/test_worker_exit.py",
+    "multigpu.rank.guard": "a launcher's SIGKILL ends its ranks: integration/faults/test_faults.py",
+    "multigpu.rank.program": "`--no-python` in integration/cli/test_no_python.py",
+    "multigpu.rank.sentinel": "its own process, started in integration/faults/test_sentinel.py",
+    "multigpu.record.report_page": "the table and report.html in integration/cli/test_report_cmd.py",
+    "multigpu.supervisor.control": "`stacks`, `status` on a live run: integration/cli/test_report_cmd.py",
+    "multigpu.supervisor.run_updates": "inside every Supervisor: unit/supervisor/test_loop.py",
+    "multigpu.supervisor.stack_dumps": "the hang tests of unit/supervisor/test_loop.py",
+    "multigpu.supervisor.teardown": "Supervisor.close(): the SIGKILL tests of unit/supervisor/test_loop.py",
+    "multigpu.template.__main__": "`python -m multigpu.template`: integration/test_template.py",
+}
+"""Module -> why no test imports it (one line: which test exercises it, and how)."""
+
+
+def imported_by(source: str) -> set[str]:
+    """The package's modules ``source`` imports, and those its string literals import as Python."""
+    found = imports_of(source, "tests")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value \
+                and "multigpu" in node.value:
+            with contextlib.suppress(SyntaxError):
+                found |= imported_by(textwrap.dedent(node.value))
+    return found
+
+
+def has_code(path: Path) -> bool:
+    """More than a docstring (and ``from __future__``): a subpackage's ``__init__`` has nothing to test."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+               and not (isinstance(n, ast.ImportFrom) and n.module == "__future__") for n in body)
+
+
+@functools.cache
+def imported_by_the_tests() -> frozenset[str]:
+    found: set[str] = set()
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.resolve() != Path(__file__).resolve():
+            found |= imported_by(path.read_text())
+    return frozenset(found)
+
+
+def test_every_module_is_imported_by_a_test_or_says_why_not() -> None:
+    imported = imported_by_the_tests()
+    missing = sorted(m for m, p in MODULES.items() if has_code(p) and m not in imported | NOT_IMPORTED.keys())
+    assert not missing, ("no test imports these modules; add a unit test, or a line to NOT_IMPORTED "
+                         "naming the test that exercises it:\n" + "\n".join(missing))
+
+
+def test_every_entry_of_the_list_is_still_true() -> None:
+    imported = imported_by_the_tests()
+    stale = sorted(m for m in NOT_IMPORTED if m in imported or m not in MODULES)
+    assert not stale, f"a test imports these now, or they are gone; remove them from NOT_IMPORTED: {stale}"
+    assert all(why.strip() and "\n" not in why for why in NOT_IMPORTED.values())
+    named = {path for why in NOT_IMPORTED.values()
+             for path in re.findall(r"\b(?:unit|integration)/[\w/.]*", why)}
+    gone = sorted(path for path in named if not (TESTS / path).exists())
+    assert not gone, f"NOT_IMPORTED names tests that do not exist: {gone}"
+
+
+def test_imports_are_found_in_code_and_in_a_childs_script() -> None:
+    source = textwrap.dedent('''
+        import multigpu.rank.guard
+        from multigpu.cluster import devices
+        from multigpu.supervisor.loop import Supervisor
+        SCRIPT = """
+            from multigpu.template.wire import send
+        """
+        NOT_PYTHON = "multigpu run --cpu 2 train.py"
+    ''')
+    assert imported_by(source) == {"multigpu.rank.guard", "multigpu.cluster.devices",
+                                   "multigpu.supervisor.loop", "multigpu.template.wire"}
+    assert not has_code(MODULES["multigpu.cli"]) and has_code(MODULES["multigpu"])
