@@ -38,7 +38,9 @@ def test_an_outside_stop_is_a_stop_signal_the_rank_did_not_explain() -> None:
 
 
 def test_a_sigabrt_after_nccls_watchdog_line_names_the_watchdog() -> None:
-    watched = SimpleNamespace(oom=None, pid=7, tail=["[rank1] Watchdog caught collective operation timeout"])
+    tail = ["[rank1] Watchdog caught collective operation timeout"]
+    watched = SimpleNamespace(oom=None, pid=7, lines=SimpleNamespace(tail=tail))
     assert "NCCL's watchdog" in (who_killed(watched, -signal.SIGABRT) or "")  # type: ignore[arg-type]
-    assert who_killed(SimpleNamespace(oom=None, pid=7, tail=["x"]), -signal.SIGABRT) is None  # type: ignore[arg-type]
+    quiet = SimpleNamespace(oom=None, pid=7, lines=SimpleNamespace(tail=["x"]))
+    assert who_killed(quiet, -signal.SIGABRT) is None  # type: ignore[arg-type]
     assert who_killed(watched, -signal.SIGKILL) is None  # type: ignore[arg-type]  # no OOM evidence

@@ -20,7 +20,7 @@ from multigpu.rendezvous.failure_sharing import (
     store_lost,
 )
 
-SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "run.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "schemas" / "run.schema.json").read_text())
 FAILURE_SCHEMA = {**SCHEMA["$defs"]["failure"], "$defs": SCHEMA["$defs"]}
 
 RAISED = WorkerFailure(rank=2, local_rank=0, pid=7, exit_code=1, node=1, error_type="ValueError",
