@@ -26,7 +26,7 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
 from multigpu.rendezvous.failure_sharing import BEAT_S
@@ -202,7 +202,8 @@ class ElasticRendezvous:
 
 
     def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
-                 hosted: bool) -> None:
+                 hosted: bool, notify: Callable[[str], None]) -> None:
+        """``notify``: where a node waiting for its round says so (the run's console)."""
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
@@ -211,6 +212,7 @@ class ElasticRendezvous:
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
         self.hosted = hosted
         """Whether this launcher serves the job's store: then it leaves last."""
+        self._notify = notify
         self.addr = local_address(rdzv.endpoint)
         self.backend = C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(
@@ -245,7 +247,7 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
-        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout, self._notify)
         try:
             with wait:
                 return self.handler.next_rendezvous()
@@ -323,8 +325,8 @@ class RoundWait:
     every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
     torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
 
-    def __init__(self, backend: Any, config: RunConfig, timeout_s: float, notify: Callable[[str], None] = say,
-                 first_s: float = 2.0) -> None:
+    def __init__(self, backend: Any, config: RunConfig, timeout_s: float,
+                 notify: Callable[[str], None] = say_on_stderr, first_s: float = 2.0) -> None:
         self.backend, self.config, self.timeout_s, self._notify = backend, config, timeout_s, notify
         self.first_s = first_s
         self.last: str | None = None
