@@ -196,3 +196,12 @@ def test_every_subpackage_says_where_it_runs() -> None:
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(doc) > 80 and re.search(r"\bruns? (in|inside)\b", doc, re.I), \
             f"{init.parent.name}/__init__.py says in a paragraph which process it runs in"
+
+
+def test_every_name_the_package_exports_lazily_is_where_it_says() -> None:
+    """``multigpu.should_stop`` and the rest resolve on first use: a module renamed without its entry
+    in ``_EXPORTS`` fails only inside a rank, at the first call."""
+    import importlib
+
+    for name, module in multigpu._EXPORTS.items():
+        assert hasattr(importlib.import_module(f"multigpu.{module}"), name), f"multigpu.{name}: {module}"
