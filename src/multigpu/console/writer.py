@@ -38,23 +38,43 @@ HOLD_S = 1.0
 past it the console counts as stopped, and lines are dropped instead."""
 CLEAR_LINE = b"\x1b[K"
 
-_active: ConsoleWriter | None = None
 
-
-def say(message: str) -> None:
-    """The launcher's own one-line messages, through the active console writer when there is one."""
-    text = f"multigpu: {message}\n"
-    if _active is not None:
-        _active.put(2, text.encode(errors="replace"), text.count("\n"), keep=True)
-        return
+def say_on_stderr(message: str) -> None:
+    """A launcher line straight onto stderr: where no console writer runs (function mode's caller, a
+    library's default, a test), and for a run's lines before its writer starts or once it closed."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        sys.stderr.write(text)
+        sys.stderr.write(f"multigpu: {message}\n")
         sys.stderr.flush()
 
 
-def active_writer() -> ConsoleWriter | None:
-    """The CLI's console writer while a run is on; None in function mode."""
-    return _active
+class Console:
+    """The launcher's console for one ``multigpu run``: made where its ``ConsoleWriter`` is made
+    (``runner/attempts.py``) and handed to every part that writes to it; nothing reads it from a global.
+    ``say`` is the launcher's own one-line messages; ``writer`` is what the ranks' lines, the live view
+    and the summary table go through."""
+
+    def __init__(self, writer: ConsoleWriter | None = None) -> None:
+        self._writer = writer
+
+    @property
+    def writer(self) -> ConsoleWriter | None:
+        """The writer while it takes lines (from its start until it begins to close); else None."""
+        writer = self._writer
+        return writer if writer is not None and writer.taking else None
+
+    def say(self, message: str) -> None:
+        """One line of the launcher's own, through the writer while it takes lines, else onto stderr."""
+        writer = self.writer
+        if writer is None:
+            say_on_stderr(message)
+            return
+        text = f"multigpu: {message}\n"
+        writer.put(2, text.encode(errors="replace"), text.count("\n"), keep=True)
+
+    def ttys(self) -> dict[int, bool]:
+        """Which of stdout (1) and stderr (2) are terminals."""
+        writer = self.writer
+        return writer.ttys if writer is not None else {1: sys.stdout.isatty(), 2: sys.stderr.isatty()}
 
 
 class WriterFile:
@@ -132,6 +152,8 @@ class ConsoleWriter:
         self.ttys = {fd: isatty(fd) for fd in fds}
         self.on_room: Callable[[], None] | None = None
         """Called (on the writer thread) when a full buffer has room again: the loop reads once more."""
+        self.taking = False
+        """Started and not yet closing: a ``Console`` sends its lines here only meanwhile."""
 
     @property
     def dead(self) -> dict[int, str]:
@@ -170,10 +192,9 @@ class ConsoleWriter:
     # ---- lifetime -------------------------------------------------------------------------------------
 
     def __enter__(self) -> ConsoleWriter:
-        global _active
         self._thread = threading.Thread(target=self._run, name="multigpu-console", daemon=True)
         self._thread.start()
-        _active = self
+        self.taking = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -182,9 +203,7 @@ class ConsoleWriter:
     def close(self) -> None:
         """Flush while the console reads (up to FLUSH_LIMIT_S), then stop; a stalled console costs
         STALL_S at most, and what it never took is counted in one last notice."""
-        global _active
-        if _active is self:
-            _active = None
+        self.taking = False
         deadline = time.monotonic() + FLUSH_LIMIT_S
         with self._cond:
             # A console that was idle is not stalled: it gets STALL_S from now to take what is left.

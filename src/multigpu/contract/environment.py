@@ -129,11 +129,15 @@ def build_worker_env(
     if job.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = job.cuda_visible_devices
     if error_file is not None:
-        env[ERROR_FILE_ENV] = error_file
-        env["TORCHELASTIC_ERROR_FILE"] = error_file
+        env.update(error_file_env(error_file))
     if fr_dump_prefix is not None:
         env.update(flight_recorder_env(env, fr_dump_prefix))
     return env
+
+
+def error_file_env(error_file: str) -> dict[str, str]:
+    """Where a failing rank writes its error record: ours, and torch's ``@record`` (one path)."""
+    return {ERROR_FILE_ENV: error_file, "TORCHELASTIC_ERROR_FILE": error_file}
 
 
 def flight_recorder_env(env: Mapping[str, str], dump_prefix: str) -> dict[str, str]:

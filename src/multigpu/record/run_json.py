@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from multigpu.config.run import RunConfig
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import UsageError
 from multigpu.contract.signals import signal_name
 from multigpu.record import incidents
@@ -98,8 +98,10 @@ class RunRecord:
     """Listens to the supervisor and rewrites run.json on every state change."""
 
     def __init__(self, path: Path, config: RunConfig, run_id: str, devices: list[str],
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None, notify: Callable[[str], None] = say_on_stderr) -> None:
         self.path = path
+        self._notify = notify
+        """Where the one line of a record that cannot be updated goes (the run's console)."""
         resolved = _config_dict(config)  # what the run uses, not only what was given
         resolved["output"].update(dir=str(path.parent), run_id=run_id)
         self.data: dict[str, Any] = {
@@ -122,10 +124,11 @@ class RunRecord:
         self._created = True
 
     @classmethod
-    def create(cls, path: Path, config: RunConfig, run_id: str, devices: list[str]) -> RunRecord:
+    def create(cls, path: Path, config: RunConfig, run_id: str, devices: list[str], *,
+               notify: Callable[[str], None] = say_on_stderr) -> RunRecord:
         """A new record, or one line (exit 2) when its folder cannot take it: before any worker runs."""
         try:
-            return cls(path, config, run_id, devices)
+            return cls(path, config, run_id, devices, notify=notify)
         except OSError as exc:
             raise UsageError(f"output folder {path.parent}: cannot write {path.name}: "
                              f"{exc.strerror or exc}") from None
@@ -212,8 +215,8 @@ class RunRecord:
                 raise  # the first write, before any worker: the caller turns it into one line
             if self._write_error is None:
                 self._write_error = exc.strerror or str(exc)
-                say(f"cannot update {self.path}: {self._write_error}; it stays as last written "
-                    f"until a write succeeds")
+                self._notify(f"cannot update {self.path}: {self._write_error}; it stays as last written "
+                             f"until a write succeeds")
             return
         self._write_error = None
 

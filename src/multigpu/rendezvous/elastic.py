@@ -5,7 +5,7 @@ Membership, node ranks and rounds are torch's: ``DynamicRendezvousHandler`` over
 a closed join window start a round, a waiting node triggers the next one) are the same here. What we
 add sits on that store: run-id protection, fate sharing per round (heartbeats and one abort record,
 ``failure_sharing.py``) and a job-wide restart count. Two defects of torch 2.13's handler are worked around on
-the store, not by a new protocol (see ``ElasticHandler`` and ``Liveness``).
+the store, not by a new protocol (``elastic_fixes.py``).
 
 Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` without it.
 """
@@ -21,22 +21,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
-from multigpu.rendezvous.failure_sharing import BEAT_S
+from multigpu.rendezvous.elastic_fixes import Liveness, handler_class
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
 
 WAITING_POLL_S = 0.5
-EVICT_AFTER_S = 3.0
-"""A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
 WATCHER_KEY = "multigpu/watcher"
 
 
@@ -168,41 +166,13 @@ class ElasticJobStore(JobStore):
         return None
 
 
-def _handler_class() -> Any:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    class ElasticHandler(DynamicRendezvousHandler):  # type: ignore[misc]
-        """torch's handler, with the workers' store made per round and on our own socket.
-
-        torch 2.13 keeps the bootstrap store info (MASTER_ADDR/PORT) of the first round it saw for
-        good: a node that joins a later round as group rank > 0 waits for keys that round's rank 0
-        never writes (``read_timeout``, 60 s, then the job fails), and the workers of every round
-        would share one store, where torch's workers add no per-round prefix (gloo could read the
-        last round's addresses). Forgetting it before each round makes rank 0 publish a fresh store;
-        its server binds the node's own address, never every interface.
-        """
-
-        worker_store: Any = None
-
-        def next_rendezvous(self) -> Any:
-            self._bootstrap_store_info = None
-            self._shared_tcp_store_server = None
-            self.worker_store = None
-            return super().next_rendezvous()
-
-        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            self.worker_store = serve_store_on(bind_store_socket(Endpoint(master_addr, 0)), master_addr)
-            return self.worker_store
-
-    return ElasticHandler
-
-
 class ElasticRendezvous:
     """torch's dynamic rendezvous for this node, and the rank layout of each round."""
 
 
     def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
-                 hosted: bool) -> None:
+                 hosted: bool, notify: Callable[[str], None]) -> None:
+        """``notify``: where a node waiting for its round says so (the run's console)."""
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
@@ -211,6 +181,7 @@ class ElasticRendezvous:
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
         self.hosted = hosted
         """Whether this launcher serves the job's store: then it leaves last."""
+        self._notify = notify
         self.addr = local_address(rdzv.endpoint)
         self.backend = C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(
@@ -218,7 +189,7 @@ class ElasticRendezvous:
             last_call=timedelta(seconds=settings.last_call_timeout),
             close=timedelta(seconds=settings.close_timeout),
             heartbeat=timedelta(seconds=settings.heartbeat_timeout))
-        self.handler = _handler_class().from_backend(
+        self.handler = handler_class().from_backend(
             run_id, store, self.backend, config.rdzv.min_nodes, config.rdzv.max_nodes, local_addr=self.addr,
             timeout=timeout, keep_alive_interval=settings.keep_alive_interval,
             keep_alive_max_attempt=settings.keep_alive_max_attempt)
@@ -245,7 +216,7 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
-        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout, self._notify)
         try:
             with wait:
                 return self.handler.next_rendezvous()
@@ -323,8 +294,8 @@ class RoundWait:
     every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
     torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
 
-    def __init__(self, backend: Any, config: RunConfig, timeout_s: float, notify: Callable[[str], None] = say,
-                 first_s: float = 2.0) -> None:
+    def __init__(self, backend: Any, config: RunConfig, timeout_s: float,
+                 notify: Callable[[str], None] = say_on_stderr, first_s: float = 2.0) -> None:
         self.backend, self.config, self.timeout_s, self._notify = backend, config, timeout_s, notify
         self.first_s = first_s
         self.last: str | None = None
@@ -370,73 +341,6 @@ def round_wait_line(joined: list[str], config: RunConfig, left_s: float) -> str:
         return f"the round has its {low} node(s); waiting for more up to last_call_timeout ({nodes})"
     return (f"waiting for {more} more node(s) for the round ({nodes}); {duration_text(left_s)} left "
             "(join_timeout)")
-
-
-class Liveness:
-    """Our launchers' own beats on the store, and the eviction of silent ones from torch's state.
-
-    torch drops a participant only after ``keep_alive_interval * keep_alive_max_attempt`` (15 s by
-    default) without its keep-alive, and until then the survivors of a lost node wait in the next
-    round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
-    nodes); the launcher that serves the store (``evicts``; every launcher, where none does) reads the
-    others' counters, with one ``multi_get``, and ages the keep-alive of one silent for
-    ``lost_after_s`` on the store, so torch's own sanitizer removes it at its next sync. Nodes that
-    never beat (a torchrun among us) are left to torch's rule.
-    """
-
-    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
-                 beat_s: float = BEAT_S, lost_after_s: float = EVICT_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.store, self.backend, self.run_id = store, backend, run_id
-        self.me, self.evicts = me, evicts
-        self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
-        self._seen: dict[str, tuple[int, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)
-
-    def key(self, node: Any) -> str:
-        return f"multigpu/{self.run_id}/alive/{node.addr}|{node.pid}|{node.local_id}"
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(self.beat_s * 2)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.beat_s):
-            with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
-                self.store.add(self.key(self.me), 1)
-                if self.evicts:
-                    self.evict_silent()
-
-    def _counts(self, nodes: list[Any]) -> dict[Any, int]:
-        """The beat counters of the nodes that have one (a key seen once stays), in one read."""
-        beating = [node for node in nodes
-                   if self.key(node) in self._seen or self.store.check([self.key(node)])]
-        values = self.store.multi_get([self.key(node) for node in beating]) if beating else []
-        return {node: int(value) for node, value in zip(beating, values, strict=True)}
-
-    def evict_silent(self) -> None:
-        current = self.backend.get_state()
-        if current is None:
-            return
-        state = pickle.loads(current[0])
-        now = self._clock()
-        silent = []
-        for node, count in self._counts([n for n in state.last_heartbeats if n != self.me]).items():
-            key = self.key(node)
-            last, since = self._seen.get(key, (-1, now))
-            if count != last:
-                self._seen[key] = (count, now)
-            elif now - since > self.lost_after_s:
-                silent.append(node)
-        if silent:
-            for node in silent:
-                state.last_heartbeats[node] = datetime.fromtimestamp(0, timezone.utc)
-            self.backend.set_state(pickle.dumps(state), current[1])  # lost a race: next time
 
 
 def node_id() -> str:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import (
     LEARNED_FROM_SILENCE,
     NO_NODE,
@@ -85,8 +85,11 @@ class FateMonitor:
 
     def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
                  beat_s: float = BEAT_S, watcher: bool | None = None, latency: Latency | None = None,
-                 clock: Callable[[], float] = time.monotonic, progress: JobProgress | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, progress: JobProgress | None = None,
+                 notify: Callable[[str], None] = say_on_stderr) -> None:
         self.job = job
+        self._notify = notify
+        """Where the one line of a lost store goes (the run's console in ``multigpu run``)."""
         self.progress = progress
         """This node's ranks' progress, shared with the job's once per beat (``jobhang.JobProgress``)."""
         self.watcher = job.is_watcher if watcher is None else watcher
@@ -133,7 +136,7 @@ class FateMonitor:
             self.verdict = failure
         self._verdict.set()
         if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
-            say(f"{failure.describe()}; stopping")
+            self._notify(f"{failure.describe()}; stopping")
         self._on_failure(failure)
 
     def await_verdict(self) -> WorkerFailure | None:
@@ -351,11 +354,12 @@ def finish_job(job: JobStore | None, hosts_store: bool) -> None:
         leave_job(job)
 
 
-def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:
+def serve_until_all_done(job: JobStore, poll_s: float = 0.2,
+                         notify: Callable[[str], None] = say_on_stderr) -> None:
     """The store's host keeps serving until every node is done or the job died, and watches the nodes
     still running meanwhile (it is the watcher now, whoever watched during the attempt)."""
     lost: list[WorkerFailure] = []
-    monitor = FateMonitor(job, lost.append, watcher=True)
+    monitor = FateMonitor(job, lost.append, watcher=True, notify=notify)
     monitor.start()
     try:
         while not lost and not job.all_done() and job.read_abort() is None:

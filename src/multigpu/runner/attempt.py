@@ -1,19 +1,18 @@
 """One attempt of ``multigpu run`` on this node: its supervisor, its console, its fate shared with the
-other nodes, and its result. Runs in the launcher; the attempts loop (``attempts.py``) and the elastic
-round loop (``elastic.py``) both run every attempt through here.
+other nodes, and its result. Runs in the launcher; the attempts loop (``attempts.py``) runs every
+attempt, whatever the membership, through here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
 from multigpu.config.run import RunConfig
 from multigpu.console.ranks import PrefixedConsole
-from multigpu.console.writer import active_writer, say
+from multigpu.console.writer import Console
 from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.record.failure_report import plain_summary
@@ -49,11 +48,10 @@ def exit_code(result: RunResult) -> int:
     return root.launcher_exit_code if root is not None else 1
 
 
-def _use_live_view(config: RunConfig) -> bool:
+def _use_live_view(config: RunConfig, console: Console) -> bool:
     if config.output.status == "on":
         return True
-    writer = active_writer()
-    ttys = writer.ttys if writer is not None else {1: sys.stdout.isatty(), 2: sys.stderr.isatty()}
+    ttys = console.ttys()
     return config.output.status == "auto" and ttys.get(1, False) and ttys.get(2, False)
 
 
@@ -81,6 +79,7 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
 def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
          job: JobStore | None, monitor: FateMonitor | None = None, warned: bool = False) -> RunResult:
     """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
+    say = supervisor.hooks.notify  # the run's console (``run_attempt``)
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
         result = share_failure(job, _lost_node_first(result, monitor))
     if result.status is RunStatus.INTERRUPTED:
@@ -141,23 +140,25 @@ def open_control(record: RunRecord) -> Iterator[ControlSocket | None]:
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
                 attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
-                spawner: Spawner | None = None) -> tuple[RunResult, list[Worker]]:
-    """One attempt on this node, from its ranks' start to their end; its result and its ranks' records."""
-    console = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=active_writer())
+                spawner: Spawner | None = None, *, console: Console) -> tuple[RunResult, list[Worker]]:
+    """One attempt on this node, from its ranks' start to their end; its result and its ranks' records.
+    ``console``: the run's, which every line of the attempt goes through."""
+    ranks = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=console.writer)
     live = None
-    if _use_live_view(config):
+    if _use_live_view(config, console):
         from multigpu.runner.live_view import LiveStatus
 
-        live = LiveStatus(f"multigpu attempt {attempt}", console, active_writer())
+        live = LiveStatus(f"multigpu attempt {attempt}", ranks, console.writer)
     with ExitStack() as stack:
         options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
         sentinel = node_sentinel()
         control = stack.enter_context(open_control(record))
-        hooks = Hooks(listener=record, tick=live.refresh if live else None, control=control,
+        hooks = Hooks(listener=record, tick=live.refresh if live else None, notify=console.say,
+                      console=console, control=control,
                       guard=sentinel.watch if sentinel is not None else None,
                       job_hang=StoreHangs(job) if job is not None else None)
-        supervisor = Supervisor(specs, sink=live or console, options=options, hooks=hooks,
-                                progress=progress_book(config, record.path.parent, specs), spawner=spawner)
+        supervisor = Supervisor(specs, sink=live or ranks, options=options, hooks=hooks, spawner=spawner,
+                                progress=progress_book(config, record.path.parent, specs, console.say))
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers
@@ -167,7 +168,8 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         supervisor.start()
         monitor = None
         if job is not None:
-            monitor = FateMonitor(job, _on_remote(supervisor, job), progress=JobProgress(supervisor.progress))
+            monitor = FateMonitor(job, _on_remote(supervisor, job), progress=JobProgress(supervisor.progress),
+                                  notify=console.say)
             monitor.start()
             stack.callback(monitor.stop)
         result = supervisor.wait()
@@ -177,7 +179,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
     if live is not None:
         from multigpu.runner.live_view import print_summary_table
 
-        print_summary_table(supervisor.workers, active_writer())
+        print_summary_table(supervisor.workers, console.writer)
     else:
-        say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
+        console.say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
     return result, supervisor.workers

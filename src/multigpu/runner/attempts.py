@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
-from multigpu.console.writer import ConsoleWriter, say
+from multigpu.console.writer import Console, ConsoleWriter
 from multigpu.contract.errors import FailureKind, Interrupted, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
@@ -43,12 +43,13 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     """Run the job to its end and return the launcher's exit code.
 
     The console is a ``ConsoleWriter`` for the whole run, so no console (stalled, closed, full) can
-    hold the launcher. After a Ctrl-C the launcher ends itself with SIGINT once everything is torn
-    down, as Python does for KeyboardInterrupt, so a shell loop around it stops too.
+    hold the launcher; its ``Console`` is handed to every part of the run that writes to it. After a
+    Ctrl-C the launcher ends itself with SIGINT once everything is torn down, as Python does for
+    KeyboardInterrupt, so a shell loop around it stops too.
     """
     try:
-        with ConsoleWriter():
-            code, record = _launch(config, base_env)
+        with ConsoleWriter() as writer:
+            code, record = _launch(config, base_env, Console(writer))
     finally:
         close_node_sentinel()  # every rank is reaped: nothing left for it to guard
     if record is not None and record.stop_signal == signal.SIGINT:
@@ -56,7 +57,8 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     return code
 
 
-def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int, RunRecord | None]:
+def _launch(config: RunConfig, base_env: Mapping[str, str] | None,
+            console: Console) -> tuple[int, RunRecord | None]:
     base_env = dict(os.environ if base_env is None else base_env)
     raise_open_file_limit(config.nproc)
     if config.output.run_id is not None:
@@ -66,7 +68,7 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
-    members = open_membership(config, base_env)
+    members = open_membership(config, base_env, console)
     run: Run | None = None
     record: RunRecord | None = None
     try:
@@ -77,10 +79,11 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
             notes = members.record_name.replace("run", "store", 1).replace(".json", ".log")
             STORE_NOTES.attach(output_dir / notes)
         try:
-            record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices)
+            record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices,
+                                      notify=console.say)
             for line in members.opening(output_dir):
-                say(line)
-            run = Run(config, members, record, output_dir, base_env, cvd)
+                console.say(line)
+            run = Run(config, members, record, output_dir, base_env, cvd, console=console)
             return run_attempts(run), record  # finishes the record
         finally:
             folder.release()
@@ -91,13 +94,13 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None) -> tuple[int,
         members.close(over=over)
 
 
-def open_membership(config: RunConfig, base_env: Mapping[str, str]) -> Membership:
+def open_membership(config: RunConfig, base_env: Mapping[str, str], console: Console) -> Membership:
     """This node's membership of the job, met (its run id agreed): elastic rounds or a fixed set."""
     if is_elastic(config):  # torch's dynamic rendezvous; imports torch
         from multigpu.runner.rounds import ElasticMembership
 
-        return ElasticMembership(config, base_env)
-    return StaticMembership(config, base_env)
+        return ElasticMembership(config, base_env, console.say)
+    return StaticMembership(config, base_env, console.say)
 
 
 @dataclass
@@ -116,6 +119,8 @@ class Run:
     watch: PreemptWatch | None = None
     over: bool = False
     """The job is over for every node (an elastic rendezvous is then closed: a latecomer is told so)."""
+    console: Console = field(default_factory=Console)
+    """The run's console (``launch``'s writer); without one, lines go straight to stderr."""
 
 
 def run_attempts(run: Run) -> int:
@@ -124,7 +129,7 @@ def run_attempts(run: Run) -> int:
 
     One loop for every membership (torch elastic's agent runs one ``_invoke_run`` whatever its
     rendezvous): meet, run the attempt, then decide (``_verdict``) whether the run ends or meets again."""
-    config, record = run.config, run.record
+    config, record, say = run.config, run.record, run.console.say
     run.reaper = set_child_subreaper()
     run.base_env = base_env = requeue.preemption_env(config, run.output_dir, run.base_env)
     resumed, previous = int(base_env[RESUMED_ENV]), base_env.get(PREVIOUS_OUTPUT_ENV)
@@ -133,7 +138,7 @@ def run_attempts(run: Run) -> int:
         say(f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
             f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)")
     run.watch = PreemptWatch(requeue.warning_names(config), grace=config.preemption.grace,
-                             job=run.members.job) if config.preemption.signals else None
+                             job=run.members.job, notify=say) if config.preemption.signals else None
     policy = CrashLoopPolicy(run.members.failures)
     try:
         while True:
@@ -165,7 +170,7 @@ def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
             spec.error_file.unlink(missing_ok=True)
     record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
     result, workers = run_attempt(meeting.config, specs, record, run.reaper, meeting.attempt, meeting.job,
-                                  run.watch, run.members.spawner)
+                                  run.watch, run.members.spawner, console=run.console)
     record.end_attempt(result)
     return result, workers
 
@@ -177,11 +182,11 @@ def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker
     torchrun's rules: a node waiting to join ends the round without counting as a restart; a failed
     attempt counts once, job-wide, while ``--max-restarts`` allows; every node reads the same root
     cause, so every node comes to the same answer (the crash-loop stop included)."""
-    config, members, watch = run.config, run.members, run.watch
+    config, members, watch, say = run.config, run.members, run.watch, run.console.say
     warned = watch is not None and watch.warned
     if result.status is RunStatus.SUCCEEDED and not warned:
         if meeting.job is not None and members.serves_store:  # it leaves last: every node read the end
-            serve_until_all_done(meeting.job)
+            serve_until_all_done(meeting.job, notify=say)
         return _finish(run, 0)
     root = result.root_cause
     if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE:
@@ -192,7 +197,7 @@ def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker
     if watch is not None and warned and not _interrupted_by_user(result):
         run.over = True
         return finish_preempted(meeting.config, meeting.job, run.record, watch, result, run.base_env,
-                                leads=members.serves_store or meeting.job is None)
+                                leads=members.serves_store or meeting.job is None, notify=say)
     if result.status is RunStatus.INTERRUPTED:
         return _finish(run, exit_code(result), over=False)  # this node leaves; an elastic job goes on
     if meeting.attempt >= config.supervision.max_restarts or not members.can_meet_again(result):

@@ -7,20 +7,19 @@ Two memberships:
 
 * static (``StaticMembership``, here): one node, or a fixed set of nodes (``static_join.py`` over
   ``rendezvous/job.py``) that meets once at the start and again, all of them, before each restart;
-* elastic (``ElasticMembership``, ``elastic.py``): torch's rendezvous rounds
+* elastic (``ElasticMembership``, ``rounds.py``): torch's rendezvous rounds
   (``rendezvous/elastic.py``), where a node waiting to join ends a round without counting a restart.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from multigpu.config.run import RunConfig
-from multigpu.console.writer import say
 from multigpu.contract.errors import LEARNED_FROM_SILENCE
 from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.failure_sharing import finish_job
@@ -89,16 +88,17 @@ class Membership(Protocol):
 class StaticMembership:
     """One node, or a fixed set: met once by ``meeting.rendezvous``, and again by ``meet_again``."""
 
-    def __init__(self, config: RunConfig, base_env: Mapping[str, str]) -> None:
-        """Bind the store's socket (node 0), start the node's spawner, and meet the other nodes."""
-        self.config = config
+    def __init__(self, config: RunConfig, base_env: Mapping[str, str], notify: Callable[[str], None]) -> None:
+        """Bind the store's socket (node 0), start the node's spawner, and meet the other nodes;
+        ``notify``: the run's console (``Console.say``)."""
+        self.config, self._notify = config, notify
         endpoint = config.rdzv.endpoint or LOOPBACK
         self._sock: socket.socket | None = bind_store_socket(endpoint) if config.base_rank == 0 else None
         self.spawner: NodeSpawner | None = None
         try:
-            spawner = node_spawner(config, self._sock, say, base_env)
+            spawner = node_spawner(config, self._sock, notify, base_env)
             self.spawner = spawner
-            self.rdzv: Rendezvous = replace(rendezvous(config, self._sock), spawner=spawner)
+            self.rdzv: Rendezvous = replace(rendezvous(config, self._sock, notify), spawner=spawner)
             check_run_id(self.rdzv.run_id, "the run id agreed at rendezvous")
         except BaseException:
             self.close(over=True)
@@ -128,7 +128,8 @@ class StaticMembership:
         attempt, self._worker_store = self._next, None
         job, port = self.rdzv.job, self.rdzv.master_port
         if job is not None and attempt > 0:
-            job, port, self._worker_store = meet_again(self.config, job, self.rdzv.master_addr, attempt)
+            job, port, self._worker_store = meet_again(self.config, job, self.rdzv.master_addr, attempt,
+                                                       self._notify)
         return Meeting(attempt, self.config, self.rdzv.master_addr, port, job)
 
     def can_meet_again(self, result: RunResult) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from multigpu.cluster import requeue
 from multigpu.config.run import RunConfig
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from multigpu.contract.signals import signal_name
 from multigpu.record.run_json import RunRecord
@@ -47,7 +47,7 @@ class PreemptWatch:
     """Whether, when and how the warning came; see the module docstring."""
 
     def __init__(self, signals: Iterable[int], *, grace: float | None = None, job: JobStore | None = None,
-                 notify: Callable[[str], None] = say, poll_s: float = POLL_S,
+                 notify: Callable[[str], None] = say_on_stderr, poll_s: float = POLL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.signals = frozenset(signals)
         self.grace, self.job, self.poll_s = grace, job, poll_s
@@ -169,13 +169,14 @@ class PreemptWatch:
 
 
 def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch: PreemptWatch,
-                     result: RunResult, env: Mapping[str, str], *, leads: bool) -> int:
+                     result: RunResult, env: Mapping[str, str], *, leads: bool,
+                     notify: Callable[[str], None]) -> int:
     """After a warning: wait for the other nodes (the leader), finish the record, then requeue the job.
 
     ``leads``: this node serves the job's store (node 0 of a static job, the store's host of an elastic
     one; a job of one node leads itself). Every node says it is done only once its record says
     "preempted": the leader requeues the moment all are done, and SLURM then ends every node's
-    launcher, wherever it is."""
+    launcher, wherever it is. ``notify``: the run's console."""
     info: dict[str, Any] = {"signal": signal_name(watch.signum or 0), "time": watch.time,
                             "source": watch.source, "ranks": result.status.value,
                             "requeue": config.preemption.requeue}
@@ -185,26 +186,26 @@ def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord,
             _record_preempted(record)
         mark_done(job)
         if leads:
-            serve_until_all_done(job)
+            serve_until_all_done(job, notify=notify)
     ok = result.status is RunStatus.SUCCEEDED
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
     if not config.preemption.requeue or not leads:
         leader = "the store's host" if is_elastic(config) else "node 0"
         reason = (f"{leader} requeues the job" if config.preemption.requeue else "not requeued (--no-requeue)"
                   if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
-        say(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
+        notify(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
         _record_preempted(record)
         return EXIT_PREEMPTED
-    say(f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}")
+    notify(f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}")
     _record_preempted(record)  # first: SLURM ends this allocation once it takes the request
     job_id, why = requeue.requeue_job(env)
     info["requeued"] = why is None
     if why is not None:
-        say(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
+        notify(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
         record.finish("failed", EXIT_FAILED)
         return EXIT_FAILED
-    say(f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
-        f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}")
+    notify(f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
+           f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}")
     record.write()
     return EXIT_PREEMPTED
 

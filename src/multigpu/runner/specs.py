@@ -44,6 +44,27 @@ class AttemptContext:
     launcher_pid: int = field(default_factory=os.getpid)
 
 
+def error_record(logs: Path, rank: int) -> Path:
+    """Where a rank writes its error record, unless torchrun's file layout (``--log-dir``, a
+    ``--logs-specs`` plugin) names another."""
+    return logs / f"error_rank_{rank}.json"
+
+
+def _rank_envs(config: RunConfig, job: JobContext, base: Mapping[str, str],
+               logs: Path) -> dict[int, dict[str, str]]:
+    """Each local rank's environment by the torchrun contract, before torchrun's options apply."""
+    envs = {}
+    for local_rank in range(config.first_local_rank, config.nproc):
+        rank = config.base_rank + local_rank
+        placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
+                                  local_world_size=config.nproc, group_rank=config.group_rank,
+                                  group_world_size=config.group_world_size)
+        envs[local_rank] = build_worker_env(base, placement, job, error_file=str(error_record(logs, rank)),
+                                            fr_dump_prefix=None if config.start.run_mode == "exec"
+                                            else str(logs / "fr_trace_rank_"))
+    return envs
+
+
 def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[str, str]) -> list[WorkerSpec]:
     """One spec per local rank, from the arguments alone (function mode: ranks 1..n-1; 0 is the caller)."""
     run_id, output_dir, attempt = context.run_id, context.output_dir, context.attempt
@@ -56,16 +77,7 @@ def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[st
         launcher_pid=launcher_pid,
     )
     logs = output_dir / "logs" / f"attempt_{attempt}"
-    envs = {}
-    for local_rank in range(config.first_local_rank, config.nproc):
-        rank = config.base_rank + local_rank
-        placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
-                                  local_world_size=config.nproc, group_rank=config.group_rank,
-                                  group_world_size=config.group_world_size)
-        envs[local_rank] = build_worker_env({**base_env, **config.extra_env}, placement, job,
-                                            error_file=str(logs / f"error_rank_{rank}.json"),
-                                            fr_dump_prefix=None if config.start.run_mode == "exec"
-                                            else str(logs / "fr_trace_rank_"))
+    envs = _rank_envs(config, job, {**base_env, **config.extra_env}, logs)
     attempt_dir = None
     if config.output.logs_specs is not None:
         rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)
@@ -78,7 +90,7 @@ def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[st
     for local_rank, env in envs.items():
         rank = config.base_rank + local_rank
         files = rank_logs[local_rank]
-        error_file = files.error_file or logs / f"error_rank_{rank}.json"
+        error_file = files.error_file or error_record(logs, rank)
         env = extras.apply_to_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices,
                                   error_file)
         # A failing rank says so before it exits: function mode's caller raises at once, and the

@@ -16,7 +16,7 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
-from multigpu.console.writer import say
+from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import Interrupted, RendezvousError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
 from multigpu.rendezvous.failure_sharing import finish_job
@@ -45,7 +45,9 @@ class Rendezvous:
     """Starts this node's ranks: forked from the node's template, or plain processes."""
 
 
-def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
+def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None]) -> Rendezvous:
+    """Meet the other nodes (a job of several); ``notify``: where this node's lines go (the run's
+    console, or stderr in function mode's caller)."""
     endpoint = config.rdzv.endpoint or LOOPBACK
     if not config.multi_node:
         assert sock is not None
@@ -56,34 +58,34 @@ def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
         store = serve_store_on(sock, endpoint.bind_host, timeout_s=config.rdzv.timeout)
     else:
         port = endpoint.port
-        left = wait_for_store_host(config, endpoint.host, port)
+        left = wait_for_store_host(config, endpoint.host, port, notify)
         store = connect_store(endpoint.host, port, left)
     job = JobStore(store, node=config.group_rank, base_rank=config.base_rank, nproc=config.nproc,
                    world_size=config.resolved_world_size)
     try:
         run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
-        say(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
+        notify(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
         job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
-        JoinWait(config, job).join()
-        check_fingerprints(job, config.rdzv.allow_mismatch)
+        JoinWait(config, job, notify=notify).join()
+        check_fingerprints(job, config.rdzv.allow_mismatch, notify)
     except RendezvousError:  # a refusal every node reads: the store's host outlives their reads
         finish_job(job, hosts_store=sock is not None)
         raise
     return Rendezvous(endpoint.host, port, run_id, one_node=False, job=job)
 
 
-def check_fingerprints(job: JobStore, allow: bool) -> None:
+def check_fingerprints(job: JobStore, allow: bool, notify: Callable[[str], None]) -> None:
     """Every node reads every node's fingerprint and reaches the same verdict (``fingerprint.py``)."""
     breaking, soft = differences(job.fingerprints())
     for line in soft:
-        say(f"warning: the nodes differ: {line}")
+        notify(f"warning: the nodes differ: {line}")
     if not breaking:
         return
     text = "; ".join(breaking)
     if not allow:
         raise RendezvousError(f"the nodes would run different things: {text}; every node refuses the "
                               f"job (--allow-mismatch runs it anyway)")
-    say(f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)")
+    notify(f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)")
 
 
 def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None],
@@ -100,7 +102,8 @@ def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable
     return spawner
 
 
-def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int) -> tuple[JobStore, int, Any]:
+def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int,
+               notify: Callable[[str], None]) -> tuple[JobStore, int, Any]:
     """Every node of a multi-node job meets again for a restart, with fresh fate-sharing keys and a
     fresh store for the workers (torch's workers add no per-attempt prefix: the last attempt's keys
     would mislead gloo's rendezvous). Node 0 serves that store; (job, its port, the store)."""
@@ -111,7 +114,7 @@ def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int)
         port = sock.getsockname()[1]
         store = serve_store_on(sock, Endpoint(master_addr, 0).bind_host, timeout_s=config.rdzv.timeout)
         job.store.set(key, str(port))
-    JoinWait(config, job).join()  # every rank claimed again: the port is published
+    JoinWait(config, job, notify=notify).join()  # every rank claimed again: the port is published
     return job, int(job.store.get(key)), store
 
 
@@ -135,7 +138,7 @@ class JoinWait:
     names the missing nodes in one line. Runs in the launcher, on the thread that joins."""
 
     def __init__(self, config: RunConfig, job: JobStore, clock: Callable[[], float] = time.monotonic,
-                 notify: Callable[[str], None] = say) -> None:
+                 notify: Callable[[str], None] = say_on_stderr) -> None:
         self.config, self.job, self._clock, self._notify = config, job, clock, notify
         self._next = clock() + FIRST_LINE_S
 
@@ -168,8 +171,8 @@ class JoinWait:
         self._notify(wait_line(self.config.group_rank, joined, missing, left_s))
 
 
-def wait_for_store_host(config: RunConfig, host: str, port: int, clock: Callable[[], float] = time.monotonic,
-                        poll_s: float = 0.5) -> float:
+def wait_for_store_host(config: RunConfig, host: str, port: int, notify: Callable[[str], None],
+                        clock: Callable[[], float] = time.monotonic, poll_s: float = 0.5) -> float:
     """Wait until the store's port answers, saying so every ``WAIT_LINE_EVERY_S``, and return the
     seconds left for the rest of the rendezvous. A plain TCP connect, closed at once: torch's store
     client would retry in C++, where neither a line nor a Ctrl-C gets through until it gives up."""
@@ -185,8 +188,8 @@ def wait_for_store_host(config: RunConfig, host: str, port: int, clock: Callable
                                       "--rdzv-endpoint and that the port is reachable")
             if clock() >= due:
                 due = clock() + WAIT_LINE_EVERY_S
-                say(f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
-                    "left (--rdzv-timeout)")
+                notify(f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
+                       "left (--rdzv-timeout)")
             time.sleep(poll_s)
     except KeyboardInterrupt:
         raise Interrupted(f"node {config.group_rank}: interrupted (SIGINT) while waiting for {where}; "

@@ -19,6 +19,7 @@ from typing import Any
 from multigpu.cluster import numa
 from multigpu.cluster.devices import visible_gpus
 from multigpu.config.run import RunConfig
+from multigpu.contract.environment import error_file_env
 from multigpu.contract.names import AFFINITY_ENV, format_cpulist
 from multigpu.supervisor.states import LineCopy
 
@@ -130,7 +131,7 @@ def apply_to_env(env: dict[str, str], config: RunConfig, local_rank: int, cpus: 
                  cuda_visible_devices: str | None, error_file: Path) -> dict[str, str]:
     """torchrun's per-option changes to one worker's environment."""
     env["ROLE_NAME"] = config.start.role
-    env["TORCHELASTIC_ERROR_FILE"] = env["MULTIGPU_ERROR_FILE"] = str(error_file)
+    env.update(error_file_env(str(error_file)))
     if config.start.virtual_local_rank:
         env["LOCAL_RANK"] = "0"
         if cuda_visible_devices is not None:

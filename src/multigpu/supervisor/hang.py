@@ -339,8 +339,8 @@ def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpe
                   notify: Callable[[str], None] | None = None) -> ProgressBook:
     """The book for one attempt of a run: its policy from the command line, its learned numbers in
     the output folder (shared by every attempt and every requeue that writes there)."""
-    from multigpu.console.writer import say
+    from multigpu.console.writer import say_on_stderr
 
     policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor)
     return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
-                        notify=notify or say)
+                        notify=notify or say_on_stderr)

@@ -57,7 +57,7 @@ class Supervisor:
         self.progress = progress or ProgressBook(HangPolicy(ceiling=options.hang_timeout),
                                                  (w.rank for w in self.workers), clock=self._clock,
                                                  notify=self._notify)
-        self._output = WorkerOutput(sink, self._notify, self._clock)
+        self._output = WorkerOutput(sink, self._notify, self._clock, hooks.console)
         self._events = Events()
         self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()

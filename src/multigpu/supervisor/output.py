@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
 from multigpu.console.folding import CppStacks, InterruptTracebacks
-from multigpu.console.writer import active_writer
+from multigpu.console.writer import Console
 from multigpu.supervisor.events import Events
 
 if TYPE_CHECKING:
@@ -135,8 +135,9 @@ class WorkerOutput:
     """Every worker's output for one supervisor: opened before spawn, read by the loop, closed at the end."""
 
     def __init__(self, sink: OutputSink | None, notify: Callable[[str], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], console: Console | None = None) -> None:
         self._sink = sink
+        self._console = console or Console()
         self._notify = notify
         self._clock = clock
         self._logs: dict[int, LogFile] = {}
@@ -198,7 +199,7 @@ class WorkerOutput:
     def hold(self, stream: Stream, events: Events) -> bool:
         """The console's buffer is full and it is still reading: leave this pipe unread until it has
         room (the rank waits on its own write, as it would on a slow console; no line is dropped)."""
-        writer = active_writer()
+        writer = self._console.writer
         if writer is None or not writer.congested():
             return False
         events.forget(stream.fd)
@@ -209,7 +210,7 @@ class WorkerOutput:
     def release_held(self, events: Events) -> None:
         """Watch the held pipes again once the console has room, or has stopped reading (then its
         lines are dropped and counted rather than the ranks held for it)."""
-        writer = active_writer()
+        writer = self._console.writer
         if not self.held or (writer is not None and writer.congested()):
             return
         for stream in self.held:
@@ -316,6 +317,10 @@ class WorkerOutput:
         return [loss for f in files if (loss := f.loss()) is not None]
 
     def close(self) -> None:
+        """The pipes and files closed, and the console writer no longer calling back into the loop."""
+        writer = self._console.writer
+        if writer is not None:
+            writer.on_room = None
         for stream in list(self.streams.values()):
             self.end(stream)
         for f in [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from multigpu.config.run import SupervisionConfig
-from multigpu.console.writer import say
+from multigpu.console.writer import Console, say_on_stderr
 from multigpu.supervisor.control import ControlSocket
 from multigpu.supervisor.states import SupervisorListener, Worker
 
@@ -40,7 +40,11 @@ class Hooks:
 
     listener: SupervisorListener | None = None
     tick: Callable[[], None] | None = None
-    notify: Callable[[str], None] = say
+    notify: Callable[[str], None] = say_on_stderr
+    """The launcher's own lines (``multigpu run``: its console's ``say``)."""
+    console: Console = field(default_factory=Console)
+    """``multigpu run``: the console the ranks' lines go through; their pipes wait while its writer is
+    congested (``output.WorkerOutput.hold``). Function mode has no writer."""
     on_failing: Callable[[Worker], None] | None = None
     """Function mode: a rank said it is failing (its record is written), before it exits."""
     control: ControlSocket | None = None

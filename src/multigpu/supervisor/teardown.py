@@ -13,7 +13,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 
-from multigpu.console.writer import active_writer
 from multigpu.supervisor import reaping
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.output import WorkerOutput
@@ -63,10 +62,7 @@ def wait_for_groups(workers: Sequence[Worker], options: SupervisorOptions) -> No
 
 def release(workers: Sequence[Worker], output: WorkerOutput, events: Events) -> None:
     """The end of ``close()``: the pipes, pidfds and wake-up pipe closed, the console writer no
-    longer calling back into a loop that has stopped."""
-    writer = active_writer()
-    if writer is not None:
-        writer.on_room = None
+    longer calling back into a loop that has stopped (``WorkerOutput.close``)."""
     output.close()
     for w in workers:
         for fd in (w.heartbeat_read_fd, w.pidfd):

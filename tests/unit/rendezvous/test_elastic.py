@@ -23,7 +23,7 @@ SCENARIO = """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-    from multigpu.rendezvous.elastic import Liveness
+    from multigpu.rendezvous.elastic_fixes import Liveness
 
     class Clock:
         now = 100.0

@@ -100,7 +100,8 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunResult]]:
     """The results the attempts will have, in order; every one must be used."""
     results: list[RunResult] = []
 
-    def run_attempt(config: RunConfig, specs: list[WorkerSpec], *args: Any) -> tuple[RunResult, list[Worker]]:
+    def run_attempt(config: RunConfig, specs: list[WorkerSpec], *args: Any,
+                    **kwargs: Any) -> tuple[RunResult, list[Worker]]:
         assert results, "the loop started an attempt the test did not script"
         return results.pop(0), []
 

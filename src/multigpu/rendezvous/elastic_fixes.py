@@ -1,0 +1,120 @@
+"""Two defects of torch 2.13's elastic rendezvous handler, worked around on the job's store, not by a
+new protocol: the workers' store of every round (``handler_class``) and the eviction of a silent node
+(``Liveness``). Runs in the launcher of an elastic job (``elastic.py`` builds on both); nothing here
+imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from multigpu.config.endpoint import Endpoint
+from multigpu.rendezvous.failure_sharing import BEAT_S
+from multigpu.rendezvous.store import bind_store_socket, serve_store_on
+
+EVICT_AFTER_S = 3.0
+"""A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
+
+
+def handler_class() -> Any:
+    """torch's ``DynamicRendezvousHandler``, fixed (``ElasticHandler``): made at the first call, so
+    that torch is imported only by an elastic job."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class ElasticHandler(DynamicRendezvousHandler):  # type: ignore[misc]
+        """torch's handler, with the workers' store made per round and on our own socket.
+
+        torch 2.13 keeps the bootstrap store info (MASTER_ADDR/PORT) of the first round it saw for
+        good: a node that joins a later round as group rank > 0 waits for keys that round's rank 0
+        never writes (``read_timeout``, 60 s, then the job fails), and the workers of every round
+        would share one store, where torch's workers add no per-round prefix (gloo could read the
+        last round's addresses). Forgetting it before each round makes rank 0 publish a fresh store;
+        its server binds the node's own address, never every interface.
+        """
+
+        worker_store: Any = None
+
+        def next_rendezvous(self) -> Any:
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            self.worker_store = None
+            return super().next_rendezvous()
+
+        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+            self.worker_store = serve_store_on(bind_store_socket(Endpoint(master_addr, 0)), master_addr)
+            return self.worker_store
+
+    return ElasticHandler
+
+
+class Liveness:
+    """Our launchers' own beats on the store, and the eviction of silent ones from torch's state.
+
+    torch drops a participant only after ``keep_alive_interval * keep_alive_max_attempt`` (15 s by
+    default) without its keep-alive, and until then the survivors of a lost node wait in the next
+    round. A launcher here adds 1 to its counter every ``beat_s`` (one call, whatever the number of
+    nodes); the launcher that serves the store (``evicts``; every launcher, where none does) reads the
+    others' counters, with one ``multi_get``, and ages the keep-alive of one silent for
+    ``lost_after_s`` on the store, so torch's own sanitizer removes it at its next sync. Nodes that
+    never beat (a torchrun among us) are left to torch's rule.
+    """
+
+    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
+                 beat_s: float = BEAT_S, lost_after_s: float = EVICT_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.backend, self.run_id = store, backend, run_id
+        self.me, self.evicts = me, evicts
+        self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)
+
+    def key(self, node: Any) -> str:
+        return f"multigpu/{self.run_id}/alive/{node.addr}|{node.pid}|{node.local_id}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.beat_s * 2)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
+                self.store.add(self.key(self.me), 1)
+                if self.evicts:
+                    self.evict_silent()
+
+    def _counts(self, nodes: list[Any]) -> dict[Any, int]:
+        """The beat counters of the nodes that have one (a key seen once stays), in one read."""
+        beating = [node for node in nodes
+                   if self.key(node) in self._seen or self.store.check([self.key(node)])]
+        values = self.store.multi_get([self.key(node) for node in beating]) if beating else []
+        return {node: int(value) for node, value in zip(beating, values, strict=True)}
+
+    def evict_silent(self) -> None:
+        current = self.backend.get_state()
+        if current is None:
+            return
+        state = pickle.loads(current[0])
+        now = self._clock()
+        silent = []
+        for node, count in self._counts([n for n in state.last_heartbeats if n != self.me]).items():
+            key = self.key(node)
+            last, since = self._seen.get(key, (-1, now))
+            if count != last:
+                self._seen[key] = (count, now)
+            elif now - since > self.lost_after_s:
+                silent.append(node)
+        if silent:
+            for node in silent:
+                state.last_heartbeats[node] = datetime.fromtimestamp(0, timezone.utc)
+            self.backend.set_state(pickle.dumps(state), current[1])  # lost a race: next time
