@@ -89,7 +89,8 @@ class Cell:
             site = numpy_site()
             if site is None:
                 pytest.skip("pip could not install numpy here")
-            self.env["PYTHONPATH"] = str(site)
+            # after any PYTHONPATH the tests run under (a checkout's src/): NumPy joins, nothing is replaced
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(site))))
         port = str(free_port())
         self.layout = (["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                         "--rdzv-id", "matrix"] if mode == "elastic" else
