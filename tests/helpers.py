@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -192,3 +193,34 @@ def memory_cgroup(limit: str) -> Iterator[Path]:
         yield path
     finally:
         path.rmdir()
+
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "run.schema.json"
+_RECORD_NAME = re.compile(r"run(_node\d+|_[^/]+)?\.json")
+
+
+def _validator() -> Any:
+    import jsonschema  # the dev extra's; only the record check needs it
+
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def record_problems(root: Path) -> list[str]:
+    """What is wrong with the run records under ``root``: each one that cannot be read or parsed (the
+    launcher replaces its record whole, by rename, so that is a defect, not a race), and each place one
+    breaks ``schemas/run.schema.json``. JSON files under those names that are not records are skipped."""
+    problems: list[str] = []
+    for path in sorted(root.rglob("run*.json")):
+        if not _RECORD_NAME.fullmatch(path.name):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            problems.append(f"{path.relative_to(root)}: unreadable: {err}")
+            continue
+        if isinstance(data, dict) and "attempts" in data:
+            problems += [f"{path.relative_to(root)}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
+                         for e in _validator().iter_errors(data)]
+    return problems
