@@ -13,7 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 PYTHON = sys.executable
 MULTIGPU = [PYTHON, "-m", "multigpu"]
@@ -156,6 +156,22 @@ def numpy_site() -> Path | None:
         return NUMPY_SITE
 
 
+def in_ci() -> bool:
+    """``CI=true`` (or 1/yes): the suite runs as CI, where a tier that cannot run is a failure."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def tier_cannot_run(reason: str) -> NoReturn:
+    """A tier whose dependency is missing here (SLURM, Chromium, the memory cgroup, root): locally it
+    skips with ``reason`` in one line; under ``CI=true`` it fails with the same reason, so that CI cannot
+    go green by skipping what it exists to run."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(f"CI=true, and this tier cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def own_memory_cgroup() -> Path | None:
     """This process's cgroup v1 memory folder, where one is mounted and readable."""
     with contextlib.suppress(OSError):
@@ -170,15 +186,13 @@ def own_memory_cgroup() -> Path | None:
 @contextlib.contextmanager
 def memory_cgroup(limit: str) -> Iterator[Path]:
     """A child memory cgroup of this process's own with ``limit`` (and no swapping out of it); the
-    test skips in one line where the machine does not let this process make one. Removed after: every
-    process in it is gone by then (the test proves it)."""
+    test skips in one line (fails under CI=true) where the machine does not let this process make one.
+    Removed after: every process in it is gone by then (the test proves it)."""
     import uuid
-
-    import pytest
 
     parent = own_memory_cgroup()
     if parent is None:
-        pytest.skip("no cgroup v1 memory controller for this process")
+        tier_cannot_run("no cgroup v1 memory controller for this process")
     path = parent / f"multigpu-test-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
@@ -186,7 +200,7 @@ def memory_cgroup(limit: str) -> Iterator[Path]:
     except OSError as exc:
         with contextlib.suppress(OSError):
             path.rmdir()
-        pytest.skip(f"cannot make a child memory cgroup here: {exc.strerror}")
+        tier_cannot_run(f"cannot make a child memory cgroup here: {exc.strerror}")
     with contextlib.suppress(OSError):  # where swap is accounted, no swapping out of the OOM either
         (path / "memory.memsw.limit_in_bytes").write_text(limit)
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import record_problems
+from helpers import in_ci, record_problems, tier_cannot_run
 
 
 def test_an_unreadable_or_broken_record_is_a_problem(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -29,3 +29,14 @@ def test_an_unreadable_or_broken_record_is_a_problem(tmp_path_factory: pytest.Te
 def test_other_json_under_a_record_name_is_not_checked(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text(json.dumps({"not": "a record"}))
     assert record_problems(tmp_path) == []
+
+
+@pytest.mark.parametrize(("ci", "fails"), [("", False), ("false", False), ("true", True), ("1", True)])
+def test_a_tier_that_cannot_run_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch, ci: str,
+                                                              fails: bool) -> None:
+    monkeypatch.setenv("CI", ci)
+    assert in_ci() is fails
+    outcome = pytest.fail.Exception if fails else pytest.skip.Exception
+    with pytest.raises(outcome, match="chromium is not installed") as caught:
+        tier_cannot_run("chromium is not installed")
+    assert str(caught.value).startswith("CI=true, and this tier cannot run: ") is fails
