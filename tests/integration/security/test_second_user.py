@@ -8,17 +8,20 @@ without root the tier fails, saying so.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, pids_in, run_cli, tier_cannot_run, write_script
+from helpers import PYTHON, assert_gone, clean_env, pids_in, run_cli, start_cli, tier_cannot_run, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.xdist_group("second_user")]
 
@@ -130,3 +133,62 @@ def test_a_link_left_in_the_users_own_folder_is_replaced(shared: Path, victim: P
     assert victim.read_text() == "root's own\n"
     assert not log.is_symlink() and "hello from rank" in log.read_text()
     assert_gone(pids_in(result.stdout))
+
+
+AS_USER = """
+import os, sys
+import argparse, datetime, errno, glob, html, json, pwd, re, resource, shutil, socket, struct, textwrap, time
+import psutil
+import multigpu.cli.main, multigpu.cli.report, multigpu.supervisor.control, multigpu.record.report_page
+import multigpu.record.run_json
+os.setgroups([])
+os.setgid(int(sys.argv[2]))
+os.setuid(int(sys.argv[1]))  # from here on this process is the second user, to the kernel too
+from multigpu.cli.main import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def multigpu_as(user: pwd.struct_passwd, *args: str) -> subprocess.CompletedProcess[str]:
+    """``multigpu ARGS`` as ``user``: the interpreter starts as root (its files are under /root, which the
+    user cannot read), imports what the command needs, then becomes the user for good."""
+    return subprocess.run([PYTHON, "-c", AS_USER, str(user.pw_uid), str(user.pw_gid), *args], cwd="/",
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+
+
+LONG = """
+    import os, pathlib, time
+    print(f"pid={os.getpid()}", flush=True)
+    pathlib.Path(os.environ["READY"]).touch()
+    time.sleep(120)
+"""
+
+
+def test_another_users_status_and_stacks_are_refused_in_one_line(auditor: pwd.struct_passwd, shared: Path,
+                                                                 tmp_path: Path) -> None:
+    out = shared / "OUT"
+    ready = tmp_path / "ready"
+    job = write_script(tmp_path, "job.py", LONG)
+    proc = start_cli(["run", "--cpu", "1", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path,
+                     env={"READY": str(ready)})
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the rank never got going"
+            time.sleep(0.05)
+        run_id = json.loads((out / "run.json").read_text())["run_id"]
+        for request in ("status", "stacks"):
+            theirs = multigpu_as(auditor, request, str(out))
+            assert theirs.returncode == 1, (request, theirs.stdout, theirs.stderr)
+            assert theirs.stderr == f"refused: run {run_id} belongs to user root\n", (request, theirs.stderr)
+            assert theirs.stdout == ""
+        own = run_cli(["status", str(out)], cwd=tmp_path)
+        assert own.returncode == 0 and own.stdout.startswith("rank 0 pid "), own.stderr
+        assert proc.poll() is None, "asking must not stop the job"
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert_gone(pids_in(stdout))
