@@ -36,8 +36,6 @@ NOT_IMPORTED = {
     "multigpu.function.prepare": "MultiGPUManager's setup in integration/function/ (real ranks)",
     "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
     "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
-    "multigpu.rank.debug_frontend": "the debug page's helper process in integration/cli/test_debug_server.py",
-    "multigpu.rank.debug_server": "`--debug-server` in a 2-rank job, integration/cli/test_debug_server.py",
     "multigpu.rank.dump_signal": "stacks on a hang: unit/supervisor/test_loop.py, integration/faults/",
     "multigpu.rank.exiting": "how a failed rank leaves: integration/faults/test_worker_exit.py",
     "multigpu.rank.guard": "a launcher's SIGKILL ends its ranks: integration/faults/test_faults.py",

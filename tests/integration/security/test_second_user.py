@@ -8,11 +8,13 @@ without root the tier fails, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -192,3 +194,85 @@ def test_another_users_status_and_stacks_are_refused_in_one_line(auditor: pwd.st
             proc.kill()
             proc.communicate()
     assert_gone(pids_in(stdout))
+
+
+PROBE = """
+import socket, sys, urllib.error, urllib.request
+for url in sys.argv[1].split():
+    try:
+        print(url, urllib.request.urlopen(url, timeout=2).status)
+    except urllib.error.HTTPError as exc:
+        print(url, exc.code)
+    except Exception as exc:  # not HTTP (the store): nothing served either
+        print(url, type(exc).__name__)
+for path in sys.argv[2].split():
+    try:
+        socket.socket(socket.AF_UNIX).connect(path)
+        print(path, "connected")
+    except OSError as exc:
+        print(path, type(exc).__name__)
+"""
+
+DEBUGGED = """
+    import os, pathlib, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print(f"pid={os.getpid()}", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    dist.barrier()
+"""
+
+
+def servers(launcher: int) -> tuple[list[str], list[int]]:
+    """The Unix sockets of torch's worker servers and the TCP ports the launcher's tree listens on."""
+    import psutil
+
+    conns = []
+    for proc in [psutil.Process(launcher), *psutil.Process(launcher).children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
+            conns += proc.net_connections("all")
+    unix = sorted({str(c.laddr) for c in conns if c.family == socket.AF_UNIX
+                   and str(c.laddr).startswith("/tmp/multigpu-debug-")})
+    ports = sorted({c.laddr.port for c in conns if c.family != socket.AF_UNIX and c.status == "LISTEN"})
+    return unix, ports
+
+
+def test_another_user_reads_no_stacks_from_a_debug_server_job(auditor: pwd.struct_passwd,
+                                                              tmp_path: Path) -> None:
+    """Neither the page nor a rank's server answers the second user without the token, and torch's
+    worker servers (Unix sockets) cannot even be reached by them."""
+    from helpers import free_port
+
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    if system_python is None:
+        pytest.skip("no system python3 for the second user to run (the test's own is under /root)")
+    job = write_script(tmp_path, "job.py", DEBUGGED)
+    marker, port = tmp_path / "go", free_port()
+    proc = start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
+                      "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
+    try:
+        assert proc.stderr is not None
+        line = ""
+        while "debug server (torch's" not in line:
+            line = proc.stderr.readline()
+            assert line, "the launcher ended before its debug server line"
+        deadline = time.monotonic() + 60
+        while True:
+            unix, ports = servers(proc.pid)
+            if len(unix) == 2 and port in ports:
+                break
+            assert time.monotonic() < deadline, (unix, ports)
+            time.sleep(0.2)
+        urls = [f"http://127.0.0.1:{port}/stacks", *(f"http://127.0.0.1:{p}/handler/dump_traceback"
+                                                    for p in ports if p != port)]
+        probe = subprocess.run([system_python, "-c", PROBE, " ".join(urls), " ".join(unix)], cwd="/",
+                               capture_output=True, text=True, timeout=120, user=auditor.pw_uid,
+                               group=auditor.pw_gid, extra_groups=[])
+    finally:
+        marker.touch()
+        out, _ = proc.communicate(timeout=60)
+    answers = dict(line.rsplit(" ", 1) for line in probe.stdout.splitlines())
+    assert answers[urls[0]] == "403", probe.stdout + probe.stderr
+    assert [p for p in unix if answers[p] != "PermissionError"] == [], probe.stdout
+    assert list(answers.values()).count("403") >= 3 and "200" not in answers.values(), probe.stdout
+    assert_gone(pids_in(out))
