@@ -88,7 +88,10 @@ PY
 check template_nccl_restart 150 bash -c "'$PY' -m multigpu run --gpus 0 --status off --max-restarts 1 \
     --output '$WORK/tpl' '$WORK/template_restart.py' && grep -q 'attempt 1 forked=True sum=1' \
     '$WORK/tpl/logs/attempt_1/rank_0.log'"
-check pytest_gpu 240 "$PY" -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/gpu"
+# Every GPU test skipping (no GPU seen, a broken driver) is a failure here, not a pass: at least one must pass.
+check pytest_gpu 240 bash -c "'$PY' -m pytest -q -rs -p no:cacheprovider '$ROOT/tests/gpu' >'$WORK/pytest_gpu.out' 2>&1; \
+    rc=\$?; cat '$WORK/pytest_gpu.out'; [ \$rc = 0 ] && tail -n 1 '$WORK/pytest_gpu.out' | grep -Eq '[0-9]+ passed' \
+    || { echo 'no GPU test passed (exit '\$rc'; all skipped?)'; exit 1; }"
 # Preemption on NCCL: SIGUSR1 reaches a rank inside NCCL work; it is recorded, the loop stops via
 # multigpu.should_stop, saves, and the launcher exits 75 (no SLURM here: nothing to requeue).
 check preempt_nccl 150 bash -c "'$PY' -m multigpu run --gpus 0 --status off --preempt-signal USR1 \

@@ -7,20 +7,17 @@ Tests that start launchers also prove, by PID, that everything the launcher star
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from helpers import alive
+from helpers import alive, record_problems
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -101,18 +98,6 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("test hygiene: " + "; ".join(problems), pytrace=False)
 
 
-SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "run.schema.json"
-_RECORD_NAME = re.compile(r"run(_node\d+|_[^/]+)?\.json")
-
-
-def _validator() -> Any:
-    import jsonschema  # the dev extra's; only this fixture needs it
-
-    schema = json.loads(SCHEMA.read_text())
-    jsonschema.Draft202012Validator.check_schema(schema)
-    return jsonschema.Draft202012Validator(schema)
-
-
 @pytest.fixture(autouse=True)
 def run_records_follow_the_schema(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every run record a test's launcher wrote under its ``tmp_path`` is valid against
@@ -121,14 +106,6 @@ def run_records_follow_the_schema(request: pytest.FixtureRequest) -> Iterator[No
     yield
     if root is None:
         return
-    problems = []
-    for path in sorted(root.rglob("run*.json")):
-        if not _RECORD_NAME.fullmatch(path.name):
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads(path.read_text())
-            if isinstance(data, dict) and "attempts" in data:
-                problems += [f"{path.relative_to(root)}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
-                             for e in _validator().iter_errors(data)]
+    problems = record_problems(root)
     if problems:
         pytest.fail("run records against schemas/run.schema.json: " + "; ".join(problems[:5]), pytrace=False)

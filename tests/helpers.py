@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 PYTHON = sys.executable
 MULTIGPU = [PYTHON, "-m", "multigpu"]
@@ -155,6 +156,22 @@ def numpy_site() -> Path | None:
         return NUMPY_SITE
 
 
+def in_ci() -> bool:
+    """``CI=true`` (or 1/yes): the suite runs as CI, where a tier that cannot run is a failure."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def tier_cannot_run(reason: str) -> NoReturn:
+    """A tier whose dependency is missing here (SLURM, Chromium, the memory cgroup, root): locally it
+    skips with ``reason`` in one line; under ``CI=true`` it fails with the same reason, so that CI cannot
+    go green by skipping what it exists to run."""
+    import pytest
+
+    if in_ci():
+        pytest.fail(f"CI=true, and this tier cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def own_memory_cgroup() -> Path | None:
     """This process's cgroup v1 memory folder, where one is mounted and readable."""
     with contextlib.suppress(OSError):
@@ -169,15 +186,13 @@ def own_memory_cgroup() -> Path | None:
 @contextlib.contextmanager
 def memory_cgroup(limit: str) -> Iterator[Path]:
     """A child memory cgroup of this process's own with ``limit`` (and no swapping out of it); the
-    test skips in one line where the machine does not let this process make one. Removed after: every
-    process in it is gone by then (the test proves it)."""
+    test skips in one line (fails under CI=true) where the machine does not let this process make one.
+    Removed after: every process in it is gone by then (the test proves it)."""
     import uuid
-
-    import pytest
 
     parent = own_memory_cgroup()
     if parent is None:
-        pytest.skip("no cgroup v1 memory controller for this process")
+        tier_cannot_run("no cgroup v1 memory controller for this process")
     path = parent / f"multigpu-test-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
@@ -185,10 +200,41 @@ def memory_cgroup(limit: str) -> Iterator[Path]:
     except OSError as exc:
         with contextlib.suppress(OSError):
             path.rmdir()
-        pytest.skip(f"cannot make a child memory cgroup here: {exc.strerror}")
+        tier_cannot_run(f"cannot make a child memory cgroup here: {exc.strerror}")
     with contextlib.suppress(OSError):  # where swap is accounted, no swapping out of the OOM either
         (path / "memory.memsw.limit_in_bytes").write_text(limit)
     try:
         yield path
     finally:
         path.rmdir()
+
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas" / "run.schema.json"
+_RECORD_NAME = re.compile(r"run(_node\d+|_[^/]+)?\.json")
+
+
+def _validator() -> Any:
+    import jsonschema  # the dev extra's; only the record check needs it
+
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def record_problems(root: Path) -> list[str]:
+    """What is wrong with the run records under ``root``: each one that cannot be read or parsed (the
+    launcher replaces its record whole, by rename, so that is a defect, not a race), and each place one
+    breaks ``schemas/run.schema.json``. JSON files under those names that are not records are skipped."""
+    problems: list[str] = []
+    for path in sorted(root.rglob("run*.json")):
+        if not _RECORD_NAME.fullmatch(path.name):
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            problems.append(f"{path.relative_to(root)}: unreadable: {err}")
+            continue
+        if isinstance(data, dict) and "attempts" in data:
+            problems += [f"{path.relative_to(root)}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
+                         for e in _validator().iter_errors(data)]
+    return problems

@@ -74,9 +74,9 @@ def missing() -> str | None:
     """Why the tier cannot run here (None when it can): the daemons or the clients are not installed."""
     for tool in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo"):
         if shutil.which(tool) is None and not any(os.access(f"{d}/{tool}", os.X_OK) for d in SBIN):
-            return f"SLURM tier skipped: {tool} is not installed (apt-get install slurm-wlm munge)"
+            return f"SLURM tier: {tool} is not installed (apt-get install slurm-wlm munge)"
     if os.geteuid() != 0:
-        return "SLURM tier skipped: the test cluster's daemons run as SlurmUser=root and need root"
+        return "SLURM tier: the test cluster's daemons run as SlurmUser=root and need root"
     return None
 
 

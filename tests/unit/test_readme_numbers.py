@@ -1,10 +1,16 @@
-"""Every performance figure the README quotes is in the committed benchmark results.
+"""Every performance figure the README quotes is in its own row of the committed benchmark results.
 
 The README's "Why switch" section quotes ratios and times from one benchmark run; a figure typed by
 hand, or left behind after the code changed and the results were re-measured, fails here. A figure
-is a decimal number with a unit (``0.13x``, ``0.14 s``, ``26.1 MiB``, ``0.104%``). A ratio must appear
-as written (``0.13x``) in one of the committed result files; any other figure must appear there as a
-number written the same way (the tables write a time as ``0.165 [0.118-0.167] s``).
+is a decimal number with a unit (``0.13x``, ``0.14 s``, ``26.1 MiB``, ``0.104%``).
+
+Each figure is looked up only where its claim says it comes from: a table row ending in ``[N]`` in
+section N of RESULTS.md, a row or paragraph that links a file under benchmarks/results in that file,
+anything else in RESULTS.md and the other result files. There it must stand in one row (one line) as a
+figure of the same kind: a ratio as written (``0.13x``), a percentage or a size with its unit
+(``0.035%``, ``26.9 [26.9-26.9] MiB``), a time as a cell's number (``0.165 [0.118-0.167] s``,
+``1.45 (1.37-1.63)``, ``1.40 / 1.52``) or its range's end. A number that merely occurs somewhere
+(a min in another table, a timestamp, a ratio where a time was meant) does not count.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 FIGURE = re.compile(r"(?<![\w.])(\d+\.\d+)(x| s\b| MiB|%)")
+SECTION_REF = re.compile(r"\[(\d+)\]\s*\|?\s*$")
+RESULT_LINK = re.compile(r"\]\(benchmarks/results/([\w.-]+\.md)\)")
 
 
 def quoted_section() -> str:
@@ -23,25 +31,79 @@ def quoted_section() -> str:
     return text[start:text.index("\n## ", start + 1)]
 
 
-def committed_results() -> str:
-    return "\n".join(p.read_text() for p in sorted(RESULTS.glob("*.md")))
+def results_files() -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(RESULTS.glob("*.md"))}
 
 
 def figures(text: str) -> set[str]:
     return {number + unit for number, unit in FIGURE.findall(text)}
 
 
+def section_of(results: str, number: int) -> str:
+    """Section ``number`` of RESULTS.md (``## N. title`` up to the next ``## ``)."""
+    match = re.search(rf"^## {number}\. .*?(?=^## |\Z)", results, re.M | re.S)
+    assert match, f"RESULTS.md has no section {number}"
+    return match.group(0)
+
+
+def claims(section: str, files: dict[str, str]) -> list[tuple[str, str]]:
+    """(claim text, the results text it is checked against): each table row, each prose paragraph."""
+    everything = "\n".join(files.values())
+    out = []
+    for para in section.split("\n\n"):
+        units = para.splitlines() if para.startswith("|") else [para]
+        for unit in units:
+            ref, links = SECTION_REF.search(unit), RESULT_LINK.findall(unit)
+            if ref:
+                source = section_of(files["RESULTS.md"], int(ref.group(1)))
+            elif links:
+                source = "\n".join(files[name] for name in links if name in files) or everything
+            else:
+                source = everything
+            out.append((unit, source))
+    return out
+
+
+def in_a_row(number: str, unit: str, rows: list[str]) -> bool:
+    """``number`` stands in one of ``rows`` as a figure of the same kind (see the module's docstring)."""
+    n = re.escape(number)
+    if unit == "x":
+        pattern = rf"(?<![\w.]){n}x"
+    elif unit in ("%", " MiB"):  # written as such, or as a cell: "26.9 [26.9-26.9] MiB"
+        pattern = rf"(?<![\w.]){n}(?: \[[^\]]*\])? ?{unit.strip()}"
+    else:  # a time: a cell's value, its [min-max] or (min-max) range, or one side of "joined / exit"
+        pattern = rf"(?<![\w.]){n}(?= s\b| \[| \(| /|\)|\]|-)|[-/(] ?{n}(?![\d.])"
+    return any(re.search(pattern, row) for row in rows)
+
+
+def missing(section: str, files: dict[str, str]) -> list[str]:
+    out = []
+    for claim, source in claims(section, files):
+        rows = source.splitlines()
+        out += [f"{number}{unit}" for number, unit in FIGURE.findall(claim)
+                if not in_a_row(number, unit, rows)]
+    return sorted(out)
+
+
 def test_the_readme_quotes_figures() -> None:
     assert len(figures(quoted_section())) >= 10, "the README's measured section lost its figures"
+    assert sum(1 for _, source in claims(quoted_section(), results_files())
+               if source.startswith("## ")) >= 4, "the README's rows lost their [N] section references"
 
 
-NUMBER = re.compile(r"(?<![\w.])\d+\.\d+(?![\d])")
+def test_every_figure_the_readme_quotes_is_in_its_own_row_of_the_results() -> None:
+    gone = missing(quoted_section(), results_files())
+    assert not gone, f"quoted in the README but in no matching row of benchmarks/results: {gone}"
 
 
-def test_every_figure_the_readme_quotes_is_in_the_committed_results() -> None:
-    results = committed_results()
-    ratios = {f for f in figures(results) if f.endswith("x")}
-    numbers = set(NUMBER.findall(results))
-    missing = sorted(f"{number}{unit}" for number, unit in FIGURE.findall(quoted_section())
-                     if (f"{number}x" not in ratios if unit == "x" else number not in numbers))
-    assert not missing, f"quoted in the README but in no file under benchmarks/results: {missing}"
+def test_a_figure_from_another_row_or_section_is_caught() -> None:
+    """The check can fail: a figure moved to another section, a ratio quoted as a time, a changed digit."""
+    files = results_files()
+    assert missing("| SIGKILL | x | gone in 0.033 s [3] |", files) == []
+    assert missing("| SIGKILL | x | gone in 0.461 s [3] |", files) == ["0.461 s"]  # section 4's torchrun
+    assert missing("| SIGKILL | x | gone in 0.034 s [3] |", files) == ["0.034 s"]
+    assert missing("| SIGTERM | x | all gone 0.07 s [4] |", files) == ["0.07 s"]  # that is the ratio, 0.07x
+    assert missing("| bad input | x | 0.14x [5] |", files) == []
+    assert missing("| bad input | x | 0.15x [5] |", files) == ["0.15x"]
+    assert missing("| idle | x | 0.277% [8] |", files) == []
+    assert missing("| idle | x | 0.277 MiB [8] |", files) == ["0.277 MiB"]

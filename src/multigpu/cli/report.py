@@ -11,6 +11,7 @@ static file, no script and nothing fetched from a network, with a per-rank timel
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 
 from multigpu.contract.errors import MultiGPUError, UsageError
@@ -63,8 +64,14 @@ def cmd_ask(request: str, argv: Sequence[str]) -> int:
         raise UsageError(f"run {data['run_id']} is not running ({data['status']}); multigpu report "
                          f"{folder} says what happened")
     try:
-        print(ask(name, request), end="")
+        text = ask(name, request, owner=(folder / "run.json").stat().st_uid)
+    except PermissionError as exc:
+        raise MultiGPUError(f"run {data['run_id']}: {exc}") from None
     except OSError as exc:
         raise UsageError(f"run {data['run_id']}'s launcher did not answer ({exc.strerror or exc}); "
                          "is it still running on this machine?") from None
+    if text.startswith("refused: "):
+        print(text.strip().splitlines()[0], file=sys.stderr)
+        return 1
+    print(text, end="")
     return 0

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -247,7 +248,8 @@ def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
         raise UsageError("--debug-server needs a port to open in a browser (0 would pick one no one is told)")
     if config.base_rank == 0:  # the page is served on rank 0's node: its port must be free there
         _check_free(where.bind_host, where.port)
-    env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port])}
+    token = secrets.token_urlsafe(18)  # the page and every rank's server want it (rank/debug_server.py)
+    env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port, token])}
     return dataclasses.replace(config, extra_env=env,
                                start=dataclasses.replace(config.start, debug_server=where))
 

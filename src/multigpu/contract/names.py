@@ -1,5 +1,5 @@
-"""The names of multigpu's own environment variables between the launcher and its ranks, and the one
-format one of them needs (a cpulist).
+"""The names of multigpu's own environment variables between the launcher and its ranks, and the two
+formats they need (a cpulist; ``--debug-server``'s HOST, PORT and token).
 
 Read by the rank (its bootstrap, ``multigpu.heartbeat``, the preemption API), written by the
 launcher's environment builder (``environment.py``) and by function mode's caller. Standard library
@@ -8,7 +8,8 @@ only, and cheap to import: every fresh rank imports it before the user's code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 
 # multigpu's own variables, between the launcher (or the caller, in function mode) and its ranks.
 RUN_ID_ENV = "MULTIGPU_RUN_ID"
@@ -35,10 +36,19 @@ AFFINITY_ENV = "MULTIGPU_CPU_AFFINITY"
 WARNING_SIGNALS_ENV = "MULTIGPU_WARNING_SIGNALS"
 """Comma-separated signal names the launcher treats as a preemption warning, e.g. ``SIGUSR1,SIGUSR2``."""
 DEBUG_SERVER_ENV = "MULTIGPU_RANK_DEBUG_SERVER"
-"""``--debug-server``: HOST:PORT of torch's debug server; every rank serves its worker side on HOST and
-rank 0 starts the page on PORT (``rank/debug_server.py``)."""
+"""``--debug-server``: HOST, PORT and the run's token, as JSON; every rank serves its worker side on HOST
+and rank 0 starts the page on PORT, each wanting the token (``rank/debug_server.py``)."""
 RESUMED_ENV = "MULTIGPU_RESUMED"
 PREVIOUS_OUTPUT_ENV = "MULTIGPU_PREVIOUS_OUTPUT"
+
+
+def debug_server_settings(env: Mapping[str, str]) -> tuple[str, int, str] | None:
+    """HOST, PORT and the run's token from ``DEBUG_SERVER_ENV`` in ``env``; None without one."""
+    raw = env.get(DEBUG_SERVER_ENV)
+    if not raw:
+        return None
+    host, port, token = json.loads(raw)
+    return str(host), int(port), str(token)
 
 
 def parse_cpulist(text: str) -> list[int]:

@@ -9,6 +9,7 @@ children, come later; the manager undoes every step if they fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -24,6 +25,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import MultiGPUError
+from multigpu.contract.files import create_new
 from multigpu.function.argv import flatten_parameters, set_arguments_to_argv
 from multigpu.function.interrupt_caller import GroupSockets
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
@@ -85,7 +87,7 @@ def prepare(output_path: str | None, params: Any, train_func: Callable[..., Any]
     """
     out = Path(output_path) if output_path else Path(tempfile.mkdtemp(prefix="multigpu-"))
     try:
-        (out / PAYLOAD_DIR).mkdir(parents=True, exist_ok=True)
+        (out / PAYLOAD_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = out / PAYLOAD_DIR / f"probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
@@ -122,9 +124,15 @@ def _pickled(obj: Any, what: str) -> bytes:
 
 
 def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any, ...]) -> Path:
-    """The payload every child loads, and the hyper-parameters as OTX writes them."""
+    """The payload every child loads, and the hyper-parameters as OTX writes them. The payload is code
+    the ranks run: it is created anew, 0600, and each rank checks that before loading it
+    (``rank/bootstrap.py``)."""
     payload = prepared.output_dir / PAYLOAD_DIR / "payload.pkl"
-    payload.write_bytes(prepared.preparation + _pickled((child, args), "train_func's arguments"))
+    data = prepared.preparation + _pickled((child, args), "train_func's arguments")
+    with contextlib.suppress(FileNotFoundError):
+        payload.unlink()  # one left by a run before: made anew, 0600, never reused as it is
+    with os.fdopen(create_new(payload, 0o600), "wb") as f:
+        f.write(data)
     if prepared.hyper_parameters:
         (prepared.output_dir / HPO_FILE).write_text(json.dumps(prepared.hyper_parameters, indent=2,
                                                                default=str))

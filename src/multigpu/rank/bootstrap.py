@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import pickle
 import runpy
+import stat
 import sys
 import time
 from types import TracebackType
+from typing import BinaryIO
 
 from multigpu.contract.names import AFFINITY_ENV, ERROR_FILE_ENV, LAUNCHER_PID_ENV, parse_cpulist
 from multigpu.rank.debug_server import start_if_asked as start_debug_server
@@ -78,11 +80,27 @@ def run_module(name: str, args: list[str]) -> None:
     runpy.run_module(name, run_name="__main__", alter_sys=True)
 
 
+def open_payload(path: str) -> BinaryIO:
+    """Function mode's payload, opened only when it is still what the caller wrote: a file (not a link)
+    of this user's that nobody else can read or write (0600). Whoever could swap it would run code as
+    this user; a payload that fails the check is refused, naming what is wrong."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    wrong = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+             else f"belongs to uid {st.st_uid}, not this user's {os.geteuid()}" if st.st_uid != os.geteuid()
+             else f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0600" if st.st_mode & 0o077 else None)
+    if wrong is not None:
+        os.close(fd)
+        raise PermissionError(f"multigpu: refusing the function-mode payload {path}: it {wrong}; it is "
+                              f"not the file the caller wrote")
+    return os.fdopen(fd, "rb")
+
+
 def run_function(payload_path: str) -> None:
     """Function mode: spawn semantics (the parent's ``__main__`` re-imported as ``__mp_main__``)."""
     from multiprocessing import spawn
 
-    with open(payload_path, "rb") as f:
+    with open_payload(payload_path) as f:
         preparation = pickle.load(f)
         spawn.prepare(preparation)
         func, args = pickle.load(f)

@@ -2,37 +2,47 @@
 the user's code.
 
 torch 2.13's ``torch.distributed.debug.start_debug_server`` binds every rank's worker server and rank
-0's page on every interface ("::" and ""), and publishes each worker under the machine's host name.
-Our rule is loopback unless the user asks for more, so the same parts are put together here with the
-host the user chose: torch's C++ worker server (``_WorkerServer``, the stacks, flight record and
-profiles of this rank) on HOST, its address in the job's store under torch's own keys
-(``debug_server/rank<N>``, which torch's page reads), and on rank 0 torch's page in a helper process
-(``rank/debug_frontend.py``) on HOST:PORT. A rank whose server cannot start says so in one line and
-trains on: the debugging aid is not worth a job.
+0's page on every interface ("::" and ""), publishes each worker under the machine's host name, and
+asks no one who they are: any local user could read another user's stacks (and flight records,
+profiles, the store's keys). Here the same parts are put together so that only whoever holds the
+run's token gets in. torch's C++ worker server (``_WorkerServer``: this rank's stacks, flight record
+and profiles) listens on a Unix socket in a folder only this user can enter; a small proxy on HOST
+(loopback unless the user named a host) passes on requests whose path starts with ``/TOKEN/``; its
+address, token included, goes in the job's store under torch's own keys (``debug_server/rank<N>``,
+which torch's page reads and appends ``/handler/...`` to). On rank 0 torch's page runs in a helper
+process (``rank/debug_frontend.py``) on HOST:PORT, which wants the same token. The token comes from
+the launcher in the rank's environment (readable by this user and root only) and is printed on its
+console. A rank whose server cannot start says so in one line and trains on: the debugging aid is not
+worth a job.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
+import hmac
+import http.client
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from multigpu.contract.names import DEBUG_SERVER_ENV
+from multigpu.contract.names import debug_server_settings
 
 _KEEP: list[Any] = []
 """The worker server (and rank 0's page process): alive as long as the rank."""
 
 
 def start_if_asked() -> None:
-    raw = os.environ.get(DEBUG_SERVER_ENV)
-    if not raw:
+    asked = debug_server_settings(os.environ)
+    if asked is None:
         return
-    host, port = json.loads(raw)
     try:
-        _start(str(host), int(port))
+        _start(*asked)
     except Exception as exc:
         print(f"multigpu: rank {os.environ.get('RANK', '?')}: the debug server did not start: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
@@ -45,16 +55,84 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _start(host: str, port: int) -> None:
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class _TokenProxy(BaseHTTPRequestHandler):
+    """Passes ``/TOKEN/rest`` on to the worker server as ``/rest``; anything else is 403."""
+
+    token = ""
+    target = ""
+
+    def do_GET(self) -> None:
+        self._forward("GET")
+
+    def do_POST(self) -> None:
+        self._forward("POST")
+
+    def _forward(self, method: str) -> None:
+        prefix = f"/{self.token}/"
+        if not hmac.compare_digest(self.path[:len(prefix)].encode(), prefix.encode()):
+            self.send_error(403, "this debug server wants the run's token (printed by its launcher)")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        conn = _UnixHTTPConnection(self.target, timeout=60)
+        try:
+            conn.request(method, "/" + self.path[len(prefix):], body=body)
+            reply = conn.getresponse()
+            data = reply.read()
+        except OSError as exc:
+            self.send_error(502, f"the rank's worker server did not answer: {exc}")
+            return
+        finally:
+            conn.close()
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.getheader("Content-Type") or "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve_with_token(host: str, token: str, target: str) -> ThreadingHTTPServer:
+    """The proxy on ``host`` (a free port) in front of the Unix socket ``target``, served by a daemon
+    thread."""
+    handler = type("TokenProxy", (_TokenProxy,), {"token": token, "target": target})
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+    server = Server((host, 0), handler)
+    threading.Thread(target=server.serve_forever, name="multigpu-debug-proxy", daemon=True).start()
+    return server
+
+
+def _start(host: str, port: int, token: str) -> None:
     from torch._C._distributed_c10d import _WorkerServer
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-    server = _WorkerServer(host, 0)
-    _KEEP.append(server)
+    private = tempfile.mkdtemp(prefix="multigpu-debug-")  # 0700: only this user reaches the socket
+    atexit.register(shutil.rmtree, private, True)
+    target = os.path.join(private, "worker.sock")
+    server = _WorkerServer(target)
+    proxy = serve_with_token(host, token, target)
+    _KEEP.extend([server, proxy])
     store = PrefixStore("debug_server", TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                  is_master=False))
     rank = int(os.environ["RANK"])
-    store.set(f"rank{rank}", f"http://{url_host(host)}:{server.port}")
+    store.set(f"rank{rank}", f"http://{url_host(host)}:{proxy.server_address[1]}/{token}")
     if rank == 0:
         _KEEP.append(subprocess.Popen([sys.executable, "-m", "multigpu.rank.debug_frontend", host, str(port),
                                        str(os.getpid())], stdin=subprocess.DEVNULL))

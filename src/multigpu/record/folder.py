@@ -11,6 +11,12 @@ Everything here runs before the first worker starts, so a problem is one line an
   one refuses, naming the first. The run removes the file as it ends (still holding it; a run that
   locked the removed file sees that and locks anew). A folder reused by a later run is that run's:
   its logs and records are replaced.
+* Nobody else can redirect what the run writes: the output folder must be this user's, and the folder
+  it was created into (and every folder created on the way) this user's or root's; none of them may be
+  writable by every user without the sticky bit (group-writable project folders are fine). Otherwise
+  another local user could plant a link where a log or record will be written, or swap the folder,
+  and the run (as root, say) would write through it; this also covers the files torch writes there
+  itself (the ``@record`` error file, flight-recorder dumps).
 * The launcher's open-file limit is raised to its hard limit; when even that is too low for the ranks
   asked for, one line says so.
 """
@@ -21,8 +27,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import pwd
 import resource
 import shutil
+import stat
 from pathlib import Path
 
 from multigpu.contract.errors import UsageError
@@ -100,13 +108,58 @@ def claim_output(path: Path, run_id: str, node: int | str | None = None) -> RunF
     return RunFolder(path, fd, lock)
 
 
+def _first_existing(path: Path) -> Path:
+    """``path`` or the nearest folder above it that exists: the one ``mkdir -p`` creates into."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
+    """A UsageError unless ``folder`` belongs to one of ``owners`` and is not writable by every user
+    without the sticky bit (the one-line refusal names ``path``, the folder asked for)."""
+    st = os.stat(folder)
+    if st.st_uid not in owners:
+        raise UsageError(f"output folder {path}: {folder} belongs to user {_user_name(st.st_uid)}, who "
+                         f"could redirect what this run writes; give the run a folder of your own")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UsageError(f"output folder {path}: {folder} is writable by every user (and has no sticky "
+                         f"bit), who could redirect what this run writes; give the run a folder of "
+                         f"your own, or 'chmod o-w {folder}'")
+
+
+def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None:
+    """A UsageError when another user could redirect this run's writes under ``path``. ``created_into``
+    (the folder ``mkdir -p`` creates into, or ``path`` itself when it exists) must be this user's, or
+    root's when the run creates its folder inside it; with ``created``, every folder from ``path`` up to
+    it must be this user's. None of them may be writable by every user without the sticky bit."""
+    uid = os.geteuid()
+    top = Path(os.path.abspath(created_into))
+    folder = Path(os.path.abspath(path))
+    _refuse_if_open(path, top, (uid,) if top == folder else (uid, 0))
+    while created and folder != top and folder != folder.parent:
+        _refuse_if_open(path, folder, (uid,))
+        folder = folder.parent
+
+
 def _lock(path: Path, lock: Path) -> int:
     """The lock file, open and exclusively locked, or one line naming the run that holds it."""
     try:
+        created_into = _first_existing(path)
+        check_owned(path, created_into, created=False)  # nothing is created in another user's folder
         path.mkdir(parents=True, exist_ok=True)
         if not path.is_dir():
             raise OSError(errno.ENOTDIR, "not a folder")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        check_owned(path, created_into)  # and no folder on the way was made by another user meanwhile
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise UsageError(f"output folder {path}: {_describe(exc)}") from None
     try:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from multigpu.config.run import RunConfig
 from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import UsageError
+from multigpu.contract.files import open_existing, temporary_beside
 from multigpu.contract.signals import signal_name
 from multigpu.record import incidents
 from multigpu.record.failure_report import rank_reason
@@ -32,19 +33,23 @@ from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
 def atomic_write_json(path: Path, data: Any) -> None:
     text = json.dumps(data, indent=2, default=str) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp: Path | None = None
     try:
-        tmp.write_text(text)
+        fd, tmp = temporary_beside(path)  # mkstemp's name: nobody can plant a link there beforehand
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, path)
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         if not path.exists():
             raise
         compact = json.dumps(data, separators=(",", ":"), default=str) + "\n"
         if len(compact.encode()) > path.stat().st_blocks * 512:
             raise  # it would not fit in the blocks it has: cut short, it would no longer be JSON
-        with open(path, "r+") as f:  # no room for a second copy: overwrite the blocks it has, compactly
+        # no room for a second copy: overwrite the blocks it has, compactly (never through a link)
+        with os.fdopen(open_existing(path, os.O_RDWR), "r+") as f:
             f.write(compact)
             f.truncate()
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from multigpu.config.endpoint import is_loopback_host
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import LEARNED_FROM_SILENCE
+from multigpu.contract.names import debug_server_settings
 from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.failure_sharing import finish_job
 from multigpu.rendezvous.job import JobStore
@@ -44,6 +46,23 @@ class Meeting:
     master_port: int
     job: JobStore | None = None
     """The attempt's fate-sharing keys (several nodes)."""
+
+
+def debug_server_lines(config: RunConfig, rank0_here: bool | None) -> list[str]:
+    """``--debug-server``'s opening lines: the page's address with this node's token where rank 0 is
+    here (None: an elastic node, which cannot know yet), and a warning when it listens beyond
+    loopback. Only this launcher knows its token; its ranks' servers and the page want it."""
+    asked = debug_server_settings(config.extra_env)
+    if config.start.debug_server is None or asked is None:
+        return []
+    host, _, token = asked
+    address = f"http://{config.start.debug_server}/?token={token}"
+    lines = ([f"debug server (torch's, rank 0's node): {address}"] if rank0_here else
+             [f"debug server (torch's): {address} if rank 0 runs on this node"] if rank0_here is None else [])
+    if not is_loopback_host(host):
+        lines.append(f"warning: the debug server listens on {host}, not loopback: every host that "
+                     f"reaches it can try, and its token crosses the network unencrypted (HTTP)")
+    return lines
 
 
 class Membership(Protocol):
@@ -118,9 +137,7 @@ class StaticMembership:
             else f"{config.nproc} CPU worker(s)"
         lines = [f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
                  f"output in {output_dir}"]
-        if config.start.debug_server is not None and config.base_rank == 0:
-            lines.append(f"debug server (torch's, rank 0's node): http://{config.start.debug_server}/")
-        return lines
+        return lines + debug_server_lines(config, rank0_here=config.base_rank == 0)
 
     def meet(self) -> Meeting:
         """Attempt 0 is the rendezvous of the start; every later one meets again, on fresh keys and a

@@ -29,7 +29,7 @@ from multigpu.rendezvous.elastic import (
 from multigpu.rendezvous.failure_sharing import finish_job
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner.crash_loop import FailureMemory, StoreFailures
-from multigpu.runner.membership import Meeting
+from multigpu.runner.membership import Meeting, debug_server_lines
 from multigpu.runner.static_join import check_fingerprints
 from multigpu.supervisor.states import RunResult
 from multigpu.template.client import NodeSpawner, spawner_for
@@ -72,7 +72,8 @@ class ElasticMembership:
         role = "serves" if self.serves_store else "joins"
         return [f"run {self.run_id}: elastic job of {config.rdzv.min_nodes}:{config.rdzv.max_nodes} node(s), "
                 f"{config.nproc} worker(s) here; this launcher {role} the rendezvous at "
-                f"{config.rdzv.endpoint}; output in {output_dir}"]
+                f"{config.rdzv.endpoint}; output in {output_dir}",
+                *debug_server_lines(config, rank0_here=None)]
 
     def meet(self) -> Meeting:
         """Join the next round (torch's rules); its layout, as this node's attempt."""

@@ -4,7 +4,10 @@ side runs in the launcher, on the supervisor's loop; ``ask`` runs in the asking 
 The launcher listens on an abstract Unix socket named after its run and its pid (written to
 ``run.json`` as ``control_socket``), so nothing is left on disk and no path length limits apply.
 Only the run's own user (or root) is answered: the peer's uid comes from the kernel
-(``SO_PEERCRED``). A request is one word; the answer is text, and the connection closes. The loop
+(``SO_PEERCRED``); anyone else gets ``refused: run RUN belongs to user NAME``, sent after the request
+was read (closing with it unread would reset the connection, and the refusal with it). The asking
+side checks the launcher's uid the same way before it believes an answer: an abstract name can be
+bound by anyone first. A request is one word; the answer is text, and the connection closes. The loop
 never waits on a client for more than ``CLIENT_WAIT_S``.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -21,11 +25,31 @@ from multigpu.supervisor.hang import ProgressBook
 from multigpu.supervisor.states import Worker
 
 CLIENT_WAIT_S = 0.5
+REFUSE_WAIT_S = 0.1
+"""How long another user's client may keep the loop waiting for its request (it sends it at once)."""
 REQUESTS = ("stacks", "status")
 
 
 def socket_name(run_id: str, pid: int | None = None) -> str:
     return f"multigpu-{run_id}-{os.getpid() if pid is None else pid}"
+
+
+def run_id_of(name: str) -> str:
+    """The run id in a ``socket_name``."""
+    return name.removeprefix("multigpu-").rsplit("-", 1)[0]
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket, from the kernel."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
 
 
 class ControlSocket:
@@ -52,14 +76,15 @@ class ControlSocket:
             conn, _ = self.sock.accept()
         except OSError:
             return None
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        uid = struct.unpack("3i", creds)[1]
-        conn.settimeout(CLIENT_WAIT_S)
-        if uid not in (os.getuid(), 0):
+        if peer_uid(conn) not in (os.getuid(), 0):
+            conn.settimeout(REFUSE_WAIT_S)
             with contextlib.suppress(OSError):
-                conn.sendall(b"refused: only the run's own user may ask\n")
+                conn.recv(64)  # read first: a close with the request unread resets the connection
+                conn.sendall(f"refused: run {run_id_of(self.name)} belongs to user "
+                             f"{user_name(os.getuid())}\n".encode())
             conn.close()
             return None
+        conn.settimeout(CLIENT_WAIT_S)
         try:
             request = conn.recv(64).decode(errors="replace").strip()
         except OSError:
@@ -104,13 +129,27 @@ def status_line(worker: Worker, book: ProgressBook, now: float) -> str:
     return f"rank {worker.rank} pid {worker.pid} {worker.state.value}, {step}{quiet}"
 
 
-def ask(name: str, request: str, timeout: float = 30.0) -> str:
-    """Send one request to a running launcher and return its answer (OSError where none listens)."""
+def ask(name: str, request: str, owner: int, timeout: float = 30.0) -> str:
+    """Send one request to the launcher of a run of user ``owner`` and return its answer, or what it
+    sent before the connection failed (OSError where none listens or nothing came back). A socket
+    held by anyone but ``owner`` or root is not that launcher: PermissionError, nothing sent."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect("\0" + name)
+        server = peer_uid(sock)
+        if server not in (owner, 0):
+            raise PermissionError(f"the socket {name} is held by user {user_name(server)}, not by the "
+                                  f"run's user {user_name(owner)}: it is not the run's launcher")
         sock.sendall(request.encode() + b"\n")
-        chunks = []
-        while chunk := sock.recv(65536):
+        chunks: list[bytes] = []
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                if not chunks:
+                    raise
+                break  # keep what arrived (a refusal is one line, sent before the close)
+            if not chunk:
+                break
             chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")

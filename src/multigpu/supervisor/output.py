@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 from multigpu.console.folding import CppStacks, InterruptTracebacks
 from multigpu.console.writer import Console
+from multigpu.contract.files import create_new
 from multigpu.supervisor.events import Events
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class LogFile:
         self._file: IO[bytes] | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()
+            self._file = os.fdopen(create_new(path), "wb", buffering=0)  # a planted link is replaced
         except OSError as exc:
             self._fail(exc)
 

@@ -1,13 +1,16 @@
 """``--debug-server``: torch's own debug server, run for real in a 2-rank CPU job, bound to loopback.
 
-The page on rank 0's node answers with every rank's stacks; every socket the job listens on (the
-ranks' worker servers, the page, the store) is on 127.0.0.1; the page's helper process goes with the
-job. Without torch's extra packages the option is one line naming the fix."""
+The page on rank 0's node answers with every rank's stacks, to whoever brings the run's token (printed
+by the launcher) and to no one else: neither the page nor any rank's server answers without it, and
+torch's worker servers listen on Unix sockets only their user can reach; every socket the job listens
+on (the ranks' token proxies, the page, the store) is on 127.0.0.1; the page's helper process goes with
+the job. Without torch's extra packages the option is one line naming the fix."""
 
 from __future__ import annotations
 
 import re
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,28 +45,60 @@ def fetch(url: str, deadline: float) -> str:
             time.sleep(0.1)
 
 
+def status_without_token(url: str) -> int | str:
+    """What ``url`` answers a request without the token: an HTTP status, or why there was none."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError as exc:  # not HTTP (the store): nothing served either
+        return type(exc).__name__
+
+
 def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp_path: Path) -> None:
     job = write_script(tmp_path, "job.py", JOB)
     marker = tmp_path / "go"
     port = free_port()
     launcher = start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
                           "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
+    first = []
     try:
-        page = fetch(f"http://127.0.0.1:{port}/stacks", time.monotonic() + 60)
+        assert launcher.stderr is not None
+        while not any("debug server (torch's" in line for line in first):
+            first.append(launcher.stderr.readline())
+            assert first[-1], "".join(first)
+        address = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", first[-1])
+        assert address, first[-1]
+        token = address.group(1)
+        page = fetch(f"http://127.0.0.1:{port}/stacks?token={token}", time.monotonic() + 60)
         tree = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(recursive=True))]
         sockets = [(pid, c) for pid in tree for c in psutil.Process(pid).net_connections("inet")]
         listening = [(pid, c.laddr.ip) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
+        ports = sorted({c.laddr.port for _, c in sockets if c.status == psutil.CONN_LISTEN})
         helpers = [c.pid for c in psutil.Process(launcher.pid).children(recursive=True)
                    if "multigpu.rank.debug_frontend" in " ".join(c.cmdline())]
+        unix = [c.laddr for pid in tree for c in psutil.Process(pid).net_connections("unix")
+                if c.laddr.startswith("/tmp/multigpu-debug-")]
+        modes = {Path(path).parent.stat().st_mode & 0o777 for path in unix}
+        anonymous = {p: status_without_token(f"http://127.0.0.1:{p}/"
+                                             f"{'stacks' if p == port else 'handler/dump_traceback'}")
+                     for p in ports}
+        wrong = status_without_token(f"http://127.0.0.1:{port}/stacks?token=not-{token}")
     finally:
         marker.touch()
         out_text, err = launcher.communicate(timeout=60)
+    err = "".join(first) + err
     assert launcher.returncode == 0, err[-3000:]
+    assert len(unix) == 2 and modes == {0o700}, (unix, modes)  # each rank's worker server, private
+    assert anonymous[port] == 403 and wrong == 403, anonymous
+    assert list(anonymous.values()).count(403) >= 3, anonymous  # the page and both ranks' proxies
+    assert 200 not in anonymous.values(), anonymous
     assert "Rank 0" in page and "Rank 1" in page, page[-2000:]
     assert len(re.findall(rf'{re.escape(str(job))}", line 8', page)) == 2, page[-2000:]
     assert {ip for _, ip in listening} == {"127.0.0.1"} and len(listening) >= 3, listening
     assert len(helpers) == 1
-    assert f"multigpu: debug server (torch's, rank 0's node): http://127.0.0.1:{port}/" in err
+    assert f"multigpu: debug server (torch's, rank 0's node): http://127.0.0.1:{port}/?token={token}" in err
     assert "Traceback" not in err
     assert_gone([*pids_in(out_text), *helpers, *tree])
 

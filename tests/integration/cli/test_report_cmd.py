@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, run_cli, write_script
+from helpers import assert_gone, run_cli, tier_cannot_run, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -101,7 +101,7 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
 def test_the_timeline_draws_every_rank_in_a_real_browser(restarted_run: Path, tmp_path: Path) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("Chromium is not installed (apt-get install chromium); the HTML is checked above")
+        tier_cannot_run("Chromium is not installed (apt-get install chromium); the HTML is checked above")
     run_cli(["report", str(restarted_run)], cwd=restarted_run)
     shot = tmp_path / "shot.png"
     proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",

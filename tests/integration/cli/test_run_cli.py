@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +252,20 @@ def test_log_ranks_limits_console_not_files(tmp_path: Path) -> None:
     assert "stdout of rank 1" in log1 and "stderr of rank 1" in log1
 
 
+def _imported_torch(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Run ``multigpu ARGS`` under ``-X importtime``; the result (its stderr without the probe's lines) and
+    whether the launcher imported torch. What makes a refusal brief is that it comes before torch and any
+    worker; its time is measured in benchmarks/bench_badinput.py, not asserted on a shared machine."""
+    result = subprocess.run([MULTIGPU[0], "-X", "importtime", *MULTIGPU[1:], *args], cwd=cwd,
+                            env=clean_env(), capture_output=True, text=True, timeout=20)
+    probe = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    modules = {line.rsplit("|", 1)[-1].strip() for line in probe}
+    assert "multigpu.cli" in modules, result.stderr[-2000:]  # the probe works
+    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True)
+                            if not line.startswith("import time:"))
+    return result, any(m == "torch" or m.startswith("torch.") for m in modules)
+
+
 BAD_INPUTS = [
     ["--cpu", "abc", "{script}"],
     ["--cpu", "0", "{script}"],
@@ -269,19 +282,17 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("args", BAD_INPUTS, ids=[" ".join(a) for a in BAD_INPUTS])
 def test_bad_input_exits_2_briefly(tmp_path: Path, args: list[str]) -> None:
+    """Refused before torch is imported and before any worker starts (that is what keeps it brief)."""
     script = write_script(tmp_path, "ok.py", "print('must not run')\n")
     argv = ["run", *(a.format(script=script, missing=tmp_path / "missing.py") for a in args)]
-    start = time.monotonic()
-    result = run_cli(argv, cwd=tmp_path, timeout=20)
-    elapsed = time.monotonic() - start
-    print(f"{' '.join(args)}: exit {result.returncode} in {elapsed:.2f}s")
+    result, torch_imported = _imported_torch(argv, tmp_path)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert 1 <= len(lines) <= 4, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert "must not run" not in result.stdout
     assert "error" in lines[0]
-    assert elapsed < 2.0
+    assert not torch_imported, args
     assert not (tmp_path / "multigpu_runs").exists()
 
 
@@ -327,26 +338,16 @@ def test_taken_rdzv_port_is_refused_in_one_line(tmp_path: Path) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         port = held.getsockname()[1]
-        start = time.monotonic()
-        result = run_cli(["run", "--cpu", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script)],
-                         cwd=tmp_path, timeout=20)
-        elapsed = time.monotonic() - start
-    print(f"taken port refused in {elapsed:.2f}s: {result.stderr.strip()}")
+        result, torch_imported = _imported_torch(
+            ["run", "--cpu", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script)], tmp_path)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]
     assert "Traceback" not in result.stderr and "must not run" not in result.stdout
-    assert elapsed < 2.0
+    assert not torch_imported
 
 
-def _imported_torch(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess[str], bool]:
-    result = subprocess.run([MULTIGPU[0], "-X", "importtime", *MULTIGPU[1:], *args], cwd=cwd,
-                            env=clean_env(), capture_output=True, text=True, timeout=20)
-    modules = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
-               if line.startswith("import time:")}
-    assert "multigpu.cli" in modules, result.stderr[-2000:]  # the probe works
-    return result, any(m == "torch" or m.startswith("torch.") for m in modules)
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"], ["devices"]])

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from helpers import MULTIGPU, alive, assert_gone, clean_env, pids_in, write_script
+from helpers import MULTIGPU, alive, assert_gone, clean_env, pids_in, tier_cannot_run, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -405,7 +405,7 @@ def tmpfs(size: str, *options: str) -> Iterator[Path]:
     if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
                       capture_output=True).returncode != 0:
         where.rmdir()
-        pytest.skip("cannot mount a tmpfs here (needs root)")
+        tier_cannot_run("cannot mount a tmpfs here (needs root)")
     try:
         yield where
     finally:

@@ -493,15 +493,20 @@ def test_two_sigints_back_to_back_are_one_interrupt(tmp_path: Path,
     assert_one_interrupt(out, rc, err)
 
 
-def test_timeout_s_int_is_one_interrupt(tmp_path: Path) -> None:
-    """The newcomer's line: ``timeout -s INT N multigpu run ...`` (SIGINT to the launcher and its group)."""
+def test_timeout_s_int_is_one_interrupt(tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
+    """The newcomer's line: ``timeout -s INT N multigpu run ...`` (SIGINT to the launcher and its group).
+    ``timeout`` sends a signal it receives on exactly as it sends its own at N seconds, so the test sends
+    it once both ranks are ready instead of betting that they are ready by a fixed N."""
     job = script(tmp_path, TIDY_ON_SIGINT)
     out = tmp_path / "out"
-    res = subprocess.run(["timeout", "-s", "INT", "8", *MULTIGPU, "run", "--cpu", "2", "--grace-period", "30",
-                          "--output", str(out), str(job)], cwd=tmp_path, env=clean_env(),
-                         capture_output=True, text=True, timeout=60)
-    assert (tmp_path / "ready_0").exists() and (tmp_path / "ready_1").exists(), res.stderr
-    assert_one_interrupt(out, res.returncode, res.stderr)
+    proc = subprocess.Popen(["timeout", "-s", "INT", "120", *MULTIGPU, "run", "--cpu", "2",
+                             "--grace-period", "30", "--output", str(out), str(job)], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launched.append(proc)
+    wait_files(tmp_path, ["ready_0", "ready_1"])
+    os.kill(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, timeout=60)
+    assert_one_interrupt(out, rc, err)
 
 
 HUP_BODY = """

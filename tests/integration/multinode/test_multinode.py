@@ -18,6 +18,7 @@ from helpers import (
     pids_in,
     run_cli,
     start_cli,
+    tier_cannot_run,
     wait_for_lines,
     write_script,
 )
@@ -287,7 +288,7 @@ def _sh(*args: str) -> None:
 def two_hosts() -> object:
     """Two network namespaces joined by a veth pair: hosts 10.231.<n>.1 and .2, nothing else."""
     if not _netns_available():
-        pytest.skip("network namespaces need root and iproute2 (ip netns)")
+        tier_cannot_run("network namespaces need root and iproute2 (ip netns)")
     tag = os.getpid() % 200 + 20
     a, b = f"mga{os.getpid()}", f"mgb{os.getpid()}"
     va, vb = f"va{os.getpid()}"[:15], f"vb{os.getpid()}"[:15]

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import alive, clean_env, free_port, write_script
+from helpers import alive, clean_env, free_port, tier_cannot_run, write_script
 from multigpu.contract.exitcodes import EXIT_PREEMPTED
 from slurm_cluster import SlurmCluster, ensure_hosts, missing
 
@@ -45,7 +45,7 @@ def slurm() -> Iterator[SlurmCluster]:
     """The test run's one cluster: started at the first SLURM test, stopped (by PID) at the end."""
     why = missing()
     if why:
-        pytest.skip(why)
+        tier_cannot_run(why)
     note = ensure_hosts()
     if note:
         warnings.warn(note, stacklevel=1)  # one line in the run's summary
@@ -336,10 +336,17 @@ def test_a_lost_node_is_named_by_the_survivor(slurm: SlurmCluster, tmp_path: Pat
     assert_nothing_left(slurm)
 
 
-def test_the_tier_says_in_one_line_why_it_skips(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where slurm-wlm and munge are not installed (and .ci/run could not install them)."""
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_the_tier_says_in_one_line_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch, ci: str) -> None:
+    """Where slurm-wlm and munge are not installed: locally the tier skips saying why; under CI=true
+    the same line fails it."""
     import slurm_cluster
 
     monkeypatch.setattr(slurm_cluster, "SBIN", ())
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert missing() == ("SLURM tier skipped: munged is not installed (apt-get install slurm-wlm munge)")
+    monkeypatch.setenv("CI", ci)
+    why = missing()
+    assert why == "SLURM tier: munged is not installed (apt-get install slurm-wlm munge)"
+    outcome = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(outcome, match=re.escape(why)):
+        tier_cannot_run(why)

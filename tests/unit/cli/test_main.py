@@ -221,10 +221,12 @@ def test_the_debug_server_is_on_loopback_unless_a_host_is_given(script: str) -> 
 
     config = parse(["--cpu", "2", "--debug-server", "8000", script])
     assert config.start.debug_server == Endpoint("127.0.0.1", 8000)
-    assert json.loads(config.extra_env[DEBUG_SERVER_ENV]) == ["127.0.0.1", 8000]
+    host, port, token = json.loads(config.extra_env[DEBUG_SERVER_ENV])
+    assert (host, port) == ("127.0.0.1", 8000) and len(token) >= 20  # the run's token: fresh each run
+    assert json.loads(parse(["--debug-server", "8000", script]).extra_env[DEBUG_SERVER_ENV])[2] != token
     assert parse(["--debug-server", "0.0.0.0:8001", script]).start.debug_server == Endpoint("0.0.0.0", 8001)
-    assert json.loads(parse(["--debug-server", "localhost:8002", script]).extra_env[DEBUG_SERVER_ENV]) == [
-        "127.0.0.1", 8002]
+    named = parse(["--debug-server", "localhost:8002", script]).extra_env[DEBUG_SERVER_ENV]
+    assert json.loads(named)[:2] == ["127.0.0.1", 8002]
     assert parse([script]).start.debug_server is None
     with pytest.raises(UsageError, match=r"^--debug-server 'host:port': the port must be a number"):
         parse(["--debug-server", "host:port", script])

@@ -72,9 +72,16 @@ def test_train_func_must_be_callable() -> None:
 
 
 def test_ipv6_loopback_port_zero_and_fixed_ports_are_fine() -> None:
-    MultiGPUManager(train, "0,1", rdzv_endpoint="[::1]:0", device="cpu")
-    MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", device="cpu")
-    MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", base_rank=2, world_size=4, device="cpu")
+    """Accepted, and kept as written: the endpoint and the world the ranks will join."""
+    v6 = MultiGPUManager(train, "0,1", rdzv_endpoint="[::1]:0", device="cpu")
+    assert (v6._endpoint.host, v6._endpoint.port, str(v6._endpoint)) == ("::1", 0, "[::1]:0")
+    assert v6._world_size == 2
+    fixed = MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", device="cpu")
+    assert (str(fixed._endpoint), fixed._base_rank, fixed._world_size) == ("10.0.0.1:29500", 0, 2)
+    second = MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", base_rank=2, world_size=4,
+                             device="cpu")
+    assert (second._base_rank, second._world_size, second._gpu_ids) == (2, 4, [0, 1])
+    assert all(m._state == "new" for m in (v6, fixed, second))
 
 
 def test_world_size_zero_means_the_local_count() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from multigpu.contract.beats import Beat, BeatDecoder
+from multigpu.contract.names import HEARTBEAT_FD_ENV
 from multigpu.rank import progress
 
 
@@ -68,12 +69,28 @@ def test_a_full_pipe_drops_a_report_instead_of_blocking(pipe: int) -> None:
     assert BeatDecoder().feed(os.read(pipe, 3 * 64))[0] == Beat("step", value=1.0)
 
 
-def test_outside_a_worker_nothing_is_sent() -> None:
-    saved = (progress._fd, progress._owner, progress._looked)
-    progress._fd, progress._owner, progress._looked = None, os.getpid(), True
-    try:
-        progress.heartbeat(step=1)
-        with progress.section("x"):
-            pass
-    finally:
-        progress._fd, progress._owner, progress._looked = saved
+def test_outside_a_worker_nothing_is_sent(pipe: int) -> None:
+    """A process the rank forked inherits the descriptor but is not the rank: it sends nothing. A process
+    without the variable has no descriptor at all."""
+    progress._owner = os.getpid() + 1  # as the rank's forked child sees it
+    progress.heartbeat(step=1)
+    progress.heartbeat()
+    with progress.section("x"):
+        pass
+    assert progress.heartbeat_fd() is None
+    os.set_blocking(pipe, False)
+    with pytest.raises(BlockingIOError):  # the pipe is empty: nothing was written
+        os.read(pipe, 64)
+    progress._owner = os.getpid()
+    assert progress.send(b"S2;")  # the same pipe carries a rank's report: the check above can fail
+    assert BeatDecoder().feed(os.read(pipe, 64)) == [Beat("step", value=2.0)]
+
+
+def test_without_the_variable_there_is_no_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(HEARTBEAT_FD_ENV, raising=False)
+    monkeypatch.setattr(progress, "_looked", False)
+    monkeypatch.setattr(progress, "_fd", 99)
+    monkeypatch.setattr(progress, "_owner", None)
+    assert progress.heartbeat_fd() is None
+    assert not progress.send(b"S1;")
+    progress.heartbeat(step=1)  # and does not raise

@@ -1,0 +1,94 @@
+"""The output folder must be this user's: another user's folder, or one every user can write without the
+sticky bit, is refused in one line before anything is written there. Another user is simulated by
+changing who this process says it is (``os.geteuid``); tests/integration/security has the real one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from multigpu.contract.errors import UsageError
+from multigpu.record import folder
+from multigpu.record.folder import claim_output
+
+
+@pytest.fixture
+def someone_else(monkeypatch: pytest.MonkeyPatch) -> int:
+    """This process now claims a uid that owns nothing under tmp_path (nor is root)."""
+    other = os.geteuid() + 4242
+    monkeypatch.setattr(folder.os, "geteuid", lambda: other)
+    return other
+
+
+def refused(path: Path) -> str:
+    with pytest.raises(UsageError) as caught:
+        claim_output(path, "r1")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"output folder {path}: "), message
+    return message
+
+
+def test_an_existing_folder_of_another_user_is_refused(tmp_path: Path, someone_else: int) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    message = refused(out)
+    assert f"{out} belongs to user " in message and "give the run a folder of your own" in message
+    assert list(out.iterdir()) == []  # nothing written: no lock file
+
+
+def test_a_folder_created_into_another_users_folder_is_refused(tmp_path: Path, someone_else: int) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.getuid() == 0:
+        os.chown(theirs, someone_else + 1, -1)  # neither "this" user nor root
+    assert f"{theirs} belongs to user " in refused(theirs / "a" / "b")
+    assert not (theirs / "a").exists()  # nothing was created in it
+
+
+def test_root_may_own_the_folder_it_is_created_into(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--output /tmp/x`` as a user: /tmp is root's, sticky; the folders created in it are the user's."""
+    if os.geteuid() != 0:
+        pytest.skip("the tmp folder must be root's for this case")
+    real = os.stat(tmp_path).st_uid
+    claim_output(tmp_path / "mine", "r1").release()
+    monkeypatch.setattr(folder.os, "geteuid", lambda: real + 4242)
+    assert "mine belongs to user" in refused(tmp_path / "mine")  # existing now, and not this user's
+    out = tmp_path / "fresh"
+    with pytest.raises(UsageError, match=f"{out} belongs to user"):  # created, but as "another" uid
+        claim_output(out, "r1")
+
+
+@pytest.mark.parametrize("where", ["out", "parent"])
+def test_writable_by_every_user_without_the_sticky_bit_is_refused(tmp_path: Path, where: str) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    out = parent / "out"
+    if where == "out":
+        out.mkdir()
+    (out if where == "out" else parent).chmod(0o777)
+    message = refused(out)
+    assert "is writable by every user (and has no sticky bit)" in message and "chmod o-w" in message
+
+
+def test_sticky_and_group_writable_folders_are_fine(tmp_path: Path) -> None:
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    claim_output(sticky / "out", "r1").release()
+    group = tmp_path / "project"
+    group.mkdir()
+    group.chmod(0o2775)
+    claim_output(group / "runs" / "out", "r1").release()
+    claim_output(group / "runs" / "out", "r2").release()  # an existing folder of this user's: reused
+
+
+def test_a_planted_lock_link_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".multigpu.lock").symlink_to(victim)
+    refused(out)
+    assert victim.read_text() == "precious\n"
