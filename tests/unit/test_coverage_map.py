@@ -44,7 +44,6 @@ NOT_IMPORTED = {
     "multigpu.rank.guard": "a launcher's SIGKILL ends its ranks: integration/faults/test_faults.py",
     "multigpu.rank.program": "`--no-python` in integration/cli/test_no_python.py",
     "multigpu.rank.sentinel": "its own process, started in integration/faults/test_sentinel.py",
-    "multigpu.record.report_page": "the table and report.html in integration/cli/test_report_cmd.py",
     "multigpu.supervisor.control": "`stacks`, `status` on a live run: integration/cli/test_report_cmd.py",
     "multigpu.supervisor.run_updates": "inside every Supervisor: unit/supervisor/test_loop.py",
     "multigpu.supervisor.stack_dumps": "the hang tests of unit/supervisor/test_loop.py",
