@@ -6,9 +6,12 @@ node every process reads that same clock, so the times compare across the node's
 they would not (clocks differ by as much as the lateness sought), so each launcher judges its own node's
 ranks only. A rank's lateness at collective n is its entry time minus the median of the other ranks';
 its lateness is the median over the last ``WINDOW`` collectives every rank here entered, past the
-first ``WARMUP`` (start-up). The median keeps out what happens in a few steps only (a rank-0-only
-log line, a checkpoint one rank writes while the others wait); a pause on every rank moves no rank
-against the others.
+first ``WARMUP`` (start-up). The ranks' indices may stop naming the same collectives (a send or recv on
+the world group counts on its two ranks only): the others cannot enter the next collective before the
+last rank entered this one, so lateness of a whole step (``ALIGNED``), or lateness that drifts by a
+step from the window's first half to its second, says so, and nothing is judged. The median keeps
+out what happens in a few steps only (a rank-0-only log line, a checkpoint one rank writes while the
+others wait); a pause on every rank moves no rank against the others.
 
 Lateness is set against the others' own step: the job's step (the median step interval where the
 script reports steps, else measured from the entry times) less the lateness, the time they wait.
@@ -35,6 +38,8 @@ MIN_COLLECTIVES = 50
 """No judgement on fewer: the job's normal spread is not known yet."""
 WARMUP = 20
 """The job's first collectives (its start-up, the first steps) are never judged."""
+ALIGNED = 0.9
+"""Lateness over this share of the step is an index off by one, not a rank (it would be 10x slower)."""
 KEEP = 4 * WINDOW
 """Entry times kept per rank."""
 PAUSE = 10.0
@@ -81,13 +86,17 @@ def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = No
     window = sorted(k for k in common if k > WARMUP)[-WINDOW:]
     if len(window) < MIN_COLLECTIVES:
         return None
-    late = {}
+    late, halves = {}, {}
     for r, mine in entries.items():
         others = [times for q, times in entries.items() if q != r]
-        late[r] = statistics.median(mine[k] - statistics.median(t[k] for t in others) for k in window)
+        each = [mine[k] - statistics.median(t[k] for t in others) for k in window]
+        late[r] = statistics.median(each)
+        halves[r] = abs(statistics.median(each[:len(each) // 2]) - statistics.median(each[len(each) // 2:]))
     if step is None:
         step = step_from_entries([statistics.median(t[k] for t in entries.values()) for k in window])
-    return None if step is None else Lateness(late, step, len(window))
+    if step is None or max(halves.values()) > step or max(map(abs, late.values())) > ALIGNED * step:
+        return None  # the ranks' indices do not name the same collectives
+    return Lateness(late, step, len(window))
 
 
 @dataclass

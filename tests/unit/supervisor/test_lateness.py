@@ -185,3 +185,26 @@ def test_the_live_view_shows_how_late_each_rank_enters() -> None:
     b.ranks[0].late_s = b.ranks[1].late_s = None
     console.print(status_table(workers, live=False))
     assert LATE_COLUMN not in console.export_text()
+
+
+def test_indices_that_stop_naming_one_collective_are_not_judged() -> None:
+    """A send/recv on the world group counts on its two ranks only: rank 2's index runs ahead by one
+    every 10 steps, and its "lateness" drifts instead of holding."""
+    seen = entries(healthy, 3, 600)
+    shifted = {k + k // 10: t for k, t in enumerate(seen[2], 1)}
+    found = lateness({0: dict(enumerate(seen[0], 1)), 1: dict(enumerate(seen[1], 1)), 2: shifted})
+    assert found is None
+
+
+def test_an_index_off_by_one_on_some_ranks_is_not_a_straggler() -> None:
+    """One send/recv between ranks 0 and 1 early on: their collective k is rank 2's k - 1."""
+    seen = entries(healthy, 3, 400)
+    found = lateness({0: {k + 1: t for k, t in enumerate(seen[0], 1)},
+                      1: {k + 1: t for k, t in enumerate(seen[1], 1)}, 2: dict(enumerate(seen[2], 1))})
+    assert found is None
+
+
+def test_a_rank_three_times_slower_is_still_judged() -> None:
+    found = lateness({r: dict(enumerate(t, 1)) for r, t in
+                      enumerate(entries(lambda r, k, rng: 0.05 * (3 if r == 1 else 1), 3, 200))})
+    assert found is not None and found.late[1] == pytest.approx(0.1, abs=0.006)
