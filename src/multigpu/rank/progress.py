@@ -68,15 +68,12 @@ def attach(fd: int) -> None:
     watch_collectives()
 
 
-def _groups() -> tuple[object | None, list[object]]:
-    """(the world group, every live process group); (None, []) before torch's process group exists
-    (nothing is imported here: a rank without torch pays nothing)."""
+def _groups() -> list[object]:
+    """Every live process group; none before torch's process group exists (nothing is imported here:
+    a rank without torch pays nothing)."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    world = getattr(c10d, "_world", None)
-    groups = getattr(world, "pg_map", None)
-    if not groups:
-        return None, []
-    return getattr(world, "default_pg", None), list(groups)  # a copy: the main thread may change them
+    groups = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return list(groups) if groups else []  # a copy: the main thread may add or destroy groups meanwhile
 
 
 def _entered(group: object) -> int:
@@ -86,7 +83,7 @@ def _entered(group: object) -> int:
 def collectives_entered() -> int | None:
     """The collectives this process has entered, over every live process group; None before torch's
     process group exists."""
-    _, groups = _groups()
+    groups = _groups()
     if not groups:
         return None
     total = 0
@@ -97,8 +94,10 @@ def collectives_entered() -> int | None:
 
 
 def world_entered() -> int | None:
-    """The collectives this process has entered in the world group; None without one."""
-    world, _ = _groups()
+    """The collectives this process has entered in the world group; None without one (no copy of the
+    group map: this runs every ``ENTRY_POLL_S`` while sampling)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(getattr(c10d, "_world", None), "default_pg", None)
     if world is None:
         return None
     try:
