@@ -8,8 +8,12 @@ all_reduce calls of one float in every mode, the modes interleaved so that drift
 falls on all of them alike:
 
 * ``off``: no watch thread (a rank without multigpu's bootstrap);
-* ``on``: the watch thread as every rank runs it (a look every ``COLLECTIVES_EVERY_S``);
-* ``stress``: the thread looking every millisecond, 250x as often, to make any cost visible;
+* ``on``: the watch thread as every rank runs it (a beat every ``COLLECTIVES_EVERY_S``, and a look
+  at the world group every ``ENTRY_POLL_S`` during one second in ``SAMPLE_EVERY_S``: entry times for
+  the launcher's straggler detection);
+* ``sampling``: the thread in its sampling second all the time (a look every 5 ms, the cost during
+  that second);
+* ``stress``: the thread looking every millisecond all the time, to make any cost visible;
 * ``wrapped``: no thread, ``dist.all_reduce`` wrapped in Python to count calls (the alternative
   design, which would also miss the collectives torch issues from C++, DDP's among them).
 
@@ -46,13 +50,17 @@ def rank_main(calls: int, rounds: int) -> None:
     read, write = os.pipe()
     os.set_blocking(write, False)
     t = torch.ones(1)
-    per_call: dict[str, list[float]] = {"off": [], "on": [], "stress": [], "wrapped": []}
+    per_call: dict[str, list[float]] = {"off": [], "on": [], "sampling": [], "stress": [], "wrapped": []}
+    every = progress.SAMPLE_EVERY_S, progress.SAMPLE_FOR_S
 
-    def watch(every_s: float | None) -> threading.Thread | None:
+    def watch(mode: str) -> threading.Thread | None:
         progress._fd, progress._owner, progress._looked = write, os.getpid(), True
-        if every_s is None:
+        looks = {"on": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S),
+                 "sampling": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S), "stress": (0.001, 0.001)}
+        if mode not in looks:
             return None
-        thread = threading.Thread(target=progress._watch_collectives, args=(every_s,), daemon=True)
+        progress.SAMPLE_FOR_S = every[0] if mode != "on" else every[1]  # always sampling, or as ranks do
+        thread = threading.Thread(target=progress._watch_collectives, args=looks[mode], daemon=True)
         thread.start()
         return thread
 
@@ -60,7 +68,7 @@ def rank_main(calls: int, rounds: int) -> None:
         dist.all_reduce(t)
     for _ in range(rounds):
         for mode in per_call:
-            thread = watch({"on": progress.COLLECTIVES_EVERY_S, "stress": 0.001}.get(mode))
+            thread = watch(mode)
             call = counted if mode == "wrapped" else original
             dist.barrier()
             for _ in range(calls):

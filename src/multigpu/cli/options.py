@@ -101,6 +101,10 @@ class RunOptions:
         "{hang_factor})")
     hang_floor: str | None = _text(
         ("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})")
+    straggler_threshold: str | None = _text(
+        ("--straggler-threshold",), "F", "name a rank that enters collectives after this node's other "
+        "ranks by more than F of their step (default {straggler_threshold}: the job runs 20% slower for "
+        "it); 0: no straggler detection")
     debug_server: str | None = _text(
         ("--debug-server",), "[HOST:]PORT", "serve torch's debug server (every rank's stacks, flight record, "
         "store) on PORT of rank 0's node, on loopback unless HOST is given (0.0.0.0: every interface, for "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import secrets
 import shutil
@@ -46,6 +47,20 @@ def _factor(value: str) -> float:
         number = 0.0
     if not number >= 1:
         raise UsageError(f"--hang-factor must be a number of at least 1, got {value!r}")
+    return number
+
+
+def _threshold(value: str | None) -> float:
+    """--straggler-threshold: a share of the step, 0 (off) or more."""
+    if value is None:
+        return HangConfig.straggler_threshold
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number < math.inf:
+        raise UsageError(f"--straggler-threshold must be a number of at least 0 (a share of the step, "
+                         f"0: off), got {value!r}")
     return number
 
 
@@ -192,7 +207,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         nproc=nproc,
         gpus=gpus,
         supervision=SupervisionConfig(grace_period=grace, max_restarts=max_restarts),
-        hang=HangConfig(timeout=hang_timeout, factor=factor, floor=floor),
+        hang=HangConfig(timeout=hang_timeout, factor=factor, floor=floor,
+                        straggler_threshold=_threshold(values.straggler_threshold)),
         output=OutputConfig(dir=Path(values.output) if values.output else None, run_id=values.run_id,
                             status=status),
         start=StartConfig(run_mode=run_mode),

@@ -50,7 +50,8 @@ class RunParser(Parser):
 HELP_DEFAULTS: dict[str, tuple[type[Any], str]] = {
     "grace_period": (SupervisionConfig, "grace_period"), "rdzv_timeout": (RendezvousConfig, "timeout"),
     "max_restarts": (SupervisionConfig, "max_restarts"), "role": (StartConfig, "role"),
-    "hang_factor": (HangConfig, "factor"), "hang_floor": (HangConfig, "floor")}
+    "hang_factor": (HangConfig, "factor"), "hang_floor": (HangConfig, "floor"),
+    "straggler_threshold": (HangConfig, "straggler_threshold")}
 """The defaults ``--help`` quotes, by the name its text uses, and where each is written."""
 
 

@@ -68,6 +68,9 @@ class HangConfig:
     """``--hang-timeout``: the ceiling, and the timeout before a rank reports its first step."""
     factor: float = 5.0
     floor: float = 60.0
+    straggler_threshold: float = 0.2
+    """``--straggler-threshold``: a rank that enters collectives this share of the others' step after
+    them is named a straggler (the job runs that much slower for it); 0: no straggler detection."""
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,27 @@ report is a few bytes; a write under ``PIPE_BUF`` is atomic, so records never in
     B<name>;     a section begins                 !    the rank is failing (function mode)
     E<name>=<s>; a section ended after s seconds  F    a flight-recorder dump was written
     C<n>;        n collectives entered so far     T    the stacks were written to stderr
+    K<n>@<t>;    the world group's collective n was first seen entered at t (CLOCK_MONOTONIC seconds)
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED, STACKS = b".", b"o", b"D", b"!", b"F", b"T"
 
 
-STEP, BEGIN, END, COLLECTIVES = "S", "B", "E", "C"
+STEP, BEGIN, END, COLLECTIVES, ENTERED = "S", "B", "E", "C", "K"
 
 
 _SINGLE = {HEARTBEAT[0]: "beat", OUTPUT[0]: "output", DONE[0]: "done", FAILING[0]: "failing",
            DUMPED[0]: "dumped", STACKS[0]: "stacks"}
 
 
-_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end", ord(COLLECTIVES): "collectives"}
+_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end", ord(COLLECTIVES): "collectives",
+           ord(ENTERED): "entered"}
 
 
 MAX_NAME = 64
@@ -45,12 +48,13 @@ def clean_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class Beat:
-    """One decoded report: ``kind`` is beat, output, done, failing, dumped, stacks, step, begin, end or
-    collectives."""
+    """One decoded report: ``kind`` is beat, output, done, failing, dumped, stacks, step, begin, end,
+    collectives or entered (``index``: the collective, ``value``: when)."""
 
     kind: str
     name: str = ""
     value: float = 0.0
+    index: int = 0
 
 
 class BeatDecoder:
@@ -91,6 +95,10 @@ def _record(kind: str, body: str) -> Beat | None:
     try:
         if kind in ("step", "collectives"):
             return Beat(kind, value=float(int(body)))
+        if kind == "entered":
+            index, _, when = body.partition("@")
+            at = float(when)
+            return Beat("entered", value=at, index=int(index)) if math.isfinite(at) else None
         if kind == "end":
             name, _, seconds = body.rpartition("=")
             return Beat("end", name, max(0.0, float(seconds)))

@@ -18,6 +18,13 @@ all-reduce never passes through Python), and beats the total when it moved. Read
 a fraction of a microsecond per group per look and nothing per collective; gloo has no completion
 hook, and its flight record has no completion times and costs ~22 ms to dump.
 
+The same thread stamps when the rank enters collectives, for the launcher's straggler detection
+(``supervisor/lateness.py``): it reads the world group's count every ``ENTRY_POLL_S`` during one
+second in three (``SAMPLE_EVERY_S``) and, when it reached n, notes ``time.monotonic()`` (n was
+entered since the previous look), sent with the next beat as ``K<n>@<t>;``. Every process on a node
+reads the same CLOCK_MONOTONIC, so the launcher compares these times across its node's ranks; only the
+world group's collectives have one index on every rank.
+
 The bytes themselves are ``contract/beats.py``'s: that module is the protocol and its one reader.
 Runs in the rank.
 """
@@ -31,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from multigpu.contract.beats import BEGIN, COLLECTIVES, END, HEARTBEAT, OUTPUT, STEP, clean_name
+from multigpu.contract.beats import BEGIN, COLLECTIVES, END, ENTERED, HEARTBEAT, OUTPUT, STEP, clean_name
 from multigpu.contract.names import HEARTBEAT_FD_ENV
 
 _fd: int | None = None
@@ -42,7 +49,14 @@ _looked = False
 DONE_WAIT_S = 1.0
 """How long a beat that must arrive ("done", "dumped") may wait for room on a full pipe."""
 COLLECTIVES_EVERY_S = 0.25
-"""How often the rank's collective counter is read: well under the shortest hang timeout (a second)."""
+"""How often the rank's collective counter is beaten: well under the shortest hang timeout (a second)."""
+ENTRY_POLL_S = 0.005
+"""How often the world group's count is read: the resolution of a collective's entry time."""
+SAMPLE_EVERY_S, SAMPLE_FOR_S = 3.0, 1.0
+"""Entry times are taken in the first second of every 3 of the node's monotonic clock, the same
+seconds on every rank of the node: a third of the looks (a 5 ms look costs ~40 us of a core)."""
+ENTRIES_PER_BEAT = 40
+"""Entry times sent with one beat at most (the latest): one write stays far under ``PIPE_BUF``."""
 
 
 def attach(fd: int) -> None:
@@ -54,36 +68,85 @@ def attach(fd: int) -> None:
     watch_collectives()
 
 
+def _groups() -> list[object]:
+    """Every live process group; none before torch's process group exists (nothing is imported here:
+    a rank without torch pays nothing)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    groups = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return list(groups) if groups else []  # a copy: the main thread may add or destroy groups meanwhile
+
+
+def _entered(group: object) -> int:
+    return int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+
+
 def collectives_entered() -> int | None:
     """The collectives this process has entered, over every live process group; None before torch's
-    process group exists (nothing is imported here: a rank without torch pays nothing)."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    world = getattr(c10d, "_world", None)
-    groups = getattr(world, "pg_map", None)
+    process group exists."""
+    groups = _groups()
     if not groups:
         return None
     total = 0
-    for group in list(groups):  # a copy: the main thread may add or destroy groups meanwhile
+    for group in groups:
         with contextlib.suppress(Exception):  # a group torn down under us counts nothing
-            total += int(group._get_sequence_number_for_group())
+            total += _entered(group)
     return total
 
 
-def watch_collectives(every_s: float = COLLECTIVES_EVERY_S) -> None:
-    """Start the thread that beats ``C<n>;`` whenever the number of collectives entered changed. Started
-    by ``attach``, after the bootstrap blocked the dump signal, so the thread inherits the block."""
-    threading.Thread(target=_watch_collectives, args=(every_s,), name="multigpu-collectives",
+def world_entered() -> int | None:
+    """The collectives this process has entered in the world group; None without one (no copy of the
+    group map: this runs every ``ENTRY_POLL_S`` while sampling)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(getattr(c10d, "_world", None), "default_pg", None)
+    if world is None:
+        return None
+    try:
+        return _entered(world)
+    except Exception:  # torn down under us
+        return None
+
+
+def watch_collectives(every_s: float = COLLECTIVES_EVERY_S, poll_s: float = ENTRY_POLL_S) -> None:
+    """Start the thread that beats ``C<n>;`` whenever the number of collectives entered changed, and the
+    world group's entry times. Started by ``attach``, after the bootstrap blocked the dump signal, so
+    the thread inherits the block."""
+    threading.Thread(target=_watch_collectives, args=(every_s, poll_s), name="multigpu-collectives",
                      daemon=True).start()
 
 
-def _watch_collectives(every_s: float) -> None:
-    last = None
+def _watch_collectives(every_s: float, poll_s: float) -> None:
+    last: int | None = None
+    seen: int | None = None
+    looked_at = beat_at = time.monotonic()
+    entries: list[str] = []
     while heartbeat_fd() is not None:
-        time.sleep(every_s)
+        time.sleep(_pause(time.monotonic(), every_s, poll_s))
+        now = time.monotonic()
+        world = world_entered()
+        if world is not None and world != seen:
+            if seen is not None and now - looked_at <= 4 * poll_s:  # else: entered when, since long ago?
+                entries.append(f"{ENTERED}{world}@{now:.6f};")
+            seen = world
+        looked_at = now
+        if now - beat_at < every_s:
+            continue
+        beat_at = now
         count = collectives_entered()
+        message = "".join(entries[-ENTRIES_PER_BEAT:])
+        entries.clear()
         if count is not None and count != last:
             last = count
-            send(f"{COLLECTIVES}{count};".encode())
+            message += f"{COLLECTIVES}{count};"
+        if message:
+            send(message.encode())
+
+
+def _pause(now: float, every_s: float, poll_s: float) -> float:
+    """``poll_s`` inside a sampling second (``SAMPLE_FOR_S`` of every ``SAMPLE_EVERY_S`` of the node's
+    monotonic clock: every rank of the node samples the same collectives), else to the next beat or
+    sampling second."""
+    phase = now % SAMPLE_EVERY_S
+    return poll_s if phase < SAMPLE_FOR_S else min(every_s, SAMPLE_EVERY_S - phase)
 
 
 def heartbeat_fd() -> int | None:

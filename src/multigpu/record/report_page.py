@@ -2,12 +2,14 @@
 with a per-rank timeline of every attempt. Runs in the shell of whoever asks (no launcher needed).
 
 The page holds no script and fetches nothing from a network: each rank's life is an SVG bar,
-coloured by how it ended, with each incident's moments marked on it.
+coloured by how it ended, with each incident's moments marked on it and an orange band while the
+rank was a straggler.
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,7 @@ def timeline_svg(data: dict[str, Any]) -> str:
                          f'width="{max(x(end) - x(r["start_time"]), 2):.1f}" height="{row - 10}" '
                          f'fill="{colour}"><title>attempt {attempt["attempt"]}: rank {rank} '
                          f'{html.escape(r.get("state", ""))}</title></rect>')
+            parts.extend(_straggling(attempt, rank, end, i * row, x))
     bottom = row * len(ranks) + 10
     for item in data.get("incidents") or []:
         parts.append(f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
@@ -88,6 +91,20 @@ def timeline_svg(data: dict[str, Any]) -> str:
     parts.append(f'<text x="{left}" y="{bottom + 24}" font-size="12">0 s</text>'
                  f'<text x="{width - 70}" y="{bottom + 24}" font-size="12">{t1 - t0:.1f} s</text></svg>')
     return "".join(parts)
+
+
+def _straggling(attempt: dict[str, Any], rank: int, end: float, top: float,
+                x: Callable[[float], float]) -> list[str]:
+    """An orange band inside the rank's bar while it was a straggler (``progress.straggling``)."""
+    progress = (attempt.get("progress") or {}).get(str(rank)) or {}
+    bands = []
+    for span in progress.get("straggling") or []:
+        until = span.get("end_time") or end
+        title = html.escape(progress.get("straggler") or f"rank {rank} was a straggler")
+        bands.append(f'<rect class="straggler" x="{x(span["start_time"]):.1f}" y="{top + 10}" '
+                     f'width="{max(x(until) - x(span["start_time"]), 2):.1f}" height="10" '
+                     f'fill="#ff9800"><title>{title}</title></rect>')
+    return bands
 
 
 def page(data: dict[str, Any]) -> str:

@@ -41,6 +41,9 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
     columns = ["rank", "pid", "device", "state", "run time", "quiet for", "memory"]
     if steps:  # only for loops that report steps: the table stays narrow otherwise
         columns.insert(6, STEP_COLUMN)
+    late = any(w.progress is not None and w.progress.late_s is not None for w in workers)
+    if late:  # once collective entry times are judged (``supervisor/lateness.py``)
+        columns.insert(columns.index("memory"), LATE_COLUMN)
     if bars:
         columns.append("progress")
     for col in columns:
@@ -55,6 +58,8 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
                  _rss_mib(w.pid) if (live and w.alive) else "-"]
         if steps:
             cells.insert(6, step_cell(p))
+        if late:
+            cells.insert(len(cells) - 1, late_cell(p))
         if bars:
             cells.append(Text(bars.get(w.rank, ""), no_wrap=True))
         table.add_row(*cells)
@@ -72,6 +77,19 @@ def step_cell(p: RankProgress | None) -> str:
     if median is None:
         return str(p.step)
     return f"{p.step} ({_short(median)}/{_short(max(p.intervals))})"
+
+
+LATE_COLUMN = "enters late"
+
+
+def late_cell(p: RankProgress | None) -> Any:
+    """How late the rank enters collectives against its node's other ranks; red for a straggler."""
+    from rich.text import Text
+
+    if p is None or p.late_s is None:
+        return "-"
+    text = f"{p.late_s * 1e3:+.0f}ms"
+    return Text(f"{text} straggler", style="bold red") if p.straggling else text
 
 
 def _short(seconds: float) -> str:

@@ -37,6 +37,7 @@ from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
 from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.supervisor.culprit import find_culprits
+from multigpu.supervisor.lateness import LatenessWatch
 from multigpu.supervisor.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
 from multigpu.supervisor.stragglers import find_stragglers
@@ -63,6 +64,9 @@ class HangPolicy:
     """Step intervals seen in this attempt before its own numbers are trusted."""
     straggler_ratio: float = 1.5
     straggler_window: int = 20
+    straggler_threshold: float = HangConfig.straggler_threshold
+    """``--straggler-threshold``: collective lateness named past this share of the step; 0: no
+    straggler detection at all."""
 
     def clamp(self, seconds: float) -> float:
         value = max(self.floor, self.factor * seconds)
@@ -109,13 +113,16 @@ class ProgressBook:
         self._saved_at = -math.inf
         self._straggler_at = -math.inf
         self.stragglers: dict[int, str] = {}
+        self.lateness = LatenessWatch(policy.straggler_threshold)
 
     # ---- feeding -----------------------------------------------------------------------------------
 
-    def started(self, rank: int, now: float | None = None) -> RankProgress:
+    def started(self, rank: int, now: float | None = None, pid: int | None = None,
+                node: int = 0) -> RankProgress:
         """The rank's process started: its progress starts afresh (its record, for ``Worker.progress``)."""
         now = self._clock() if now is None else now
-        self.ranks[rank] = progress = RankProgress(rank, now, now)
+        self.ranks[rank] = progress = RankProgress(rank, now, now, pid=pid, node=node)
+        self.lateness.entries.pop(rank, None)
         return progress
 
     def output(self, rank: int, now: float | None = None) -> None:
@@ -154,6 +161,8 @@ class ProgressBook:
                 p.section, p.last_progress = beat.name, now
             elif beat.kind == "end":
                 self._section_end(p, beat.name, beat.value, now)
+            elif beat.kind == "entered":
+                self.lateness.note(rank, beat.index, beat.value)
             elif beat.kind == "done":
                 p.finished = True
 
@@ -280,7 +289,9 @@ class ProgressBook:
     # ---- stragglers, persistence, stats -------------------------------------------------------------
 
     def _check_stragglers(self, running: list[int], now: float) -> None:
-        if now - self._straggler_at < STRAGGLER_EVERY_S or len(running) < 2:
+        """Steps and sections (``stragglers.py``) and collective entry times (``lateness.py``)."""
+        if now - self._straggler_at < STRAGGLER_EVERY_S or len(running) < 2 \
+                or self.policy.straggler_threshold <= 0:
             return
         self._straggler_at = now
         for rank, line in find_stragglers(self.ranks, self.policy.straggler_window,
@@ -288,6 +299,11 @@ class ProgressBook:
             if rank not in self.stragglers:
                 self.stragglers[rank] = line
                 self._notify(line)
+        for rank, line in self.lateness.check(self.ranks, [r for r in running if not self.ranks[r].finished],
+                                              now + self._wall_offset):
+            if self.lateness.straggling(rank) is not None:
+                self.stragglers[rank] = line
+            self._notify(line)
 
     def maybe_save(self, now: float, force: bool = False) -> None:
         if self._store is None or not self._dirty:
@@ -305,6 +321,10 @@ class ProgressBook:
             data["hang_timeout_s"] = rounded(limit.seconds) if limit is not None else None
             if r in self.stragglers:
                 data["straggler"] = self.stragglers[r]
+            if p.late_s is not None:
+                data["collective_late_s"] = rounded(p.late_s)
+            if r in self.lateness.straggles:
+                data["straggling"] = [s.record() for s in self.lateness.straggles[r]]
             out[str(r)] = data
         return out
 
@@ -341,6 +361,7 @@ def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpe
     the output folder (shared by every attempt and every requeue that writes there)."""
     from multigpu.console.writer import say_on_stderr
 
-    policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor)
+    policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor,
+                        straggler_threshold=config.hang.straggler_threshold)
     return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
                         notify=notify or say_on_stderr)

@@ -79,7 +79,7 @@ class Supervisor:
             for worker in self.workers:
                 spawning.bring_up(worker, self._spawner, self._output, self._events, now, self.hooks.guard)
                 self._news.changed(worker)
-                worker.progress = self.progress.started(worker.rank, now)
+                worker.progress = self.progress.started(worker.rank, now, worker.pid, worker.spec.node)
         except BaseException:
             self.close(grace_period=0)
             raise

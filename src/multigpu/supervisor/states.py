@@ -106,6 +106,11 @@ class RankProgress:
     section: str | None = None
     section_times: dict[str, deque[float]] = field(default_factory=dict)
     finished: bool = False
+    pid: int | None = None
+    node: int = 0
+    late_s: float | None = None
+    """How late it enters collectives against the node's other ranks (``lateness.py``), when known."""
+    straggling: bool = False
 
     @property
     def reports_steps(self) -> bool:

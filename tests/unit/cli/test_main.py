@@ -54,6 +54,12 @@ def test_defaults_without_gpu_are_one_cpu_worker_with_a_note(script: str) -> Non
     assert config.hang.timeout is None
 
 
+def test_straggler_threshold_is_a_share_of_the_step_0_for_off(script: str) -> None:
+    assert parse(["--cpu", "2", script]).hang.straggler_threshold == 0.2
+    assert parse(["--cpu", "2", "--straggler-threshold", "0.3", script]).hang.straggler_threshold == 0.3
+    assert parse(["--cpu", "2", "--straggler-threshold", "0", script]).hang.straggler_threshold == 0
+
+
 def test_cpu_workers(script: str) -> None:
     config, note = parse_run_args(["--cpu", "3", script], {})
     assert (config.device, config.nproc, config.world_size, note) == ("cpu", 3, 3, None)
@@ -179,6 +185,8 @@ def test_gpus_on_a_machine_without_gpu_says_use_cpu(script: str) -> None:
     (["--grace-period", "-1", "{script}"], "--grace-period"),
     (["--rdzv-timeout", "0", "{script}"], "--rdzv-timeout"),
     (["--max-restarts", "x", "{script}"], "--max-restarts"),
+    (["--straggler-threshold", "-0.1", "{script}"], "--straggler-threshold must be a number of at least 0"),
+    (["--straggler-threshold", "x", "{script}"], "--straggler-threshold"),
     (["--cpu", "1", "--rdzv-endpoint", "10.0.0.1:0", "{script}"], "port 0"),
     # an abbreviation is not silently taken for the full option (it would eat the script's name)
     (["--out", "dir", "{script}"], "--out"),

@@ -94,3 +94,42 @@ def test_without_the_variable_there_is_no_descriptor(monkeypatch: pytest.MonkeyP
     assert progress.heartbeat_fd() is None
     assert not progress.send(b"S1;")
     progress.heartbeat(step=1)  # and does not raise
+
+
+def test_the_thread_stamps_when_the_world_group_entered_collectives(pipe: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``K<n>@<t>;``: the world group's count seen at n, on this process's monotonic clock."""
+    import sys
+    import time
+    import types
+
+    class Group:
+        seq = 0
+
+        def _get_sequence_number_for_group(self) -> int:
+            return self.seq
+
+    world = Group()
+    c10d = types.SimpleNamespace(_world=types.SimpleNamespace(pg_map={world: None}, default_pg=world))
+    monkeypatch.setitem(sys.modules, "torch.distributed.distributed_c10d", c10d)
+    monkeypatch.setattr(progress, "SAMPLE_FOR_S", progress.SAMPLE_EVERY_S)  # always sampling
+    assert progress.world_entered() == 0
+    progress.watch_collectives(every_s=0.05, poll_s=0.002)
+    time.sleep(0.05)
+    before = time.monotonic()
+    for _ in range(5):
+        world.seq += 1
+        time.sleep(0.02)
+    after = time.monotonic()
+    time.sleep(0.15)
+    beats = BeatDecoder().feed(os.read(pipe, 65536))
+    entered = [b for b in beats if b.kind == "entered"]
+    assert {b.index for b in entered} == {1, 2, 3, 4, 5}, beats  # the fixture's own thread may say so too
+    assert all(before <= b.value <= after + 0.01 for b in entered)
+    assert Beat("collectives", value=5.0) in beats
+
+
+def test_entry_times_are_taken_in_the_same_second_of_three_on_every_rank() -> None:
+    assert progress._pause(3000.5, 0.25, 0.005) == 0.005
+    assert progress._pause(3001.5, 0.25, 0.005) == 0.25
+    assert progress._pause(3002.9, 0.25, 0.005) == pytest.approx(0.1)

@@ -1,0 +1,174 @@
+"""Stragglers from collective entry times: the rank the others wait for, named with no script change.
+
+Every rank's progress thread (``rank/progress.py``) notes, on the node's CLOCK_MONOTONIC, when it first
+saw the world group's collective count reach n (to within its 5 ms look) and beats ``K<n>@<t>;``. On one
+node every process reads that same clock, so the times compare across the node's ranks; across hosts
+they would not (clocks differ by as much as the lateness sought), so each launcher judges its own node's
+ranks only. A rank's lateness at collective n is its entry time minus the median of the other ranks';
+its lateness is the median over the last ``WINDOW`` collectives every rank here entered, past the
+first ``WARMUP`` (start-up). The ranks' indices may stop naming the same collectives (a send or recv on
+the world group counts on its two ranks only): the others cannot enter the next collective before the
+last rank entered this one, so lateness of a whole step (``ALIGNED``), or lateness that drifts by a
+step from the window's first half to its second, says so, and nothing is judged. The median keeps
+out what happens in a few steps only (a rank-0-only log line, a checkpoint one rank writes while the
+others wait); a pause on every rank moves no rank against the others.
+
+Lateness is set against the others' own step: the job's step (the median step interval where the
+script reports steps, else measured from the entry times) less the lateness, the time they wait.
+A rank late by more than ``threshold`` of that (``--straggler-threshold``, 0.2: the job runs 20%
+slower for it) and by ``STRAGGLER_MIN_GAP_S`` is a straggler, until it falls under half of that.
+
+Runs in the launcher (and function mode's caller), inside ``hang.ProgressBook``; pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from multigpu.supervisor.states import RankProgress, rounded
+from multigpu.supervisor.stragglers import STRAGGLER_MIN_GAP_S
+
+WINDOW = 300
+"""Collectives judged: the latest this many that every rank here entered."""
+MIN_COLLECTIVES = 50
+"""No judgement on fewer: the job's normal spread is not known yet."""
+WARMUP = 20
+"""The job's first collectives (its start-up, the first steps) are never judged."""
+ALIGNED = 0.9
+"""Lateness over this share of the step is an index off by one, not a rank (it would be 10x slower)."""
+KEEP = 4 * WINDOW
+"""Entry times kept per rank."""
+PAUSE = 10.0
+"""A gap this many times the usual step is a pause (a checkpoint, an evaluation): not part of a step."""
+
+
+def step_from_entries(times: list[float]) -> float | None:
+    """The job's step from the times (in order) at which collectives were entered: the span over the
+    number of step-sized gaps (at least half the 90th percentile), so that several collectives in
+    one step (DDP's buckets) count once, and pauses left out."""
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    if not gaps:
+        return None
+    high = sorted(gaps)[int(0.9 * (len(gaps) - 1))]
+    steps = [g for g in gaps if g >= 0.5 * high]
+    usual = statistics.median(steps) if steps else 0.0
+    if usual <= 0:
+        return None
+    kept = [g for g in gaps if g <= PAUSE * usual]
+    return sum(kept) / sum(1 for g in kept if g >= 0.5 * high)
+
+
+@dataclass(frozen=True)
+class Lateness:
+    """One judgement: every rank's median lateness (seconds), the step it is set against, over how
+    many collectives."""
+
+    late: dict[int, float]
+    step: float
+    count: int
+
+    def share(self, rank: int) -> float:
+        """The rank's lateness against the others' own step (their step less their wait)."""
+        own = self.step - self.late[rank]
+        return self.late[rank] / own if own > 0 else float("inf")
+
+
+def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = None) -> Lateness | None:
+    """Judge ``entries`` (rank -> collective index -> entry time); ``step`` where the script reports
+    one; None with fewer than 2 ranks or ``MIN_COLLECTIVES`` collectives they all entered."""
+    if len(entries) < 2:
+        return None
+    common = set.intersection(*(set(times) for times in entries.values()))
+    window = sorted(k for k in common if k > WARMUP)[-WINDOW:]
+    if len(window) < MIN_COLLECTIVES:
+        return None
+    late, halves = {}, {}
+    for r, mine in entries.items():
+        others = [times for q, times in entries.items() if q != r]
+        each = [mine[k] - statistics.median(t[k] for t in others) for k in window]
+        late[r] = statistics.median(each)
+        halves[r] = abs(statistics.median(each[:len(each) // 2]) - statistics.median(each[len(each) // 2:]))
+    if step is None:
+        step = step_from_entries([statistics.median(t[k] for t in entries.values()) for k in window])
+    if step is None or max(halves.values()) > step or max(map(abs, late.values())) > ALIGNED * step:
+        return None  # the ranks' indices do not name the same collectives
+    return Lateness(late, step, len(window))
+
+
+@dataclass
+class Straggle:
+    """One span of a rank's straggling: when it began and ended (wall clock), how late it was."""
+
+    start: float
+    late_s: float
+    share: float
+    count: int
+    end: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"start_time": self.start, "end_time": self.end, "late_s": rounded(self.late_s),
+                "late_share": rounded(self.share), "collectives": self.count}
+
+
+@dataclass
+class LatenessWatch:
+    """Entry times of this node's ranks, and the straggles found in them (``threshold`` 0: none)."""
+
+    threshold: float
+    entries: dict[int, dict[int, float]] = field(default_factory=dict)
+    straggles: dict[int, list[Straggle]] = field(default_factory=dict)
+
+    def note(self, rank: int, index: int, when: float) -> None:
+        if self.threshold <= 0:
+            return
+        times = self.entries.setdefault(rank, {})
+        times[index] = when
+        if len(times) > KEEP:
+            del times[next(iter(times))]
+
+    def check(self, ranks: Mapping[int, RankProgress], running: list[int],
+              wall: float) -> list[tuple[int, str]]:
+        """Judge the running ranks' latest collectives; the lines to say (rank, line): a straggler
+        found, or one no longer."""
+        here = {r: self.entries[r] for r in running if r in self.entries}
+
+        steps = [m for r in running if (m := ranks[r].median_interval()) is not None]
+        found = lateness(here, statistics.median(steps) if steps else None) if self.threshold > 0 else None
+        if found is None:
+            return []
+        lines = []
+        for r, late in found.late.items():
+            ranks[r].late_s, share = late, found.share(r)
+            open_span = self.straggling(r)
+            if open_span is None and late >= STRAGGLER_MIN_GAP_S and share > self.threshold:
+                self.straggles.setdefault(r, []).append(Straggle(wall, late, share, found.count))
+                ranks[r].straggling = True
+                lines.append((r, f"{_who(ranks[r])} is a straggler: it enters collectives {_ms(late)} "
+                             f"({share:.0%}) after the others, over the last {found.count}; the job runs "
+                             f"at the pace of its slowest rank"))
+            elif open_span is not None and (late < STRAGGLER_MIN_GAP_S / 2 or share < self.threshold / 2):
+                open_span.end = wall
+                ranks[r].straggling = False
+                lines.append((r, f"{_who(ranks[r])} is no longer a straggler: it enters collectives "
+                             f"{_ms(late)} ({share:.0%}) after the others, over the last {found.count} "
+                             f"(it was one for {wall - open_span.start:.0f}s)"))
+            elif open_span is not None:
+                open_span.late_s, open_span.share = max(open_span.late_s, late), max(open_span.share, share)
+        return lines
+
+    def straggling(self, rank: int) -> Straggle | None:
+        spans = self.straggles.get(rank)
+        return spans[-1] if spans and spans[-1].end is None else None
+
+
+def _who(p: RankProgress) -> str:
+    pid = f", pid {p.pid}" if p.pid is not None else ""
+    return f"rank {p.rank} (node {p.node}{pid})"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"

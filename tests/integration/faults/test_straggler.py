@@ -1,0 +1,69 @@
+"""A slow rank named from when the ranks enter their collectives, with no change to the script: two
+CPU ranks on gloo, 50 ms steps with an all_reduce each, rank 1 taking 20 ms more per step (the job runs
+40% slower). The launcher says so while the job runs, and run.json keeps the span. A healthy job of the
+same shape, with noisy steps, a pause on every rank and rank-0-only logging in a few steps, is not named."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli, write_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
+
+JOB = """
+import random, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+slow = float(sys.argv[1])
+t = torch.ones(4)
+for step in range(int(sys.argv[2])):
+    time.sleep(random.uniform(0.035, 0.065) if slow == 0 else 0.05)
+    if rank == 1:
+        time.sleep(slow)
+    if slow == 0 and step % 100 == 99:
+        time.sleep(1.0)  # a checkpoint, every rank
+    if slow == 0 and rank == 0 and step % 20 == 0:
+        time.sleep(0.03)  # logging, on rank 0 only
+    dist.all_reduce(t)
+print("done", rank, flush=True)
+"""
+
+
+def run(tmp_path: Path, slow: float, steps: int) -> tuple[str, dict[str, dict[str, object]]]:
+    job = write_script(tmp_path, "job.py", JOB)
+    out = tmp_path / "out"
+    res = run_cli(["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), str(slow),
+                   str(steps)], cwd=tmp_path, timeout=100)
+    assert res.returncode == 0, res.stderr
+    data = json.loads((out / "run.json").read_text())
+    return res.stderr, data["attempts"][-1]["progress"]
+
+
+def test_a_rank_40_percent_slower_is_named_while_the_job_runs(tmp_path: Path) -> None:
+    stderr, progress = run(tmp_path, 0.02, 450)
+    lines = [line for line in stderr.splitlines() if "straggler" in line]
+    assert len(lines) == 1, stderr
+    assert re.fullmatch(r"multigpu: rank 1 \(node 0, pid \d+\) is a straggler: it enters collectives "
+                        r"(\d+) ms \((\d+)%\) after the others, over the last \d+; the job runs at the pace "
+                        r"of its slowest rank", lines[0]), lines[0]
+    late, share = map(int, re.findall(r"collectives (\d+) ms \((\d+)%\)", lines[0])[0])
+    assert 12 <= late <= 35 and 20 <= share <= 80, lines[0]
+    span = progress["1"]["straggling"][0]  # type: ignore[index]
+    first = min(p["last_progress_time"] for p in progress.values())  # type: ignore[index]
+    assert span["start_time"] < first - 5  # named well before the end (the job takes ~32 s)
+    assert "straggling" not in progress["0"]
+
+
+def test_a_healthy_job_is_not_named(tmp_path: Path) -> None:
+    stderr, progress = run(tmp_path, 0.0, 400)
+    assert "straggler" not in stderr, stderr
+    assert all("straggling" not in p for p in progress.values())
+    assert all(abs(p["collective_late_s"]) < 0.01 for p in progress.values()), progress  # type: ignore[arg-type]
