@@ -15,7 +15,7 @@ import sys
 from multigpu.contract.prctl import set_pdeathsig
 from multigpu.contract.signals import CAUGHT, DUMP_SIGNAL
 from multigpu.rank.exiting import flush_open_files
-from multigpu.rank.guard import PLAIN_EXECVE
+from multigpu.rank.guard import ENDING, PLAIN_EXECVE
 
 
 def run_program(program: str, args: list[str]) -> None:
@@ -48,6 +48,9 @@ def run_program(program: str, args: list[str]) -> None:
     flush_open_files()
     if os.WIFSIGNALED(status):
         died_of = os.WTERMSIG(status)
+        if ENDING.is_set():  # the guard's SIGKILL (the launcher is gone): it ends this process too
+            while True:
+                signal.pause()
         with contextlib.suppress(OSError):  # SIGKILL (a file timer's, the OOM killer's) takes no handler
             signal.signal(died_of, signal.SIG_DFL)
         os.kill(os.getpid(), died_of)
