@@ -162,7 +162,8 @@ import torch.distributed.elastic.timer as timer
 
 rank = os.environ["RANK"]
 with open(os.path.join(os.environ["DUMP_DIR"], "rank_%s.json" % rank), "w") as f:
-    f.write('{"pid": %d, "entered": %f}' % (os.getpid(), time.time()))
+    f.write('{"pid": %d, "entered": %f, "fifo": "%s"}' % (os.getpid(), time.time(),
+                                                       os.environ["TORCHELASTIC_TIMER_FILE"]))
 timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
 with timer.expires(after=2, scope="timer.py#7"):
     time.sleep(60 if rank == "0" else 0.5)
@@ -215,5 +216,8 @@ def _timed_run(launcher: str, argv: str, work: Path) -> tuple[float, int, str]:
         for rank in ranks:  # what torchrun's agent left behind when it killed itself
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank["pid"], signal.SIGKILL)
+        Path(ranks[0]["fifo"]).unlink(missing_ok=True)
+    else:
+        assert not os.path.exists(ranks[0]["fifo"])  # removed with the attempt
     assert_gone([rank["pid"] for rank in ranks])
     return ended - ranks[0]["entered"], rc, log.read_text()  # rank 0's timer, set when it entered
