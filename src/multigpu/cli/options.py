@@ -209,8 +209,9 @@ class RunOptions:
         "workers: an equal share of the usable cores)",
         torchrun=True, pet=False, choices=("node", "socket", "exclusive", "core-complex"))
     signals_to_handle: str | None = _text(
-        _both("signals-to-handle"), "SIGS", NO_EFFECT + "multigpu always passes SIGTERM, SIGINT, SIGHUP, "
-        "SIGUSR1 and SIGUSR2 on to every rank's process group (names are checked)", torchrun=True)
+        _both("signals-to-handle"), "SIGS", "the workers' TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun "
+        "(names are checked); multigpu itself always passes SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 on "
+        "to every rank's process group", torchrun=True)
     shutdown_timeout: str | None = _text(
         _both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True)
     virtual_local_rank: bool | None = _flag(

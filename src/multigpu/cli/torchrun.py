@@ -120,7 +120,8 @@ def apply_torchrun_options(config: RunConfig, values: RunOptions) -> RunConfig:
     if role is not None and not role.strip():
         raise UsageError("--role must not be empty")
     start = dataclasses.replace(config.start, role=role or StartConfig.role,
-                                virtual_local_rank=bool(values.virtual_local_rank), numa_binding=numa)
+                                virtual_local_rank=bool(values.virtual_local_rank), numa_binding=numa,
+                                signals_to_handle=values.signals_to_handle or StartConfig.signals_to_handle)
     output = dataclasses.replace(
         config.output,
         log_dir=Path(values.log_dir) if values.log_dir else None,

@@ -116,6 +116,9 @@ class StartConfig:
     debug_server: Endpoint | None = None
     """``--debug-server``: where rank 0 serves torch's debug server (every rank's worker server binds
     the same host); None: off."""
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    """``--signals-to-handle``, as written (torchrun's default): the workers'
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``, which torch's own process contexts read."""
 
 
 @dataclass(frozen=True)

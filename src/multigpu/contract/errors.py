@@ -40,6 +40,9 @@ class FailureKind(str, enum.Enum):
     """A node's layout refused at the rendezvous (the job's abort record says why)."""
     INTERRUPTED = "Interrupted"
     """A node's launcher was told to stop (SIGTERM, Ctrl-C): the record's ``signal`` says which."""
+    TIMER_EXPIRED = "TimerExpired"
+    """A rank its node's file timer killed (torch's ``FileTimerServer``): it overstayed a
+    ``timer.expires()`` scope; the message says which and for how long it was set."""
 
     def __str__(self) -> str:
         return self.value  # f-strings and str() read "NodeLost", as the string constants did
@@ -204,6 +207,8 @@ class WorkerFailure:
     def describe(self) -> str:
         if self.subject is not Subject.RANK:  # a node, the store or the job, named by the launchers
             return self._describe_node()
+        if self.kind is FailureKind.TIMER_EXPIRED:  # the message says it all: which timer, and the kill
+            return f"rank {self.rank} (node {self.node}, pid {self.pid}) {self.message}"
         how = (f"was killed by {self.killed_by or self.signal}" if self.signal
                else f"exited with code {self.exit_code}")
         what = f": {self.error_type}: {self.message}" if self.error_type else ""

@@ -42,8 +42,14 @@ def end_tree(root: int) -> None:
             process.kill()
 
 
+ENDING = threading.Event()
+"""Set once ``end_own_group`` began: the ``--no-python`` shim, whose program it just killed, then waits
+for the group's SIGKILL rather than die first and leave the rest of the tree stopped (``program.py``)."""
+
+
 def end_own_group() -> None:
     """SIGKILL everything this worker started (its tree and its process group), then the worker."""
+    ENDING.set()
     try:
         with contextlib.suppress(Exception):
             end_tree(os.getpid())

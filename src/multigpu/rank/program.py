@@ -5,6 +5,7 @@ Runs in the rank, in place of a Python target.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import shutil
@@ -14,7 +15,7 @@ import sys
 from multigpu.contract.prctl import set_pdeathsig
 from multigpu.contract.signals import CAUGHT, DUMP_SIGNAL
 from multigpu.rank.exiting import flush_open_files
-from multigpu.rank.guard import PLAIN_EXECVE
+from multigpu.rank.guard import ENDING, PLAIN_EXECVE
 
 
 def run_program(program: str, args: list[str]) -> None:
@@ -47,6 +48,10 @@ def run_program(program: str, args: list[str]) -> None:
     flush_open_files()
     if os.WIFSIGNALED(status):
         died_of = os.WTERMSIG(status)
-        signal.signal(died_of, signal.SIG_DFL)
+        if ENDING.is_set():  # the guard's SIGKILL (the launcher is gone): it ends this process too
+            while True:
+                signal.pause()
+        with contextlib.suppress(OSError):  # SIGKILL (a file timer's, the OOM killer's) takes no handler
+            signal.signal(died_of, signal.SIG_DFL)
         os.kill(os.getpid(), died_of)
     os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))

@@ -28,6 +28,7 @@ from multigpu.rendezvous.hangs import StoreHangs
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner.preempt_watch import PreemptWatch
 from multigpu.supervisor.control import ControlSocket, socket_name
+from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.hang import progress_book
 from multigpu.supervisor.jobhang import JobProgress
 from multigpu.supervisor.loop import Supervisor
@@ -140,9 +141,11 @@ def open_control(record: RunRecord) -> Iterator[ControlSocket | None]:
 
 def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
                 attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
-                spawner: Spawner | None = None, *, console: Console) -> tuple[RunResult, list[Worker]]:
+                spawner: Spawner | None = None, *, console: Console,
+                timer: TimerKills | None = None) -> tuple[RunResult, list[Worker]]:
     """One attempt on this node, from its ranks' start to their end; its result and its ranks' records.
-    ``console``: the run's, which every line of the attempt goes through."""
+    ``console``: the run's, which every line of the attempt goes through; ``timer``: the kills of the
+    attempt's file timer, where the node hosts one."""
     ranks = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=console.writer)
     live = None
     if _use_live_view(config, console):
@@ -156,7 +159,7 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         hooks = Hooks(listener=record, tick=live.refresh if live else None, notify=console.say,
                       console=console, control=control,
                       guard=sentinel.watch if sentinel is not None else None,
-                      job_hang=StoreHangs(job) if job is not None else None)
+                      job_hang=StoreHangs(job) if job is not None else None, timer=timer)
         supervisor = Supervisor(specs, sink=live or ranks, options=options, hooks=hooks, spawner=spawner,
                                 progress=progress_book(config, record.path.parent, specs, console.say))
         stack.callback(supervisor.close)

@@ -34,6 +34,7 @@ from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.runner.membership import Meeting, Membership, StaticMembership
 from multigpu.runner.preempt_watch import PreemptWatch, finish_preempted
 from multigpu.runner.specs import AttemptContext, build_specs
+from multigpu.supervisor import file_timer
 from multigpu.supervisor.sentinel_handle import close_node_sentinel
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 from multigpu.supervisor.stop_requests import end_with_signal
@@ -164,13 +165,16 @@ def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
     record = run.record
     context = AttemptContext(run.members.run_id, run.output_dir, meeting.attempt, meeting.master_addr,
                              meeting.master_port, run.cvd)
-    specs = build_specs(meeting.config, context, run.base_env)
-    for spec in specs:  # elastic rounds of one restart count share a log folder: no stale error record
-        if spec.error_file is not None:
-            spec.error_file.unlink(missing_ok=True)
-    record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
-    result, workers = run_attempt(meeting.config, specs, record, run.reaper, meeting.attempt, meeting.job,
-                                  run.watch, run.members.spawner, console=run.console)
+    with file_timer.hosted(run.base_env, run.members.run_id) as timer:  # torchrun's, per attempt
+        base = run.base_env if timer is None else {**run.base_env, file_timer.TIMER_FILE_ENV: timer.path}
+        specs = build_specs(meeting.config, context, base)
+        for spec in specs:  # elastic rounds of one restart count share a log folder: no stale error record
+            if spec.error_file is not None:
+                spec.error_file.unlink(missing_ok=True)
+        record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
+        result, workers = run_attempt(meeting.config, specs, record, run.reaper, meeting.attempt, meeting.job,
+                                      run.watch, run.members.spawner, console=run.console,
+                                      timer=timer.kills if timer is not None else None)
     record.end_attempt(result)
     return result, workers
 

@@ -2,7 +2,8 @@
 
 ``--max-restarts K`` restarts the whole group after a failure. A failure whose root cause is the same
 on two attempts in a row (the same exception type raised at the same place: the innermost frame of the
-user's code, file and line, in the traceback the rank recorded) will not go away by itself: the
+user's code, file and line, in the traceback the rank recorded; or the same sender of a fatal signal the
+launcher named: the OOM killer, one file timer's scope) will not go away by itself: the
 launcher stops restarting, says so in one line, and exits with ``EXIT_CRASH_LOOP``, a "do not
 requeue" code. A failure that changes, or one that names no place (a rank killed by a signal, an exit
 code without a traceback, a hang, a lost node or store), keeps its restarts: those are what restarts
@@ -39,7 +40,7 @@ class Signature:
 
 def signature(failure: WorkerFailure | None) -> Signature | None:
     """The failure's signature, or None when it names no place (then it never counts as a loop)."""
-    if failure is not None and failure.killed_by is not None:  # an OOM kill is one failure, whichever rank
+    if failure is not None and failure.killed_by is not None:  # OOM, a file timer: one failure, any rank
         return Signature(f"{failure.signal} from {failure.killed_by.split(' (')[0]}", "")
     if failure is None or not failure.error_type or not failure.traceback:
         return None

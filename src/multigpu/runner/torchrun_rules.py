@@ -131,6 +131,7 @@ def apply_to_env(env: dict[str, str], config: RunConfig, local_rank: int, cpus: 
                  cuda_visible_devices: str | None, error_file: Path) -> dict[str, str]:
     """torchrun's per-option changes to one worker's environment."""
     env["ROLE_NAME"] = config.start.role
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.start.signals_to_handle  # torchrun: its launcher's
     env.update(error_file_env(str(error_file)))
     if config.start.virtual_local_rank:
         env["LOCAL_RANK"] = "0"

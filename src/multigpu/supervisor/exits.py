@@ -12,9 +12,10 @@ import signal
 import time
 from collections.abc import Callable
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS, signal_name
 from multigpu.supervisor.events import Events
+from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import Worker, WorkerState
 
@@ -75,7 +76,8 @@ def outside_stop(worker: Worker, rc: int) -> bool:
 
 
 def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,
-           notify: Callable[[str], None], first_failure: float | None = None) -> WorkerFailure | None:
+           notify: Callable[[str], None], first_failure: float | None = None,
+           timer: TimerKills | None = None) -> WorkerFailure | None:
     """Move ``worker`` to its final state from its exit status; its failure when the exit counts as one.
 
     ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
@@ -83,6 +85,7 @@ def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: 
     ``first_failure``: when the attempt's first failure happened; a rank whose own error came after it
     and only says a peer went away (gloo's "Connection closed by peer") raised because of it, so it
     counts as stopped, its error kept in ``worker.ending.failure`` for the report's line about it.
+    ``timer``: the kills of the node's file timer (``file_timer.py``), when it hosts one.
     """
     if rc != 0 and worker.finished:
         how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
@@ -98,7 +101,7 @@ def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: 
     if ending and (interrupted or record is None):
         worker.to(WorkerState.STOPPED)
         return None
-    worker.ending.failure = failure_of(worker, rc, ending, output)
+    worker.ending.failure = failure_of(worker, rc, ending, output, timer)
     if _consequence(record, first_failure):
         worker.to(WorkerState.STOPPED)
         return None
@@ -112,7 +115,8 @@ def _consequence(record: WorkerFailure | None, first_failure: float | None) -> b
     return record.saw_a_peer_die and record.time > first_failure
 
 
-def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput) -> WorkerFailure:
+def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput,
+               timer: TimerKills | None = None) -> WorkerFailure:
     # Read what the pipes hold now, so the tail and the traceback are complete; not a moment more: a
     # DataLoader-style child may keep them open long after the rank itself has gone.
     output.drain(output.of(worker))
@@ -120,7 +124,11 @@ def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput) -> W
     if record is not None and rc < 0 and ending:
         rc = 1  # it raised, then our teardown cut its exit short: the exception is what it did
     failure = worker.ended_with(rc, record)
-    killed_by = who_killed(worker, rc)
+    kill = timer.of(worker.pid, -rc) if timer is not None and worker.pid is not None and rc < 0 else None
+    if kill is not None:  # the file timer's signal, whatever else a SIGKILL might have been
+        failure = dataclasses.replace(failure, error_type=FailureKind.TIMER_EXPIRED, message=kill.message,
+                                      killed_by=kill.killer)
+    killed_by = who_killed(worker, rc) if kill is None else None
     if killed_by is not None:
         failure = dataclasses.replace(failure, killed_by=killed_by)
     return failure if failure.time else dataclasses.replace(failure, time=worker.end_time)

@@ -186,7 +186,7 @@ class Supervisor:
     def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
         failure = exits.settle(worker, rc, ending=self._closing or interrupted, interrupted=interrupted,
                                output=self._output, notify=self._notify,
-                               first_failure=self._outcome.first_time())
+                               first_failure=self._outcome.first_time(), timer=self.hooks.timer)
         if failure is not None:
             self._outcome.failures.append(failure)
             mute_all_but(self.workers, worker)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from multigpu.config.run import SupervisionConfig
 from multigpu.console.writer import Console, say_on_stderr
 from multigpu.supervisor.control import ControlSocket
+from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.states import SupervisorListener, Worker
 
 if TYPE_CHECKING:
@@ -55,3 +56,6 @@ class Hooks:
     job_hang: HangExchange | None = None
     """A job of several nodes: a hang is declared for the job and judged from every node's stacks
     (``jobhang.py``; the job's store behind it)."""
+    timer: TimerKills | None = None
+    """``multigpu run`` with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``: the kills of the node's file timer,
+    named as a rank's killer (``file_timer.py``)."""

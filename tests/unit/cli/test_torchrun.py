@@ -278,6 +278,8 @@ def test_options_torchrun_has_and_we_need_not_are_accepted_and_checked(script: s
     start = config.start
     assert (start.role, config.rdzv.local_addr, start.virtual_local_rank, start.numa_binding) == (
         "trainer", "10.0.0.2", True, "node")
+    assert start.signals_to_handle == "SIGTERM,SIGUSR1"  # as written: the workers' variable
+    assert parse([script]).start.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
     assert "--monitor-interval" in usage_error(["--monitor-interval", "often", script])
     assert "--start-method" in usage_error([script], {"PET_START_METHOD": "thread"})
     assert "SIGNOPE" in usage_error(["--signals-to-handle", "SIGNOPE", script])
@@ -292,7 +294,7 @@ def test_help_lists_both_sets_and_says_what_has_no_effect(capsys: pytest.Capture
                  "--no-python", "--virtual-local-rank", "--numa-binding"):
         assert flag in text
     assert "multigpu options" in text and "torchrun options" in text
-    assert text.count("no effect here") == 4  # monitor interval, start method, event log, signals
+    assert text.count("no effect here") == 3  # monitor interval, start method, event log
     assert "(default 5)" in text  # read from RunConfig
     assert main(["run", "--nnodes", "3:1", "x.py"]) == 2
     err = capsys.readouterr().err.splitlines()
