@@ -1,0 +1,116 @@
+"""``multigpu.launch`` in a real Jupyter kernel (``jupyter_client`` + ipykernel), as a notebook user runs it.
+
+Functions and lambdas defined in cells return their 2 CPU ranks' values; a rank's ``ValueError`` is caught
+by ``except ValueError``; the stop button (a kernel interrupt) ends a running launch within seconds,
+every rank gone, and the next launch works; when the kernel is shut down mid-launch, nothing it started
+is left.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_gone, clean_env, pids_in
+from notebook_kernel import Kernel
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DEFINE = """
+import os, time
+import multigpu
+
+def work(x):
+    print(f"working pid={os.getpid()}", flush=True)
+    return (int(os.environ["RANK"]), x * 2)
+
+values = multigpu.launch(work, 21, nprocs=2, device="cpu")
+print("VALUES", values)
+"""
+
+LAMBDA = 'print("LAMBDA", multigpu.launch(lambda: int(os.environ["WORLD_SIZE"]) + 1, nprocs=2, device="cpu"))'
+
+FAILING = """
+def picky():
+    if os.environ["RANK"] == "1":
+        raise ValueError("no thanks")
+    time.sleep(60)
+
+try:
+    multigpu.launch(picky, nprocs=2, device="cpu", grace_period=2)
+except ValueError as exc:
+    print("CAUGHT", exc, exc.__notes__)
+"""
+
+SLEEPING = """
+def nap():
+    print(f"napping pid={os.getpid()}", flush=True)
+    time.sleep(300)
+
+multigpu.launch(nap, nprocs=2, device="cpu")
+"""
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Kernel:
+    k = Kernel(tmp_path, clean_env())
+    yield k
+    k.shutdown()
+
+
+def test_cells_launch_return_raise_and_interrupt(kernel: Kernel) -> None:
+    text, reply = kernel.run(DEFINE)
+    assert reply["status"] == "ok", text
+    assert "VALUES [(0, 42), (1, 42)]" in text
+    assert "[rank 0] working pid=" in text and "[rank 1] working pid=" in text  # in the cell, prefixed
+    text, reply = kernel.run(LAMBDA)
+    assert "LAMBDA [3, 3]" in text, text
+    text, reply = kernel.run(FAILING)
+    assert re.search(r"CAUGHT no thanks \['multigpu: raised by rank 1 \(pid \d+\)'\]", text), text
+
+    cell = kernel.start(SLEEPING)
+    seen = kernel.output_until(cell, "napping", timeout=120)
+    seen += kernel.output_until(cell, "napping", timeout=30) if seen.count("napping") < 2 else ""
+    interrupted = time.monotonic()
+    kernel.manager.interrupt_kernel()
+    rest, reply = kernel.finish(cell, timeout=60)
+    took = time.monotonic() - interrupted
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", rest
+    assert took < 10, took  # the target is 3 s; generous under a loaded test machine
+    assert_gone(pids_in(seen + rest))
+
+    text, reply = kernel.run(DEFINE)  # the kernel is still usable: the next launch works
+    assert "VALUES [(0, 42), (1, 42)]" in text, text
+
+
+BACKGROUND = """
+import os, threading, time
+import multigpu
+
+def nap():
+    with open(f"pid_{os.environ['RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+
+threading.Thread(target=multigpu.launch, args=(nap,), kwargs={"nprocs": 2, "device": "cpu"}).start()
+"""
+
+
+def test_kernel_shutdown_leaves_nothing(kernel: Kernel, tmp_path: Path) -> None:
+    text, reply = kernel.run(BACKGROUND)
+    assert reply["status"] == "ok", text
+    files = [tmp_path / "pid_0", tmp_path / "pid_1"]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+    import psutil
+
+    started = [p.pid for p in psutil.Process(kernel.pid).children(recursive=True)]
+    ranks = [int(f.read_text()) for f in files]
+    assert started
+    kernel.shutdown()
+    assert_gone([*ranks, *started, kernel.pid], timeout=10)
