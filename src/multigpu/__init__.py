@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         WorkerFailure,
     )
     from multigpu.function.argv import set_arguments_to_argv
-    from multigpu.function.launch_call import launch
+    from multigpu.function.launch_call import launch, shutdown
     from multigpu.function.manager import MultiGPUManager
     from multigpu.function.spawning import ProcessExitedException, ProcessRaisedException, spawn
     from multigpu.rank.preempted import preempted, should_stop
@@ -44,6 +44,7 @@ _EXPORTS = {
     "set_arguments_to_argv": "function.argv",
     "MultiGPUManager": "function.manager",
     "launch": "function.launch_call",
+    "shutdown": "function.launch_call",
     "spawn": "function.spawning",
     "ProcessRaisedException": "function.spawning",
     "ProcessExitedException": "function.spawning",
@@ -76,6 +77,7 @@ __all__ = [
     "section",
     "set_arguments_to_argv",
     "should_stop",
+    "shutdown",
     "spawn",
 ]
 

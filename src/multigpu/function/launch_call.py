@@ -2,41 +2,38 @@
 
 Runs in the caller (a script, an HPO loop, a notebook kernel). It never forks itself: it writes the
 payload (the function, its arguments, the caller's ``sys.path`` and working directory) into the run's
-folder and starts one launcher process (``function/launcher.py``), which is ``multigpu run``'s launcher
-in function mode, ranks forked from the node's template. The launcher's lines (each rank's prefixed
-``[rank N]``) are copied into the caller's ``sys.stdout``/``sys.stderr`` as they come, so a notebook
-shows them in the running cell. A Ctrl-C (a kernel interrupt) is passed on to the launcher, which stops
-every rank, and then raised here as ``KeyboardInterrupt``. The values come back through the run folder
-(``rank_call``); a failure comes back as the root-cause rank's own exception (``launch_errors``).
+folder and hands it to its launcher process (``launcher_handle``: started by the first launch, kept warm
+for the next), which is ``multigpu run``'s launcher in function mode, ranks forked from the node's
+template. The launcher's lines (each rank's prefixed ``[rank N]``) appear in the caller's
+``sys.stdout``/``sys.stderr`` as they come, so a notebook shows them in the running cell; a Ctrl-C (a
+kernel interrupt) stops every rank and is raised here as ``KeyboardInterrupt``. The values come back
+through the run folder (``rank_call``); a failure comes back as the root-cause rank's own exception
+(``launch_errors``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import cloudpickle
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import MultiGPUError
-from multigpu.function import rank_call
+from multigpu.function import launcher_handle, rank_call
 from multigpu.function.launch_config import launch_config
 from multigpu.function.launch_errors import failure_of
+from multigpu.function.launcher_handle import launcher
 
 PAYLOAD_DIR = ".multigpu"
 RESULTS_DIR = "results"
-STOP_WAIT_S = 30.0
-"""After a Ctrl-C: how long the launcher gets to stop every rank before it is killed (its ranks go too)."""
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, device: str = "auto",
@@ -50,8 +47,13 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, device
     return Launch(fn, args, dict(kwargs or {}), nprocs=nprocs, device=device, options=options).wait()
 
 
+def shutdown() -> None:
+    """End the warm launcher and its template now (else at this process's exit, however it ends)."""
+    launcher_handle.shutdown()
+
+
 class Launch:
-    """One launch: its payload written and its launcher started; ``wait`` returns the values."""
+    """One launch: its payload and request written; ``wait`` runs it and returns the values."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
                  nprocs: int | None, device: str, options: Mapping[str, Any]) -> None:
@@ -60,53 +62,25 @@ class Launch:
         blob = _pickled((fn, args, kwargs))
         config = launch_config(nprocs, device, options, os.environ)
         self.output_dir = out = Path(str(config.output.dir))
-        self.payload = out / PAYLOAD_DIR / "payload.pkl"
-        self.config: RunConfig = dataclasses.replace(config, target=str(self.payload))
+        payload = out / PAYLOAD_DIR / "payload.pkl"
+        self.config: RunConfig = dataclasses.replace(config, target=str(payload))
         self.results = out / RESULTS_DIR
         self.results.mkdir(parents=True, exist_ok=True)
-        self.payload.parent.mkdir(exist_ok=True)
+        payload.parent.mkdir(exist_ok=True)
         preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
-        self.payload.write_bytes(pickle.dumps(preparation) +
-                                 pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))))
-        config_path = out / PAYLOAD_DIR / "config.pkl"
-        config_path.write_bytes(pickle.dumps(self.config))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "multigpu.function.launcher", str(config_path), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True, env=dict(os.environ), cwd=os.getcwd())
-        self.copiers = [_copier(self.process.stdout, "stdout"), _copier(self.process.stderr, "stderr")]
+        payload.write_bytes(pickle.dumps(preparation) +
+                            pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))))
+        self.request = out / PAYLOAD_DIR / "request.pkl"
+        self.request.write_bytes(pickle.dumps({"config": self.config, "env": dict(os.environ),
+                                               "cwd": os.getcwd()}))
 
-    @property
-    def nprocs(self) -> int:
-        return self.config.nproc
-
-    def poll(self) -> int | None:
-        return self.process.poll()
-
-    def wait(self, timeout: float | None = None) -> list[Any]:
-        """The values in rank order once every rank is done; a rank's exception if one failed.
-        ``subprocess.TimeoutExpired`` if ``timeout`` passes first (the launch goes on)."""
+    def wait(self) -> list[Any]:
+        """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""
         try:
-            code = self.process.wait(timeout)
-        except KeyboardInterrupt:
-            self.stop(signal.SIGINT)
-            raise
-        return self._outcome(code)
-
-    def stop(self, sig: int = signal.SIGINT) -> None:
-        """Pass ``sig`` to the launcher, wait for it to stop every rank, and clean up."""
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(sig)
-        try:
-            self.process.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()  # its guard ends the template and every rank with it
-            self.process.wait()
+            with launcher() as process:
+                code = process.run(self.request)
         finally:
-            self._cleanup()
-
-    def _outcome(self, code: int) -> list[Any]:
-        self._cleanup()
+            shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
         if code < 0 and -code == signal.SIGINT:
             raise KeyboardInterrupt
         if code != 0:
@@ -122,11 +96,6 @@ class Launch:
             path.unlink()
         return values
 
-    def _cleanup(self) -> None:
-        for copier in self.copiers:
-            copier.join()
-        shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
-
 
 def _pickled(obj: Any) -> bytes:
     try:
@@ -134,20 +103,3 @@ def _pickled(obj: Any) -> bytes:
     except Exception as exc:
         raise MultiGPUError(f"multigpu.launch: the function or its arguments cannot be sent to the ranks: "
                             f"{exc}") from None
-
-
-def _copier(pipe: IO[bytes] | None, name: str) -> threading.Thread:
-    """A thread that copies the launcher's ``pipe`` into this process's ``sys.<name>`` line by line
-    (looked up at each line: a notebook swaps it per cell)."""
-    def copy() -> None:
-        assert pipe is not None
-        with pipe:
-            for line in iter(pipe.readline, b""):
-                stream = getattr(sys, name)
-                with contextlib.suppress(Exception):
-                    stream.write(line.decode(errors="replace"))
-                    stream.flush()
-
-    thread = threading.Thread(target=copy, name=f"multigpu-launch-{name}", daemon=True)
-    thread.start()
-    return thread

@@ -14,7 +14,7 @@ from the template.
 from __future__ import annotations
 
 import os
-import subprocess
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,21 +35,31 @@ def call_with_index(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
 
 
 class SpawnContext:
-    """What ``spawn(..., join=False)`` returns, like torch's ``ProcessContext``: ``join`` until done."""
+    """What ``spawn(..., join=False)`` returns, like torch's ``ProcessContext``: ``join`` until done.
+    The launch runs on a thread of its own meanwhile."""
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="multigpu-spawn", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.launch.wait()
+        except BaseException as exc:  # raised by join()
+            self.error = exc
 
     def join(self, timeout: float | None = None) -> bool:
         """True once every rank is done; False if ``timeout`` passed first; raises as ``spawn`` does."""
-        try:
-            self.launch.wait(timeout)
-        except subprocess.TimeoutExpired:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
             return False
-        except BaseException as exc:
+        exc = self.error
+        if exc is not None:
             error = as_torch_error(exc)
             if error is exc:
-                raise
+                raise exc
             raise error from _cause_of(exc)
         return True
 
@@ -59,12 +69,16 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1, j
     """``torch.multiprocessing.spawn``, ranks forked from the warm template."""
     gpus = len(visible_gpus())
     device = "cuda" if 0 < nprocs <= gpus else "cpu"
-    context = SpawnContext(Launch(call_with_index, (fn, tuple(args)), {}, nprocs=nprocs, device=device,
-                                  options={}))
+    launch = Launch(call_with_index, (fn, tuple(args)), {}, nprocs=nprocs, device=device, options={})
     if not join:
-        return context
-    while not context.join():
-        pass
+        return SpawnContext(launch)
+    try:
+        launch.wait()  # in this thread: a Ctrl-C stops every rank
+    except BaseException as exc:
+        error = as_torch_error(exc)
+        if error is exc:
+            raise
+        raise error from _cause_of(exc)
     return None
 
 

@@ -179,3 +179,45 @@ def test_spawn_runs_the_cpu_ddp_tutorial_unchanged_but_for_the_import(tmp_path: 
     for rank in (0, 1):
         assert f"Finished running basic DDP example on rank {rank}." in text
     assert "RAISED index=1 cause=KeyError" in text
+
+
+WARM = """
+    import json, os, threading, time
+    import multigpu
+    from multigpu.function import launcher_handle
+
+    def launcher_pid(pause=0.0):
+        time.sleep(pause)
+        return int(os.environ["MULTIGPU_LAUNCHER_PID"])
+
+    out = {"first": multigpu.launch(launcher_pid, nprocs=2, device="cpu")}
+    time.sleep(3)  # the next template imports torch meanwhile, as between two notebook cells
+    started = time.monotonic()
+    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")
+    out["second_s"] = time.monotonic() - started
+    busy = threading.Thread(target=lambda: out.update(busy=multigpu.launch(launcher_pid, 3.0, nprocs=1,
+                                                                            device="cpu")))
+    busy.start()
+    time.sleep(0.5)
+    out["beside"] = multigpu.launch(launcher_pid, nprocs=1, device="cpu")  # the warm one is busy
+    busy.join()
+    shared = launcher_handle._shared
+    multigpu.shutdown()
+    out["after_shutdown"] = shared.process.poll()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_the_launcher_stays_warm_and_shutdown_ends_it(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "warm.py", WARM)
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    first, second = out["first"], out["second"]
+    assert len(set(first)) == 1 and first == second and out["busy"] == first[:1]  # one launcher, 3 launches
+    assert out["beside"] != first  # a launch made while it was busy got a launcher of its own
+    assert out["after_shutdown"] == 0
+    assert "plain processes" not in proc.stderr  # every rank was forked from a template
+    print(f"second launch (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
+    assert_gone([first[0], out["beside"][0]])

@@ -78,6 +78,7 @@ def test_cells_launch_return_raise_and_interrupt(kernel: Kernel) -> None:
     kernel.manager.interrupt_kernel()
     rest, reply = kernel.finish(cell, timeout=60)
     took = time.monotonic() - interrupted
+    print(f"interrupt to KeyboardInterrupt in the cell: {took:.2f}s")
     assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", rest
     assert took < 10, took  # the target is 3 s; generous under a loaded test machine
     assert_gone(pids_in(seen + rest))
