@@ -65,6 +65,7 @@ def _write(path: Path, data: bytes) -> None:
 def call_in_rank(blob: bytes, results: str) -> None:
     """Run the caller's function in this rank and keep what it returned, or what it raised."""
     rank = int(os.environ["RANK"])
+    error_path(results, rank).unlink(missing_ok=True)  # an earlier attempt's (max_restarts): not this one's
     fn, args, kwargs = pickle.loads(blob)
     try:
         value = fn(*args, **kwargs)

@@ -3,7 +3,7 @@
 Functions and lambdas defined in cells return their 2 CPU ranks' values; a rank's ``ValueError`` is caught
 by ``except ValueError``; the stop button (a kernel interrupt) ends a running launch within seconds,
 every rank gone, and the next launch works; when the kernel is shut down mid-launch, nothing it started
-is left.
+is left. ``MultiGPUManager`` (the kernel becomes rank 0) runs a function defined in a cell too.
 """
 
 from __future__ import annotations
@@ -115,3 +115,27 @@ def test_kernel_shutdown_leaves_nothing(kernel: Kernel, tmp_path: Path) -> None:
     assert started
     kernel.shutdown()
     assert_gone([*ranks, *started, kernel.pid], timeout=10)
+
+
+MANAGER = """
+import os, multigpu
+
+def train():
+    import torch, torch.distributed as dist
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    print("SUM", t.item(), "rank", dist.get_rank(), flush=True)
+
+manager = multigpu.MultiGPUManager(train, "0,1", device="cpu")
+manager.setup_multi_gpu_train(os.path.abspath("manager_out"))
+train()
+manager.finalize()
+"""
+
+
+def test_multigpu_manager_ships_a_cell_function_by_value(kernel: Kernel) -> None:
+    """OTX's API from a notebook: the child rank gets ``train`` by value, not by a name it cannot find."""
+    text, reply = kernel.run(MANAGER)
+    assert reply["status"] == "ok", text
+    assert "SUM 3.0 rank 0" in text and "[rank 1] SUM 3.0 rank 1" in text, text
+    assert "Can't get attribute" not in text
