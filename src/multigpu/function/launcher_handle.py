@@ -145,6 +145,7 @@ def launcher() -> Iterator[LauncherProcess]:
             if _shared is not None:
                 _shared.close()
             _shared = LauncherProcess()
+            atexit.unregister(shutdown)  # registered once, whatever the number of launchers
             atexit.register(shutdown)
         shared = _shared
     if shared.busy.acquire(blocking=False):
