@@ -31,6 +31,21 @@ values = multigpu.launch(work, 21, nprocs=2, device="cpu")
 print("VALUES", values)
 """
 
+STATE = """
+import threading
+
+def _descriptors():
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own
+            pass
+    return sorted(found.items())
+
+print("STATE", threading.active_count(), _descriptors())
+"""
+
 LAMBDA = 'print("LAMBDA", multigpu.launch(lambda: int(os.environ["WORLD_SIZE"]) + 1, nprocs=2, device="cpu"))'
 
 FAILING = """
@@ -54,6 +69,13 @@ multigpu.launch(nap, nprocs=2, device="cpu")
 """
 
 
+def kinds_of(state: str) -> tuple[str, list[str]]:
+    """``STATE``'s output: the thread count, and each descriptor's kind, sorted."""
+    threads = state.split()[1]
+    targets = re.findall(r"'([^']*)'\)", state)
+    return threads, sorted(re.sub(r"[#\[]\d+\]?", "", t) for t in targets if "history.sqlite" not in t)
+
+
 @pytest.fixture
 def kernel(tmp_path: Path) -> Kernel:
     k = Kernel(tmp_path, clean_env())
@@ -66,6 +88,7 @@ def test_cells_launch_return_raise_and_interrupt(kernel: Kernel) -> None:
     assert reply["status"] == "ok", text
     assert "VALUES [(0, 42), (1, 42)]" in text
     assert "[rank 0] working pid=" in text and "[rank 1] working pid=" in text  # in the cell, prefixed
+    before, _ = kernel.run(STATE)  # the warm launcher's pipes are open from here on
     text, reply = kernel.run(LAMBDA)
     assert "LAMBDA [3, 3]" in text, text
     text, reply = kernel.run(FAILING)
@@ -85,6 +108,11 @@ def test_cells_launch_return_raise_and_interrupt(kernel: Kernel) -> None:
 
     text, reply = kernel.run(DEFINE)  # the kernel is still usable: the next launch works
     assert "VALUES [(0, 42), (1, 42)]" in text, text
+    after, _ = kernel.run(STATE)
+    # Five launches, a failure and an interrupt (which replaced the launcher): no thread or descriptor
+    # left over: as many threads, and descriptors of the same kinds (a pipe's inode and number are new
+    # with the new launcher; IPython's history journal comes and goes).
+    assert kinds_of(after) == kinds_of(before), (before, after)
 
 
 BACKGROUND = """
