@@ -131,5 +131,27 @@ check nccl_hang_flight_recorder 120 bash -c "'$PY' -m multigpu run --gpus 0 --st
 grep -h -m1 'attempt 0 hung' "$LOGS/nccl_hang_flight_recorder.log" | cut -c1-300 | sed 's/^/    /'
 grep -h 'flight record:' "$LOGS/nccl_hang_flight_recorder.log" | sed 's/^/    /'
 
+# multigpu.launch (issue 33) from a caller that has initialised CUDA and runs a thread, as a notebook
+# kernel may: the ranks fork from the template, never from the caller; a rank's CUDA tensor comes back
+# on the CPU; the default nprocs is every visible GPU.
+cat >"$WORK/launch_after_cuda.py" <<'PY'
+import os, threading, time
+import torch
+import multigpu
+held = torch.ones(1, device="cuda")  # the caller's own CUDA context, as a notebook's
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+
+def on_gpu():
+    import torch
+    return torch.full((2,), float(os.environ["RANK"]) + 1, device="cuda")
+
+values = multigpu.launch(on_gpu)
+assert len(values) == torch.cuda.device_count(), values
+assert all(v.device.type == "cpu" for v in values), values
+assert values[0].tolist() == [1.0, 1.0], values
+print(f"launch after CUDA ok: {len(values)} rank(s), values on the CPU")
+PY
+check launch_after_cuda 120 bash -c "'$PY' '$WORK/launch_after_cuda.py' | tee /dev/stderr | grep -q 'launch after CUDA ok'"
+
 if [[ $failed == 0 ]]; then echo "PASS all GPU checks"; else echo "FAIL some GPU checks (logs in $LOGS)"; fi
 exit $failed

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
         WorkerFailure,
     )
     from multigpu.function.argv import set_arguments_to_argv
+    from multigpu.function.launch_call import launch, shutdown
     from multigpu.function.manager import MultiGPUManager
+    from multigpu.function.spawning import ProcessExitedException, ProcessRaisedException, spawn
     from multigpu.rank.preempted import preempted, should_stop
     from multigpu.rank.progress import heartbeat, section
 
@@ -41,6 +43,11 @@ _EXPORTS = {
     "is_multigpu_child_process": "contract.environment",
     "set_arguments_to_argv": "function.argv",
     "MultiGPUManager": "function.manager",
+    "launch": "function.launch_call",
+    "shutdown": "function.launch_call",
+    "spawn": "function.spawning",
+    "ProcessRaisedException": "function.spawning",
+    "ProcessExitedException": "function.spawning",
     "heartbeat": "rank.progress",
     "preempted": "rank.preempted",
     "should_stop": "rank.preempted",
@@ -55,6 +62,8 @@ _EXPORTS = {
 __all__ = [
     "MultiGPUError",
     "MultiGPUManager",
+    "ProcessExitedException",
+    "ProcessRaisedException",
     "RendezvousError",
     "UsageError",
     "WorkerFailedError",
@@ -63,10 +72,13 @@ __all__ = [
     "get_gpu_ids",
     "heartbeat",
     "is_multigpu_child_process",
+    "launch",
     "preempted",
     "section",
     "set_arguments_to_argv",
     "should_stop",
+    "shutdown",
+    "spawn",
 ]
 
 

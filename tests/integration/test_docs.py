@@ -20,6 +20,9 @@ Conventions of the guide's fenced blocks (also described in ``docs/README.md``):
   --no-build-isolation`` in the repository), ``sbatch`` (a SLURM batch script: it must equal
   ``docs/examples/multigpu.sbatch``, and its ``srun`` line's command runs under recorded SLURM
   environments: one node, and two launcher tasks on ``localhost``).
+- ``NOTEBOOK_PAGES`` (``notebooks.md``): its `````python`` blocks are cells, run in order in one real
+  Jupyter kernel (``jupyter_client`` + ipykernel); each must finish without an error (they assert
+  what they show), and once the kernel is shut down nothing it started is left.
 
 Commands run with ``bash -c`` in a temporary copy of ``examples/``, one per block: the suite runs under
 pytest-xdist, where a block cannot count on another block having run in the same folder, so each block
@@ -48,6 +51,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_gone, clean_env, free_port
+from notebook_kernel import Kernel
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -338,7 +342,34 @@ def test_conventions_hold() -> None:
     kinds = {b.kind for b in BLOCKS}
     assert kinds == KINDS, kinds
     index = (DOCS / "README.md").read_text()
-    for page in ("quickstart.md", "migrating.md", "multinode.md", "troubleshooting.md"):
+    for page in ("quickstart.md", "migrating.md", "multinode.md", "troubleshooting.md", *NOTEBOOK_PAGES):
         assert (DOCS / page).exists() and f"({page})" in index, page
     for block in (b for b in BLOCKS if b.kind == "nodes"):
         assert all("$HOST:$PORT" in c.text for c in block.commands), f"{block.id}: nodes meet at $HOST:$PORT"
+
+
+NOTEBOOK_PAGES = ("notebooks.md",)
+
+
+def python_cells(page: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (DOCS / page).read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", NOTEBOOK_PAGES)
+def test_notebook_page_runs_in_a_kernel(page: str, tmp_path: Path) -> None:
+    import psutil
+
+    cells = python_cells(page)
+    assert len(cells) >= 3, page
+    kernel = Kernel(tmp_path, clean_env())
+    started: set[int] = set()
+    try:
+        for number, cell in enumerate(cells, 1):
+            text, reply = kernel.run(cell)
+            started |= {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
+            assert reply["status"] == "ok", \
+                f"{page} cell {number}: {reply.get('ename')}: {reply.get('evalue')}\n{text}"
+    finally:
+        kernel.shutdown()
+    assert_gone([*started, kernel.pid], timeout=10)

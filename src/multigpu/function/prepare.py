@@ -115,8 +115,20 @@ def _spawn_preparation() -> dict[str, Any]:
     return preparation
 
 
+def interactive_main() -> bool:
+    """``__main__`` is a notebook kernel's or a REPL's (no file): a child cannot re-import it, so what
+    it defines must travel by value."""
+    return getattr(sys.modules.get("__main__"), "__file__", None) is None
+
+
 def _pickled(obj: Any, what: str) -> bytes:
+    """By reference, as ``multiprocessing`` pickles; from a notebook or a REPL, by value (cloudpickle)
+    what ``__main__`` defines, which a child could not find by name."""
     try:
+        if interactive_main():
+            import cloudpickle
+
+            return bytes(cloudpickle.dumps(obj))
         return pickle.dumps(obj)
     except Exception as exc:
         raise MultiGPUError(f"{what} cannot be sent to the child processes: {exc} (use a module-level "

@@ -23,7 +23,7 @@ from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
 from multigpu.template.process import StoreSocket, TemplateProcess, take_early
 
-FORKABLE_MODES = ("script", "module")
+FORKABLE_MODES = ("script", "module", "function")
 
 
 def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
@@ -33,7 +33,7 @@ def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
 
 
 def forkable(spec: WorkerSpec) -> bool:
-    """A rank of ``python -m multigpu.rank script|module`` (not ``--no-python``, not function mode)."""
+    """A rank of ``python -m multigpu.rank script|module|function`` (not ``--no-python``)."""
     argv = spec.argv
     return len(argv) >= 4 and argv[0] == sys.executable and argv[1:3] == ["-m", "multigpu.rank"] \
         and argv[3] in FORKABLE_MODES
@@ -166,13 +166,14 @@ class NodeSpawner:
 
 def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None],
                 base_env: Mapping[str, str]) -> NodeSpawner:
-    """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job, started.
+    """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job or a
+    ``multigpu.launch`` (function mode), started.
 
     The template gets what every rank's environment shares that torch may read at import: the
     launcher's environment, ``--env`` settings, and the ranks' default ``OMP_NUM_THREADS``. A rank
     whose value differs still gets it (``pools.Pools.apply`` sizes its pools as torch would have).
     """
-    use = config.supervision.template and config.start.run_mode == "python" and not config.function
+    use = config.supervision.template and config.start.run_mode == "python"
     why = "--no-python" if config.start.run_mode == "exec" else "--no-template"
     if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
         use, why = False, "cannot adopt forked ranks: no child subreaper"

@@ -1,0 +1,105 @@
+"""``multigpu.launch(fn, *args, ...)``: run a function on every rank and return their values in rank order.
+
+Runs in the caller (a script, an HPO loop, a notebook kernel). It never forks itself: it writes the
+payload (the function, its arguments, the caller's ``sys.path`` and working directory) into the run's
+folder and hands it to its launcher process (``launcher_handle``: started by the first launch, kept warm
+for the next), which is ``multigpu run``'s launcher in function mode, ranks forked from the node's
+template. The launcher's lines (each rank's prefixed ``[rank N]``) appear in the caller's
+``sys.stdout``/``sys.stderr`` as they come, so a notebook shows them in the running cell; a Ctrl-C (a
+kernel interrupt) stops every rank and is raised here as ``KeyboardInterrupt``. The values come back
+through the run folder (``rank_call``); a failure comes back as the root-cause rank's own exception
+(``launch_errors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import MultiGPUError
+from multigpu.function import launcher_handle, rank_call
+from multigpu.function.launch_config import launch_config
+from multigpu.function.launch_errors import failure_of
+from multigpu.function.launcher_handle import launcher
+
+PAYLOAD_DIR = ".multigpu"
+RESULTS_DIR = "results"
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, device: str = "auto",
+           kwargs: Mapping[str, Any] | None = None, **options: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on every rank; return the values in rank order.
+
+    ``nprocs``: the rank count (None: every visible GPU). ``device``: "auto", "cuda" or "cpu".
+    ``options``: ``multigpu run``'s settings by their Python names (``hang_timeout``, ``max_restarts``,
+    ``grace_period``, ``output``, ...). A rank's exception is raised here with its own type.
+    """
+    return Launch(fn, args, dict(kwargs or {}), nprocs=nprocs, device=device, options=options).wait()
+
+
+def shutdown() -> None:
+    """End the warm launcher and its template now (else at this process's exit, however it ends)."""
+    launcher_handle.shutdown()
+
+
+class Launch:
+    """One launch: its payload and request written; ``wait`` runs it and returns the values."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 nprocs: int | None, device: str, options: Mapping[str, Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"multigpu.launch: fn must be callable, got {fn!r}")
+        blob = _pickled((fn, args, kwargs))
+        config = launch_config(nprocs, device, options, os.environ)
+        self.output_dir = out = Path(str(config.output.dir))
+        payload = out / PAYLOAD_DIR / "payload.pkl"
+        self.config: RunConfig = dataclasses.replace(config, target=str(payload))
+        self.results = out / RESULTS_DIR
+        self.results.mkdir(parents=True, exist_ok=True)
+        payload.parent.mkdir(exist_ok=True)
+        preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
+        payload.write_bytes(pickle.dumps(preparation) +
+                            pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))))
+        self.request = out / PAYLOAD_DIR / "request.pkl"
+        self.request.write_bytes(pickle.dumps({"config": self.config, "env": dict(os.environ),
+                                               "cwd": os.getcwd()}))
+
+    def wait(self) -> list[Any]:
+        """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""
+        try:
+            with launcher() as process:
+                code = process.run(self.request)
+        finally:
+            shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
+        if code < 0 and -code == signal.SIGINT:
+            raise KeyboardInterrupt
+        if code != 0:
+            raise failure_of(self.output_dir, code)
+        values = []
+        for rank in range(self.config.nproc):
+            path = rank_call.result_path(self.results, rank)
+            try:
+                values.append(pickle.loads(path.read_bytes()))
+            except FileNotFoundError:
+                raise MultiGPUError(f"multigpu.launch: rank {rank} succeeded but left no return value "
+                                    f"in {self.results}") from None
+            path.unlink()
+        return values
+
+
+def _pickled(obj: Any) -> bytes:
+    try:
+        return bytes(cloudpickle.dumps(obj))
+    except Exception as exc:
+        raise MultiGPUError(f"multigpu.launch: the function or its arguments cannot be sent to the ranks: "
+                            f"{exc}") from None

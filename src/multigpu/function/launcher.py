@@ -1,0 +1,60 @@
+"""The launcher of ``multigpu.launch``: ``python -m multigpu.function.launcher CALLER_PID REPLY_FD``.
+
+Runs in its own process, started by the caller (``function/launcher_handle.py``), never in the caller: a
+notebook kernel that has initialised CUDA or runs threads must not fork, and the launcher's signal
+handling, subreaping and exit would not belong in a user's process. Each launch is ``multigpu run``'s
+launcher (``runner.attempts.launch``) given a ``RunConfig`` in function mode: every rank is forked from
+the node's template, and fail-fast, the root cause, hang detection and ``run.json`` all apply.
+
+It serves one launch after another: each request (a line on stdin naming a pickled request: the config,
+the caller's current environment and working directory) is run, and its exit code written to
+``REPLY_FD``. Right after each launch a template for the next one is started (``start_early``), so its
+``import torch`` is done by the time the caller launches again. Its fate is tied to the caller's process
+(``guard_parent``): when the caller dies, however it dies, this process, its template and every rank go.
+It ends when stdin closes (``multigpu.shutdown()``, the caller's exit) or after a Ctrl-C, which it
+passes to the ranks and then dies of, as ``multigpu run`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+
+def serve(reply_fd: int) -> None:
+    from multigpu.runner.attempts import launch
+    from multigpu.template.process import start_early
+
+    while line := sys.stdin.buffer.readline():
+        with open(line.strip(), "rb") as f:
+            request = pickle.load(f)
+        os.environ.clear()
+        os.environ.update(request["env"])  # the caller's, now: the next template starts with it too
+        os.chdir(request["cwd"])
+        try:
+            code = launch(request["config"], os.environ)
+        except Exception as exc:  # a usage error, an unusable folder: said, and the next launch served
+            print(f"multigpu: {exc}", file=sys.stderr, flush=True)
+            code = 2
+        start_early(["run"])  # warm for the next launch
+        os.write(reply_fd, f"{code}\n".encode())
+
+
+def main(argv: list[str]) -> int:
+    from multigpu.template.process import close_early, start_early
+
+    start_early(["run"])  # first: the template's import of torch overlaps everything below
+    caller, reply_fd = (int(a) for a in argv)
+    from multigpu.rank.guard import guard_parent
+
+    guard_parent(caller)
+    try:
+        serve(reply_fd)
+    finally:
+        close_early()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

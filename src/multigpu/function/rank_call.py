@@ -1,0 +1,94 @@
+"""What each rank of ``multigpu.launch`` runs: the caller's function, its value or exception kept.
+
+Runs in every rank that ``multigpu.launch`` (or ``multigpu.spawn``) starts, forked from the node's
+template and past the ordinary rank bootstrap (``rank/bootstrap.run_function`` loads the payload, which
+calls ``call_in_rank``). The function, its arguments and keyword arguments come as one cloudpickle blob:
+a function from ``__main__`` or a notebook cell, or a lambda, travels by value; a module-level function
+by reference. The return value is written to ``rank_<RANK>.pkl`` in the launch's results folder (CUDA
+tensors moved to the CPU first, so the caller needs no GPU to read it); an exception is written to
+``rank_<RANK>.error.pkl`` with its formatted traceback and pid, then raised again, so the bootstrap
+records the failure and the launcher finds the root cause as for any run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import traceback
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+RESULT_LIMIT_BYTES = 2**31
+"""A return value larger than this (pickled) is refused in the rank, with an error naming it."""
+
+
+def result_path(results: str | Path, rank: int) -> Path:
+    return Path(results) / f"rank_{rank}.pkl"
+
+
+def error_path(results: str | Path, rank: int) -> Path:
+    return Path(results) / f"rank_{rank}.error.pkl"
+
+
+class _CPUPickler(cloudpickle.Pickler):  # type: ignore[misc,name-defined]
+    """cloudpickle, with every tensor that is not on the CPU pickled as its CPU copy."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = _torch_if_loaded()
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def _torch_if_loaded() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def dumps_value(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def _write(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def call_in_rank(blob: bytes, results: str) -> None:
+    """Run the caller's function in this rank and keep what it returned, or what it raised."""
+    rank = int(os.environ["RANK"])
+    error_path(results, rank).unlink(missing_ok=True)  # an earlier attempt's (max_restarts): not this one's
+    fn, args, kwargs = pickle.loads(blob)
+    try:
+        value = fn(*args, **kwargs)
+        data = dumps_value(value)
+        if len(data) > RESULT_LIMIT_BYTES:
+            raise ValueError(f"rank {rank}'s return value is {len(data)} bytes pickled, over "
+                             f"multigpu.launch's limit of {RESULT_LIMIT_BYTES} bytes; write it to a file "
+                             "and return the path")
+    except BaseException as exc:
+        _keep_exception(exc, error_path(results, rank))
+        raise
+    _write(result_path(results, rank), data)
+
+
+def _keep_exception(exc: BaseException, path: Path) -> None:
+    """The exception itself when it pickles (and unpickles), else only its text; always its traceback."""
+    tb = exc.__traceback__
+    tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb  # from the user's frame on
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    record: dict[str, Any] = {"pid": os.getpid(), "traceback": text, "exception": None}
+    with contextlib.suppress(Exception):
+        pickled = cloudpickle.dumps(exc)
+        pickle.loads(pickled)  # one that cannot come back is sent as text only
+        record["exception"] = pickled
+    with contextlib.suppress(OSError):
+        _write(path, pickle.dumps(record))

@@ -1,0 +1,223 @@
+"""``multigpu.launch`` and ``multigpu.spawn`` from a script, with 2 CPU ranks forked from the template.
+
+The test writes a script and runs it in a fresh interpreter (the pytest process never launches): module
+functions by reference, ``__main__`` functions and lambdas by value, values in rank order, a rank's own
+exception caught by its type with the remote traceback as ``__cause__``, and PyTorch's DDP tutorial
+(CPU form) under ``multigpu.spawn`` with nothing changed but the import. Every rank is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHON, assert_gone, clean_env, free_port, write_script
+
+pytestmark = pytest.mark.integration
+
+HELPER_MODULE = """
+    import os
+
+    def rank_times(x):
+        return int(os.environ["RANK"]) * x
+"""
+
+LAUNCHES = """
+    import json, os, sys, time
+    import multigpu
+    from helpermod import rank_times
+
+    class Refused(KeyError):
+        pass
+
+    def fail(kind):
+        if os.environ["RANK"] == "1":
+            raise Refused("custom") if kind == "custom" else ValueError("rank one says no")
+        time.sleep(60)
+
+    out = {}
+    out["module"] = multigpu.launch(rank_times, 10, nprocs=2, device="cpu")
+    offset = 5
+    out["lambda"] = multigpu.launch(lambda a, b=0: (int(os.environ["RANK"]), a + b + offset), 1, nprocs=2,
+                                    device="cpu", kwargs={"b": 2})
+    started = time.monotonic()
+    try:
+        multigpu.launch(fail, "value", nprocs=2, device="cpu", grace_period=2)
+    except ValueError as exc:
+        out["value_error"] = {"text": str(exc), "notes": exc.__notes__, "cause": str(exc.__cause__),
+                              "seconds": time.monotonic() - started}
+    try:
+        multigpu.launch(fail, "custom", nprocs=2, device="cpu", grace_period=2)
+    except Refused as exc:
+        out["custom"] = type(exc).__name__
+    try:
+        multigpu.launch(os._exit, 3, nprocs=2, device="cpu")
+    except multigpu.WorkerFailedError as exc:
+        out["exited"] = exc.exit_code
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_launch_returns_values_and_raises_the_ranks_own_exception(tmp_path: Path) -> None:
+    write_script(tmp_path, "helpermod.py", HELPER_MODULE)
+    script = write_script(tmp_path, "launches.py", LAUNCHES)
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    assert out["module"] == [0, 10]
+    assert out["lambda"] == [[0, 8], [1, 8]]
+    error = out["value_error"]
+    assert error["text"] == "rank one says no"
+    assert len(error["notes"]) == 1 and error["notes"][0].startswith("multigpu: raised by rank 1 (pid ")
+    assert "Traceback (most recent call last)" in error["cause"] and "in fail" in error["cause"]
+    assert "ValueError: rank one says no" in error["cause"]
+    assert error["seconds"] < 60  # rank 0 sleeps 60 s: it was stopped, not waited for
+    assert out["custom"] == "Refused"
+    assert out["exited"] == 3
+    assert "[rank 1] " in proc.stdout + proc.stderr  # the ranks' lines reached the caller's streams
+    runs = sorted((tmp_path / "multigpu_runs").iterdir())
+    assert len(runs) == 5
+    pids = []
+    for run in runs:
+        record = json.loads((run / "run.json").read_text())
+        pids += [r["pid"] for a in record["attempts"] for r in a["ranks"].values() if r.get("pid")]
+        assert not (run / ".multigpu").exists()  # the payload is removed after each launch
+    assert pids
+    assert_gone(pids)
+
+
+DDP_TUTORIAL = """
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.optim as optim
+    import multigpu as mp  # the only change: was ``import torch.multiprocessing as mp``
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    PORT = sys.argv[1]  # the tutorial's fixed 12355, made free so parallel tests do not collide
+
+
+    def setup(rank, world_size):
+        os.environ['MASTER_ADDR'] = 'localhost'
+        os.environ['MASTER_PORT'] = PORT
+
+        # initialize the process group
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+    def cleanup():
+        dist.destroy_process_group()
+
+
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super(ToyModel, self).__init__()
+            self.net1 = nn.Linear(10, 10)
+            self.relu = nn.ReLU()
+            self.net2 = nn.Linear(10, 5)
+
+        def forward(self, x):
+            return self.net2(self.relu(self.net1(x)))
+
+
+    def demo_basic(rank, world_size):
+        print(f"Running basic DDP example on rank {rank}.")
+        setup(rank, world_size)
+
+        model = ToyModel()
+        ddp_model = DDP(model)
+
+        loss_fn = nn.MSELoss()
+        optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+
+        optimizer.zero_grad()
+        outputs = ddp_model(torch.randn(20, 10))
+        labels = torch.randn(20, 5)
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+
+        cleanup()
+        print(f"Finished running basic DDP example on rank {rank}.")
+
+
+    def run_demo(demo_fn, world_size):
+        mp.spawn(demo_fn,
+                 args=(world_size,),
+                 nprocs=world_size,
+                 join=True)
+
+
+    def demo_fails(rank, world_size):
+        if rank == 1:
+            raise KeyError("rank 1 fails")
+
+
+    if __name__ == "__main__":
+        run_demo(demo_basic, 2)
+        try:
+            run_demo(demo_fails, 2)
+        except mp.ProcessRaisedException as exc:
+            print(f"RAISED index={exc.error_index} cause={type(exc.__cause__).__name__}", flush=True)
+"""
+
+
+def test_spawn_runs_the_cpu_ddp_tutorial_unchanged_but_for_the_import(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "ddp_tutorial.py", DDP_TUTORIAL)
+    proc = subprocess.run([PYTHON, str(script), str(free_port())], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    for rank in (0, 1):
+        assert f"Finished running basic DDP example on rank {rank}." in text
+    assert "RAISED index=1 cause=KeyError" in text
+
+
+WARM = """
+    import json, os, threading, time
+    import multigpu
+    from multigpu.function import launcher_handle
+
+    def launcher_pid(pause=0.0):
+        time.sleep(pause)
+        return int(os.environ["MULTIGPU_LAUNCHER_PID"])
+
+    out = {"first": multigpu.launch(launcher_pid, nprocs=2, device="cpu")}
+    time.sleep(3)  # the next template imports torch meanwhile, as between two notebook cells
+    started = time.monotonic()
+    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")
+    out["second_s"] = time.monotonic() - started
+    busy = threading.Thread(target=lambda: out.update(busy=multigpu.launch(launcher_pid, 3.0, nprocs=1,
+                                                                            device="cpu")))
+    busy.start()
+    time.sleep(0.5)
+    out["beside"] = multigpu.launch(launcher_pid, nprocs=1, device="cpu")  # the warm one is busy
+    busy.join()
+    shared = launcher_handle._shared
+    multigpu.shutdown()
+    out["after_shutdown"] = shared.process.poll()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_the_launcher_stays_warm_and_shutdown_ends_it(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "warm.py", WARM)
+    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    first, second = out["first"], out["second"]
+    assert len(set(first)) == 1 and first == second and out["busy"] == first[:1]  # one launcher, 3 launches
+    assert out["beside"] != first  # a launch made while it was busy got a launcher of its own
+    assert out["after_shutdown"] == 0
+    assert "plain processes" not in proc.stderr  # every rank was forked from a template
+    print(f"second launch (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
+    assert_gone([first[0], out["beside"][0]])

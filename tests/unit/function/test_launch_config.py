@@ -1,0 +1,76 @@
+"""``multigpu.launch``'s settings into the one RunConfig, and its devices. No processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from multigpu.cluster.devices import GPUInfo
+from multigpu.config.run import RunConfig
+from multigpu.contract.errors import UsageError
+from multigpu.function.launch_config import OPTIONS, launch_config, resolve_devices
+
+
+def gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    found = [GPUInfo(index=i, ordinal=str(i), name="gpu", uuid=f"GPU-{i}") for i in range(count)]
+    import multigpu.function.launch_config as lc
+
+    monkeypatch.setattr(lc, "visible_gpus", lambda env=None: found)
+
+
+def test_no_gpu_asks_for_nprocs_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus(monkeypatch, 0)
+    with pytest.raises(UsageError, match="no GPU is visible here; pass nprocs=N") as info:
+        resolve_devices(None, "auto", {})
+    assert "\n" not in str(info.value)
+    assert resolve_devices(3, "auto", {}) == ("cpu", 3, ())
+
+
+def test_auto_takes_every_gpu_or_the_first_nprocs(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus(monkeypatch, 4)
+    assert resolve_devices(None, "auto", {}) == ("cuda", 4, (0, 1, 2, 3))
+    assert resolve_devices(2, "cuda", {}) == ("cuda", 2, (0, 1))
+    assert resolve_devices(8, "cpu", {}) == ("cpu", 8, ())
+    with pytest.raises(UsageError, match="5 GPU rank"):
+        resolve_devices(5, "auto", {})
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_nprocs_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(ValueError, match="nprocs"):
+        resolve_devices(bad, "cpu", {})  # type: ignore[arg-type]
+
+
+def test_device_is_checked() -> None:
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_devices(2, "tpu", {})
+
+
+def test_options_land_in_their_one_field(tmp_path: Path) -> None:
+    config = launch_config(2, "cpu", {"hang_timeout": 30.0, "max_restarts": 2, "grace_period": 1.5,
+                                      "output": tmp_path / "out", "log_ranks": [0], "preload": ["json"]}, {})
+    assert isinstance(config, RunConfig) and config.function and config.nproc == 2
+    assert config.hang.timeout == 30.0 and config.supervision.max_restarts == 2
+    assert config.supervision.grace_period == 1.5 and config.supervision.preload == ("json",)
+    assert config.output.dir == (tmp_path / "out").resolve() and config.output.log_ranks == frozenset({0})
+    assert config.output.status == "off" and config.output.run_id
+
+
+def test_default_output_is_where_multigpu_run_puts_it(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = launch_config(1, "cpu", {"run_id": "abc"}, {})
+    assert config.output.dir == tmp_path / "multigpu_runs" / "abc"
+
+
+def test_an_unknown_option_is_a_type_error_naming_the_known_ones() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'hang_timout'") as info:
+        launch_config(1, "cpu", {"hang_timout": 3}, {})
+    assert all(name in str(info.value) for name in OPTIONS)
+
+
+def test_every_option_names_a_real_field() -> None:
+    config = RunConfig(target="")
+    for section, field in OPTIONS.values():
+        assert hasattr(getattr(config, section), field), (section, field)

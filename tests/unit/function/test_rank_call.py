@@ -1,0 +1,72 @@
+"""What a rank of ``multigpu.launch`` keeps for the caller: its value, or its exception. In-process."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+
+from multigpu.function.launch_errors import RemoteTraceback, original_exception
+from multigpu.function.rank_call import call_in_rank, dumps_value, error_path, result_path
+
+
+@pytest.fixture(autouse=True)
+def rank_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+
+
+def test_the_value_is_written_under_the_rank(tmp_path: Path) -> None:
+    offset = 3
+    call_in_rank(cloudpickle.dumps((lambda a, b: a + b + offset, (1,), {"b": 2})), str(tmp_path))
+    assert pickle.loads(result_path(tmp_path, 1).read_bytes()) == 6
+    assert not error_path(tmp_path, 1).exists()
+
+
+def test_an_exception_is_kept_with_its_traceback_and_raised_again(tmp_path: Path) -> None:
+    def refuse() -> None:
+        raise KeyError("nope")
+
+    with pytest.raises(KeyError):
+        call_in_rank(cloudpickle.dumps((refuse, (), {})), str(tmp_path))
+    assert not result_path(tmp_path, 1).exists()
+    exc = original_exception(error_path(tmp_path, 1), 1)
+    assert type(exc) is KeyError and exc.args == ("nope",)
+    assert exc.__notes__ == [f"multigpu: raised by rank 1 (pid {os.getpid()})"]
+    cause = exc.__cause__
+    assert isinstance(cause, RemoteTraceback) and cause.rank == 1 and cause.pid == os.getpid()
+    assert "in refuse" in cause.text and "call_in_rank" not in cause.text  # from the user's frame on
+    assert str(cause).startswith('\n"""\nTraceback')
+
+
+class Unpicklable(Exception):
+    def __reduce__(self) -> object:
+        raise TypeError("cannot pickle this")
+
+
+def test_an_exception_that_cannot_travel_leaves_its_text_only(tmp_path: Path) -> None:
+    def fail() -> None:
+        raise Unpicklable("odd")
+
+    with pytest.raises(Unpicklable):
+        call_in_rank(cloudpickle.dumps((fail, (), {})), str(tmp_path))
+    record = pickle.loads(error_path(tmp_path, 1).read_bytes())
+    assert record["exception"] is None and "Unpicklable: odd" in record["traceback"]
+    assert original_exception(error_path(tmp_path, 1), 1) is None  # the caller falls back
+
+
+def test_tensors_travel_and_others_are_moved_to_the_cpu_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    value = pickle.loads(dumps_value({"t": torch.ones(2), "n": [1]}))
+    assert value["t"].tolist() == [1.0, 1.0] and value["n"] == [1]
+    moved: list[str] = []
+
+    def cpu(self: torch.Tensor) -> torch.Tensor:
+        moved.append(self.device.type)
+        return torch.zeros(2)
+
+    meta = torch.empty(2, device="meta")  # no GPU here: a tensor off the CPU all the same
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    assert pickle.loads(dumps_value([meta]))[0].tolist() == [0.0, 0.0] and moved == ["meta"]

@@ -1,0 +1,46 @@
+"""``multigpu.spawn``'s errors are torch's own; what a rank calls is ``fn(i, *args)``. No processes."""
+
+from __future__ import annotations
+
+import pytest
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+import multigpu
+from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+from multigpu.function.launch_errors import RemoteTraceback
+from multigpu.function.spawning import as_torch_error, call_with_index
+
+
+def test_the_names_are_torchs() -> None:
+    assert multigpu.ProcessRaisedException is ProcessRaisedException
+    assert multigpu.ProcessExitedException is ProcessExitedException
+
+
+def test_a_raised_exception_becomes_process_raised_exception() -> None:
+    original = KeyError("x")
+    original.__cause__ = RemoteTraceback("Traceback ...\nKeyError: 'x'", 1, 42)
+    error = as_torch_error(original)
+    assert isinstance(error, ProcessRaisedException) and error.error_index == 1 and error.error_pid == 42
+    assert "-- Process 1 terminated with the following error:\nTraceback ...\nKeyError: 'x'" in str(error)
+
+
+def test_a_death_becomes_process_exited_exception() -> None:
+    killed = as_torch_error(WorkerFailedError(WorkerFailure(rank=0, local_rank=0, pid=7, exit_code=-9,
+                                                            signal="SIGKILL")))
+    assert isinstance(killed, ProcessExitedException) and killed.signal_name == "SIGKILL"
+    exited = as_torch_error(WorkerFailedError(WorkerFailure(rank=1, local_rank=1, pid=8, exit_code=3)))
+    assert isinstance(exited, ProcessExitedException) and exited.exit_code == 3 and exited.error_index == 1
+
+
+def test_other_errors_pass_unchanged() -> None:
+    interrupt = KeyboardInterrupt()
+    assert as_torch_error(interrupt) is interrupt
+
+
+def test_fn_gets_its_index_first_and_no_agent_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert call_with_index(lambda i, a, b: (i, a, b), ("a", "b")) == (1, "a", "b")
+    import os
+
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
