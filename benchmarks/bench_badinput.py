@@ -35,9 +35,13 @@ def one(ctx: Ctx, launcher: str, value: str) -> dict[str, Any]:
     try:
         code = job.wait(60)
         text = job.output()
-        return {"seconds": None if job.exited is None else job.exited - job.started, "exit_code": code,
-                "lines": len(text.splitlines()), "traceback": "Traceback (most recent call last)" in text,
-                "first_line": text.splitlines()[0] if text else ""}
+        return {
+            "seconds": None if job.exited is None else job.exited - job.started,
+            "exit_code": code,
+            "lines": len(text.splitlines()),
+            "traceback": "Traceback (most recent call last)" in text,
+            "first_line": text.splitlines()[0] if text else "",
+        }
     finally:
         job.finish()
 
@@ -51,9 +55,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     summary = {}
     for v, by in raw.items():
         secs = {k: [r["seconds"] for r in runs] for k, runs in by.items()}
-        summary[v] = {**{k: summarize(s) for k, s in secs.items()},
-                      "lines": {k: summarize([r["lines"] for r in runs]) for k, runs in by.items()},
-                      "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN]))}
+        summary[v] = {
+            **{k: summarize(s) for k, s in secs.items()},
+            "lines": {k: summarize([r["lines"] for r in runs]) for k, runs in by.items()},
+            "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
+        }
     return {"raw": raw, "summary": summary}
 
 
@@ -63,21 +69,41 @@ def markdown(res: dict[str, Any]) -> list[str]:
         for k in LAUNCHERS:
             runs = by[k]
             flag = "--cpu" if k == MULTIGPU else "--nproc-per-node"
-            rows.append([f"`{flag} {v}`", k, cell([r["seconds"] for r in runs], "s", 3),
-                         cell([r["lines"] for r in runs], "", 0),
-                         ", ".join(sorted({str(r["exit_code"]) for r in runs})),
-                         "yes" if any(r["traceback"] for r in runs) else "no"])
+            rows.append(
+                [
+                    f"`{flag} {v}`",
+                    k,
+                    cell([r["seconds"] for r in runs], "s", 3),
+                    cell([r["lines"] for r in runs], "", 0),
+                    ", ".join(sorted({str(r["exit_code"]) for r in runs})),
+                    "yes" if any(r["traceback"] for r in runs) else "no",
+                ]
+            )
         rows.append([f"`{v}`", "ratio (time)", ratio_text(res["summary"][v]["ratio"]), "", "", ""])
     return table(["input", "launcher", "time to the error", "lines printed", "exit code", "traceback"], rows)
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     runs = [(v, r) for v, by in res["raw"].items() for r in by[MULTIGPU]]
-    bad = [v for v, r in runs if not (r["exit_code"] == 2 and r["lines"] <= 4 and not r["traceback"]
-                                      and r["seconds"] is not None and r["seconds"] < 1.0)]
+    bad = [
+        v
+        for v, r in runs
+        if not (
+            r["exit_code"] == 2
+            and r["lines"] <= 4
+            and not r["traceback"]
+            and r["seconds"] is not None
+            and r["seconds"] < 1.0
+        )
+    ]
     worst = max((r["seconds"] or 0.0 for _, r in runs), default=0.0)
     lines = max((r["lines"] for _, r in runs), default=0)
-    return [target("bad input", "exit 2, <= 4 lines, no traceback, under 1 s (issue 3)",
-                   not bad and bool(runs),
-                   f"slowest {worst:.3f} s, at most {lines} line(s)",
-                   f"missed for {', '.join(sorted(set(bad)))}" if bad else "")]
+    return [
+        target(
+            "bad input",
+            "exit 2, <= 4 lines, no traceback, under 1 s (issue 3)",
+            not bad and bool(runs),
+            f"slowest {worst:.3f} s, at most {lines} line(s)",
+            f"missed for {', '.join(sorted(set(bad)))}" if bad else "",
+        )
+    ]

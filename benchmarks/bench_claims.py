@@ -47,7 +47,7 @@ def estimate(ctx: Ctx) -> float:
 
 def summary_part(launcher: str, text: str) -> str:
     marker = "root cause:" if launcher == MULTIGPU else "Root Cause"
-    return text[text.find(marker):] if marker in text else ""
+    return text[text.find(marker) :] if marker in text else ""
 
 
 def traceback_case(ctx: Ctx, launcher: str) -> dict[str, Any]:
@@ -69,8 +69,11 @@ def hang_case(ctx: Ctx, launcher: str) -> dict[str, Any]:
         code = job.wait(BOUND_S)
         logs = "".join(p.read_text(errors="replace") for p in (bench_dir / "mg").rglob("*.log"))
         stacks = bool(STACK_FRAME.search(job.output() + logs))
-        return {"seconds": None if job.exited is None else job.exited - job.started, "exit_code": code,
-                "stacks": stacks}
+        return {
+            "seconds": None if job.exited is None else job.exited - job.started,
+            "exit_code": code,
+            "stacks": stacks,
+        }
     finally:
         job.finish()
 
@@ -83,11 +86,23 @@ PREFIX = re.compile(r"^\[rank \d\] ")
 
 def lines_case(ctx: Ctx, launcher: str) -> dict[str, Any]:
     bench_dir = new_bench_dir(ctx.root, f"{NAME}-lines-{launcher}")
-    argv = launcher_argv(launcher, 2, "long_lines.py", [str(LINES), str(WIDTH)], output=bench_dir / "mg",
-                         extra=["--status", "off"] if launcher == MULTIGPU else [])
-    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             stdin=subprocess.DEVNULL, env=worker_env(bench_dir), cwd=bench_dir,
-                             start_new_session=True)
+    argv = launcher_argv(
+        launcher,
+        2,
+        "long_lines.py",
+        [str(LINES), str(WIDTH)],
+        output=bench_dir / "mg",
+        extra=["--status", "off"] if launcher == MULTIGPU else [],
+    )
+    popen = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env=worker_env(bench_dir),
+        cwd=bench_dir,
+        start_new_session=True,
+    )
     REGISTRY.track(popen, bench_dir)  # type: ignore[arg-type]
     try:
         out, _ = popen.communicate(timeout=120)
@@ -108,8 +123,14 @@ def run(ctx: Ctx) -> dict[str, Any]:
             for launcher in alternate(i):
                 raw[case][launcher].append(fn(ctx, launcher))
     hang = {k: summarize([r["seconds"] for r in v]) for k, v in raw["hang"].items()}
-    return {"raw": raw, "hang_s": HANG_S, "bound_s": BOUND_S, "lines": LINES, "width": WIDTH,
-            "summary": {"hang": hang}}
+    return {
+        "raw": raw,
+        "hang_s": HANG_S,
+        "bound_s": BOUND_S,
+        "lines": LINES,
+        "width": WIDTH,
+        "summary": {"hang": hang},
+    }
 
 
 def _count(runs: list[dict[str, Any]], key: str) -> str:
@@ -118,24 +139,44 @@ def _count(runs: list[dict[str, Any]], key: str) -> str:
 
 def markdown(res: dict[str, Any]) -> list[str]:
     raw = res["raw"]
-    rows = [["a rank raises: the exception in the launcher's failure summary (runs)",
-             *(_count(raw["traceback"][k], "exception_in_summary") for k in LAUNCHERS)],
-            [f"rank 1 stuck, rank 0 in all_reduce: launcher exited (--hang-timeout {res['hang_s']:g})",
-             *(cell([r["seconds"] for r in raw["hang"][k]], "s", never=f"never (>{res['bound_s']:g} s)")
-               for k in LAUNCHERS)],
-            ["the same hang: the ranks' Python stacks shown or logged (runs)",
-             *(_count(raw["hang"][k], "stacks") for k in LAUNCHERS)],
-            [f"2 ranks x {res['lines']} lines of {res['width']} characters into a pipe: whole lines",
-             *(" / ".join(f"{r['whole']} of {r['expected']}" for r in raw["lines"][k]) for k in LAUNCHERS)]]
+    rows = [
+        [
+            "a rank raises: the exception in the launcher's failure summary (runs)",
+            *(_count(raw["traceback"][k], "exception_in_summary") for k in LAUNCHERS),
+        ],
+        [
+            f"rank 1 stuck, rank 0 in all_reduce: launcher exited (--hang-timeout {res['hang_s']:g})",
+            *(
+                cell([r["seconds"] for r in raw["hang"][k]], "s", never=f"never (>{res['bound_s']:g} s)")
+                for k in LAUNCHERS
+            ),
+        ],
+        [
+            "the same hang: the ranks' Python stacks shown or logged (runs)",
+            *(_count(raw["hang"][k], "stacks") for k in LAUNCHERS),
+        ],
+        [
+            f"2 ranks x {res['lines']} lines of {res['width']} characters into a pipe: whole lines",
+            *(" / ".join(f"{r['whole']} of {r['expected']}" for r in raw["lines"][k]) for k in LAUNCHERS),
+        ],
+    ]
     return table(["claim", *LAUNCHERS], rows)
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     raw = res["raw"]
     ours = {case: raw[case][MULTIGPU] for case in raw}
-    met = (all(r["exception_in_summary"] for r in ours["traceback"])
-           and all(r["seconds"] is not None and r["stacks"] for r in ours["hang"])
-           and all(r["whole"] == r["expected"] for r in ours["lines"]))
+    met = (
+        all(r["exception_in_summary"] for r in ours["traceback"])
+        and all(r["seconds"] is not None and r["stacks"] for r in ours["hang"])
+        and all(r["whole"] == r["expected"] for r in ours["lines"])
+    )
     theirs = raw["lines"][TORCHRUN]
-    return [target("why-switch claims", "traceback in every summary, every hang stopped with stacks, every "
-                   "line whole", met, f"torchrun whole lines: {', '.join(str(r['whole']) for r in theirs)}")]
+    return [
+        target(
+            "why-switch claims",
+            "traceback in every summary, every hang stopped with stacks, every line whole",
+            met,
+            f"torchrun whole lines: {', '.join(str(r['whole']) for r in theirs)}",
+        )
+    ]

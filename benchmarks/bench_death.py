@@ -45,8 +45,15 @@ def estimate(ctx: Ctx) -> float:
 def one(ctx: Ctx, variant: str, mode: str, nproc: int) -> dict[str, Any]:
     launcher = TORCHRUN if variant == TORCHRUN else MULTIGPU
     flags = ["--no-template"] if variant == NO_TEMPLATE else []
-    job = start_launcher(ctx.root, f"{NAME}-{mode}{nproc}", launcher, nproc, "die.py",
-                         [mode, str(DYING_RANK)], extra=lambda _dir: flags)
+    job = start_launcher(
+        ctx.root,
+        f"{NAME}-{mode}{nproc}",
+        launcher,
+        nproc,
+        "die.py",
+        [mode, str(DYING_RANK)],
+        extra=lambda _dir: flags,
+    )
     try:
         code = job.wait(90)
         procs = [p for p in job.procs() if p.kind != "grandchild"]
@@ -58,9 +65,13 @@ def one(ctx: Ctx, variant: str, mode: str, nproc: int) -> dict[str, Any]:
         end = None if gone is None or job.exited is None else max(gone, job.exited)
         seconds = None if end is None or death is None else end - death
         out: dict[str, Any] = {
-            "seconds": seconds, "exit_code": code, "left_at_launcher_exit": left_at_exit,
+            "seconds": seconds,
+            "exit_code": code,
+            "left_at_launcher_exit": left_at_exit,
             "grandchildren_left": grandchildren_left,
-            "dying_rank_exit_s": dying_rank_exit(job.bench_dir, death), "killed_by_harness": job.finish()}
+            "dying_rank_exit_s": dying_rank_exit(job.bench_dir, death),
+            "killed_by_harness": job.finish(),
+        }
         if death is None:  # the rank failed before its planned death: keep the evidence
             out["error"] = "no death mark: the job failed some other way"
             out["output_tail"] = job.output()[-4000:]
@@ -81,7 +92,8 @@ def dying_rank_exit(bench_dir: Path, death: float | None) -> float | None:
 
 def run(ctx: Ctx) -> dict[str, Any]:
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {
-        f"{m}/{n}": {k: [] for k in VARIANTS} for m in MODES for n in counts(ctx)}
+        f"{m}/{n}": {k: [] for k in VARIANTS} for m in MODES for n in counts(ctx)
+    }
     for i in range(ctx.runs):
         for n in counts(ctx):
             for m in MODES:
@@ -90,9 +102,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     summary = {}
     for case, by in raw.items():
         secs = {k: [r["seconds"] for r in v] for k, v in by.items()}
-        summary[case] = {**{k: summarize(v) for k, v in secs.items()},
-                         "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
-                         "ratio_no_template": ratio(median(secs[NO_TEMPLATE]), median(secs[TORCHRUN]))}
+        summary[case] = {
+            **{k: summarize(v) for k, v in secs.items()},
+            "ratio": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
+            "ratio_no_template": ratio(median(secs[NO_TEMPLATE]), median(secs[TORCHRUN])),
+        }
     return {"raw": raw, "summary": summary}
 
 
@@ -104,44 +118,98 @@ def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for case in res["raw"]:
         secs, summary = _seconds(res, case), res["summary"][case]
-        rows.append([f"{case.split('/')[0]}, {case.split('/')[1]} workers",
-                     *(cell(secs.get(v, []), "s", never="no number") for v in VARIANTS),
-                     ratio_text(summary["ratio"]), ratio_text(summary.get("ratio_no_template"))])
+        rows.append(
+            [
+                f"{case.split('/')[0]}, {case.split('/')[1]} workers",
+                *(cell(secs.get(v, []), "s", never="no number") for v in VARIANTS),
+                ratio_text(summary["ratio"]),
+                ratio_text(summary.get("ratio_no_template")),
+            ]
+        )
     header = ["case", "multigpu", "multigpu --no-template", "torchrun", "ratio", "ratio (--no-template)"]
     lines = table(header, rows)
-    errors = [f"{case} {k}" for case, by in res["raw"].items() for k, v in by.items()
-              for r in v if "error" in r]
+    errors = [
+        f"{case} {k}" for case, by in res["raw"].items() for k, v in by.items() for r in v if "error" in r
+    ]
     if errors:
-        lines += ["", "Runs that failed before the planned death (output in results.json): "
-                  f"{', '.join(errors)}."]
-    left = {k: sum(r["left_at_launcher_exit"] for v in res["raw"].values() for r in v.get(k, []))
-            for k in VARIANTS}
-    codes = {k: sorted({str(r["exit_code"]) for v in res["raw"].values() for r in v.get(k, [])})
-             for k in VARIANTS}
-    own = [r["dying_rank_exit_s"] for v in res["raw"].values() for r in v[MULTIGPU]
-           if r.get("dying_rank_exit_s") is not None]
-    by_mode = {m: cell([r.get("dying_rank_exit_s") for c, v in res["raw"].items() if c.startswith(m)
-                        for r in v[MULTIGPU]], "s") for m in MODES}
+        lines += [
+            "",
+            f"Runs that failed before the planned death (output in results.json): {', '.join(errors)}.",
+        ]
+    left = {
+        k: sum(r["left_at_launcher_exit"] for v in res["raw"].values() for r in v.get(k, []))
+        for k in VARIANTS
+    }
+    codes = {
+        k: sorted({str(r["exit_code"]) for v in res["raw"].values() for r in v.get(k, [])}) for k in VARIANTS
+    }
+    own = [
+        r["dying_rank_exit_s"]
+        for v in res["raw"].values()
+        for r in v[MULTIGPU]
+        if r.get("dying_rank_exit_s") is not None
+    ]
+    by_mode = {
+        m: cell(
+            [
+                r.get("dying_rank_exit_s")
+                for c, v in res["raw"].items()
+                if c.startswith(m)
+                for r in v[MULTIGPU]
+            ],
+            "s",
+        )
+        for m in MODES
+    }
     if own:
-        lines += ["", "Of multigpu's time, the dying rank's own process took this long to end after its mark "
-                  "(run.json), before the launcher could see the exit: "
-                  + "; ".join(f"{m} {c}" for m, c in by_mode.items()) + "."]
-    orphans = {k: sum(r.get("grandchildren_left", 0) for c, v in res["raw"].items()
-                      if c.startswith("grandchild") for r in v.get(k, [])) for k in VARIANTS}
-    lines += ["", "The grandchild case times the ranks (the launcher's exit and every rank gone); the "
-              "DataLoader-style grandchildren still alive after that (all runs): "
-              + ", ".join(f"{k} {orphans[k]}" for k in VARIANTS) + "."]
-    lines += ["", "Workers still alive when the launcher exited (all runs): "
-              + ", ".join(f"{k} {left[k]}" for k in VARIANTS) + ". Launcher exit codes: "
-              + "; ".join(f"{k} {', '.join(codes[k])}" for k in VARIANTS) + "."]
+        lines += [
+            "",
+            "Of multigpu's time, the dying rank's own process took this long to end after its mark "
+            "(run.json), before the launcher could see the exit: "
+            + "; ".join(f"{m} {c}" for m, c in by_mode.items())
+            + ".",
+        ]
+    orphans = {
+        k: sum(
+            r.get("grandchildren_left", 0)
+            for c, v in res["raw"].items()
+            if c.startswith("grandchild")
+            for r in v.get(k, [])
+        )
+        for k in VARIANTS
+    }
+    lines += [
+        "",
+        "The grandchild case times the ranks (the launcher's exit and every rank gone); the "
+        "DataLoader-style grandchildren still alive after that (all runs): "
+        + ", ".join(f"{k} {orphans[k]}" for k in VARIANTS)
+        + ".",
+    ]
+    lines += [
+        "",
+        "Workers still alive when the launcher exited (all runs): "
+        + ", ".join(f"{k} {left[k]}" for k in VARIANTS)
+        + ". Launcher exit codes: "
+        + "; ".join(f"{k} {', '.join(codes[k])}" for k in VARIANTS)
+        + ".",
+    ]
     return lines
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    ratios = {f"{case}{'' if key == 'ratio' else ' --no-template'}": s.get(key)
-              for case, s in res["summary"].items() for key in ("ratio", "ratio_no_template")}
+    ratios = {
+        f"{case}{'' if key == 'ratio' else ' --no-template'}": s.get(key)
+        for case, s in res["summary"].items()
+        for key in ("ratio", "ratio_no_template")
+    }
     met = all(r is not None and r <= 0.3 for r in ratios.values())
     worst = max(ratios, key=lambda c: ratios[c] if ratios[c] is not None else float("inf"))
-    return [target("rank death to exit", "<= 0.3x torchrun's time, every case", met,
-                   ", ".join(f"{c}: {ratio_text(r)}" for c, r in ratios.items()),
-                   f"worst case {worst}")]
+    return [
+        target(
+            "rank death to exit",
+            "<= 0.3x torchrun's time, every case",
+            met,
+            ", ".join(f"{c}: {ratio_text(r)}" for c, r in ratios.items()),
+            f"worst case {worst}",
+        )
+    ]

@@ -48,10 +48,12 @@ def run(ctx: Ctx) -> dict[str, Any]:
     for case, by in raw.items():
         rounds = {k: [r["round_s"] for r in v] for k, v in by.items()}
         ends = {k: [r["seconds"] for r in v] for k, v in by.items()}
-        summary[case] = {"round_s": {k: summarize(v) for k, v in rounds.items()},
-                         "seconds": {k: summarize(v) for k, v in ends.items()},
-                         "ratio_round": ratio(median(rounds[MULTIGPU]), median(rounds[TORCHRUN])),
-                         "ratio_end": ratio(median(ends[MULTIGPU]), median(ends[TORCHRUN]))}
+        summary[case] = {
+            "round_s": {k: summarize(v) for k, v in rounds.items()},
+            "seconds": {k: summarize(v) for k, v in ends.items()},
+            "ratio_round": ratio(median(rounds[MULTIGPU]), median(rounds[TORCHRUN])),
+            "ratio_end": ratio(median(ends[MULTIGPU]), median(ends[TORCHRUN])),
+        }
     return {"raw": raw, "summary": summary}
 
 
@@ -59,12 +61,24 @@ def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for case, title in CASES.items():
         by, s = res["raw"][case], res["summary"][case]
-        for key, what, ratio_key in (("round_s", "every rank of the new round initialised", "ratio_round"),
-                                     ("seconds", "the job ended", "ratio_end")):
-            rows.append([f"{title}: {what}", *(cell([r[key] for r in by[k]], "s") for k in LAUNCHERS),
-                         ratio_text(s[ratio_key])])
-    notes = [f"- {k} {case}: {r['note']}" for case in CASES for k in LAUNCHERS
-             for r in res["raw"][case][k] if r["seconds"] is None]
+        for key, what, ratio_key in (
+            ("round_s", "every rank of the new round initialised", "ratio_round"),
+            ("seconds", "the job ended", "ratio_end"),
+        ):
+            rows.append(
+                [
+                    f"{title}: {what}",
+                    *(cell([r[key] for r in by[k]], "s") for k in LAUNCHERS),
+                    ratio_text(s[ratio_key]),
+                ]
+            )
+    notes = [
+        f"- {k} {case}: {r['note']}"
+        for case in CASES
+        for k in LAUNCHERS
+        for r in res["raw"][case][k]
+        if r["seconds"] is None
+    ]
     header = ["case", *LAUNCHERS, "ratio (multigpu / torchrun)"]
     return [*table(header, rows), *(["", *notes] if notes else [])]
 
@@ -83,5 +97,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         return f"{case}: {ours}, torchrun {theirs}"
 
     measured = ", ".join(measured_text(case) for case in CASES)
-    return [target("elastic round", "every new round formed, no later than under torchrun (or torchrun's "
-                   "never formed)", all(ok(case) for case in CASES), measured)]
+    return [
+        target(
+            "elastic round",
+            "every new round formed, no later than under torchrun (or torchrun's never formed)",
+            all(ok(case) for case in CASES),
+            measured,
+        )
+    ]

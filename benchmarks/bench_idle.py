@@ -62,8 +62,9 @@ def sample(jobs: dict[str, Job], until: float) -> dict[str, list[tuple[float, fl
     return out
 
 
-def window_share(points: list[tuple[float, float]], ready: dict[int, float], seconds: float
-                 ) -> tuple[float | None, float | None]:
+def window_share(
+    points: list[tuple[float, float]], ready: dict[int, float], seconds: float
+) -> tuple[float | None, float | None]:
     """(% of one core, window seconds) between the last rank's ready and the first rank's wake-up."""
     if len(ready) < NPROC:
         return None, None
@@ -81,8 +82,9 @@ def one_pair(ctx: Ctx, i: int) -> dict[str, dict[str, Any]]:
     jobs: dict[str, Job] = {}
     try:
         for launcher in alternate(i):
-            jobs[launcher] = start_launcher(ctx.root, NAME, launcher, NPROC, "hold.py",
-                                            [str(secs), "--no-child"])
+            jobs[launcher] = start_launcher(
+                ctx.root, NAME, launcher, NPROC, "hold.py", [str(secs), "--no-child"]
+            )
         points = sample(jobs, time.time() + START_BOUND_S + secs)
         return {k: measure(jobs[k], points[k], secs) for k in LAUNCHERS}
     finally:
@@ -93,8 +95,13 @@ def one_pair(ctx: Ctx, i: int) -> dict[str, dict[str, Any]]:
 def measure(job: Job, points: list[tuple[float, float]], secs: float) -> dict[str, Any]:
     ready = read_marks(job.bench_dir, "ready")
     pct, span = window_share(points, ready, secs)
-    return {"core_pct": pct, "window_s": span, "ranks_ready": len(ready), "exit_code": job.wait(30),
-            "launcher_cpu_s_total": points[-1][1] if points else None}
+    return {
+        "core_pct": pct,
+        "window_s": span,
+        "ranks_ready": len(ready),
+        "exit_code": job.wait(30),
+        "launcher_cpu_s_total": points[-1][1] if points else None,
+    }
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -103,25 +110,49 @@ def run(ctx: Ctx) -> dict[str, Any]:
         for k, r in one_pair(ctx, i).items():
             raw[k].append(r)
     pct = {k: [r["core_pct"] for r in v] for k, v in raw.items()}
-    return {"raw": raw, "sleep_s": sleep_s(ctx), "nproc": NPROC,
-            "summary": {**{k: summarize(v) for k, v in pct.items()},
-                        "ratio": ratio(median(pct[MULTIGPU]), median(pct[TORCHRUN]))}}
+    return {
+        "raw": raw,
+        "sleep_s": sleep_s(ctx),
+        "nproc": NPROC,
+        "summary": {
+            **{k: summarize(v) for k, v in pct.items()},
+            "ratio": ratio(median(pct[MULTIGPU]), median(pct[TORCHRUN])),
+        },
+    }
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for k in LAUNCHERS:
         runs = res["raw"][k]
-        rows.append([k, cell([r["core_pct"] for r in runs], "% of a core", 3),
-                     cell([r.get("window_s") for r in runs], "s", 1),
-                     cell([r.get("launcher_cpu_s_total") for r in runs], "CPU s", 2)])
+        rows.append(
+            [
+                k,
+                cell([r["core_pct"] for r in runs], "% of a core", 3),
+                cell([r.get("window_s") for r in runs], "s", 1),
+                cell([r.get("launcher_cpu_s_total") for r in runs], "CPU s", 2),
+            ]
+        )
     rows.append(["ratio", ratio_text(res["summary"]["ratio"]), "", ""])
-    return table(["launcher", f"while {res['nproc']} ranks sleep {res['sleep_s']:g} s", "measured window",
-                  "launcher CPU for the whole job"], rows)
+    return table(
+        [
+            "launcher",
+            f"while {res['nproc']} ranks sleep {res['sleep_s']:g} s",
+            "measured window",
+            "launcher CPU for the whole job",
+        ],
+        rows,
+    )
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s = res["summary"][MULTIGPU]
     med = s.get("median")
-    return [target("launcher idle overhead", "under 1% of a core", med is not None and med < 1.0,
-                   f"{med:.3f}% (median)" if med is not None else "n/a")]
+    return [
+        target(
+            "launcher idle overhead",
+            "under 1% of a core",
+            med is not None and med < 1.0,
+            f"{med:.3f}% (median)" if med is not None else "n/a",
+        )
+    ]

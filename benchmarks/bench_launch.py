@@ -43,8 +43,9 @@ def overheads(job: list[float | None], floor: list[float | None]) -> list[float 
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    samples: dict[str, dict[str, list[float | None]]] = {str(n): {k: [] for k in (*LAUNCHERS, FLOOR)}
-                                                          for n in COUNTS}
+    samples: dict[str, dict[str, list[float | None]]] = {
+        str(n): {k: [] for k in (*LAUNCHERS, FLOOR)} for n in COUNTS
+    }
     for i in range(ctx.runs):
         for n in COUNTS:
             for who in alternate(i, (MULTIGPU, TORCHRUN, FLOOR)):
@@ -65,23 +66,53 @@ def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for n, s in res["samples_s"].items():
         over = res["overhead_s"][n]
-        rows.append([n, cell(s[FLOOR], "s"), cell(s[MULTIGPU], "s"), cell(s[TORCHRUN], "s"),
-                     cell(over[MULTIGPU], "s"), cell(over[TORCHRUN], "s"),
-                     ratio_text(res["summary"][n]["overhead_ratio"])])
-    return table(["workers", "by hand (floor)", "multigpu", "torchrun", "multigpu overhead",
-                  "torchrun overhead", "overhead ratio"], rows)
+        rows.append(
+            [
+                n,
+                cell(s[FLOOR], "s"),
+                cell(s[MULTIGPU], "s"),
+                cell(s[TORCHRUN], "s"),
+                cell(over[MULTIGPU], "s"),
+                cell(over[TORCHRUN], "s"),
+                ratio_text(res["summary"][n]["overhead_ratio"]),
+            ]
+        )
+    return table(
+        [
+            "workers",
+            "by hand (floor)",
+            "multigpu",
+            "torchrun",
+            "multigpu overhead",
+            "torchrun overhead",
+            "overhead ratio",
+        ],
+        rows,
+    )
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     ratios = {n: s["overhead_ratio"] for n, s in res["summary"].items()}
     met = all(r is not None and r <= 0.25 for r in ratios.values())
     measured = ", ".join(f"{n} worker(s): {ratio_text(r)}" for n, r in ratios.items())
-    out = [target("launch overhead", "multigpu's overhead above hand-started ranks <= 0.25x torchrun's",
-                  met, measured)]
+    out = [
+        target(
+            "launch overhead",
+            "multigpu's overhead above hand-started ranks <= 0.25x torchrun's",
+            met,
+            measured,
+        )
+    ]
     four = res["summary"].get("4", {}).get(MULTIGPU, {}).get("median")
     bare = res["summary"].get("1", {}).get(FLOOR, {}).get("median")
     r = ratio(four, bare)
-    out.append(target("launch stretch", "a 4-rank multigpu job <= 1.3x one bare rank",
-                      r is not None and r <= 1.3, f"{ratio_text(r)} (4 ranks {four and round(four, 2)} s, "
-                      f"one bare rank {bare and round(bare, 2)} s)"))
+    out.append(
+        target(
+            "launch stretch",
+            "a 4-rank multigpu job <= 1.3x one bare rank",
+            r is not None and r <= 1.3,
+            f"{ratio_text(r)} (4 ranks {four and round(four, 2)} s, "
+            f"one bare rank {bare and round(bare, 2)} s)",
+        )
+    )
     return out

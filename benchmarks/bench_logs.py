@@ -52,16 +52,21 @@ def rank0_log(launcher: str, bench_dir: Path) -> Path | None:
 
 
 def one(ctx: Ctx, launcher: str) -> dict[str, Any]:
-    job, code = run_launcher(ctx.root, NAME, launcher, 1, "spam.py", [str(LINES)], timeout=300,
-                             extra=extra_flags(launcher))
+    job, code = run_launcher(
+        ctx.root, NAME, launcher, 1, "spam.py", [str(LINES)], timeout=300, extra=extra_flags(launcher)
+    )
     marks = {k: read_marks(job.bench_dir, k).get(0) for k in ("spam_start", "spam_end")}
     start, end = marks["spam_start"], marks["spam_end"]
     console = count(job.log_path)
     logfile = count(rank0_log(launcher, job.bench_dir))
-    return {"lines_per_s": LINES / (job.exited - start) if job.exited and start else None,
-            "writer_lines_per_s": LINES / (end - start) if end and start else None,
-            "console_lines": console, "log_file_lines": logfile, "exit_code": code,
-            "complete": console == LINES and logfile == LINES}
+    return {
+        "lines_per_s": LINES / (job.exited - start) if job.exited and start else None,
+        "writer_lines_per_s": LINES / (end - start) if end and start else None,
+        "console_lines": console,
+        "log_file_lines": logfile,
+        "exit_code": code,
+        "complete": console == LINES and logfile == LINES,
+    }
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
@@ -70,9 +75,14 @@ def run(ctx: Ctx) -> dict[str, Any]:
         for launcher in alternate(i):
             raw[launcher].append(one(ctx, launcher))
     rates = {k: [r["lines_per_s"] for r in v] for k, v in raw.items()}
-    return {"raw": raw, "lines": LINES,
-            "summary": {**{k: summarize(v) for k, v in rates.items()},
-                        "ratio": ratio(median(rates[MULTIGPU]), median(rates[TORCHRUN]))}}
+    return {
+        "raw": raw,
+        "lines": LINES,
+        "summary": {
+            **{k: summarize(v) for k, v in rates.items()},
+            "ratio": ratio(median(rates[MULTIGPU]), median(rates[TORCHRUN])),
+        },
+    }
 
 
 def _arrived(runs: list[dict[str, Any]], key: str) -> str:
@@ -85,17 +95,30 @@ def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for k in LAUNCHERS:
         runs = res["raw"][k]
-        rows.append([k, cell([r["lines_per_s"] for r in runs], "lines/s", 0),
-                     cell([r["writer_lines_per_s"] for r in runs], "lines/s", 0),
-                     _arrived(runs, "console_lines"), _arrived(runs, "log_file_lines")])
+        rows.append(
+            [
+                k,
+                cell([r["lines_per_s"] for r in runs], "lines/s", 0),
+                cell([r["writer_lines_per_s"] for r in runs], "lines/s", 0),
+                _arrived(runs, "console_lines"),
+                _arrived(runs, "log_file_lines"),
+            ]
+        )
     rows.append(["ratio", ratio_text(res["summary"]["ratio"]), "", "", ""])
-    return table(["launcher", "first line to launcher exit", "as the rank wrote them", "console",
-                  "rank 0 log file"], rows)
+    return table(
+        ["launcher", "first line to launcher exit", "as the rank wrote them", "console", "rank 0 log file"],
+        rows,
+    )
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     r = res["summary"]["ratio"]
     complete = all(x["complete"] for x in res["raw"][MULTIGPU])
-    return [target("log throughput", ">= 1x torchrun --tee 3, every line in console and log file",
-                   r is not None and r >= 1.0 and complete,
-                   f"{ratio_text(r)}; every line arrived: {'yes' if complete else 'no'}")]
+    return [
+        target(
+            "log throughput",
+            ">= 1x torchrun --tee 3, every line in console and log file",
+            r is not None and r >= 1.0 and complete,
+            f"{ratio_text(r)}; every line arrived: {'yes' if complete else 'no'}",
+        )
+    ]

@@ -62,13 +62,17 @@ def one(ctx: Ctx, launcher: str, nproc: int) -> dict[str, Any]:
         stop.set()
         sampler.join(5)
         job.finish()
-    return {"seconds": job_seconds(job, code), "peak_rss_mib": max(rss) / 2**20 if rss else None,
-            "exit_code": code}
+    return {
+        "seconds": job_seconds(job, code),
+        "peak_rss_mib": max(rss) / 2**20 if rss else None,
+        "exit_code": code,
+    }
 
 
 def run(ctx: Ctx) -> dict[str, Any]:
-    raw: dict[str, dict[str, list[dict[str, Any]]]] = {str(n): {k: [] for k in LAUNCHERS}
-                                                       for n in counts(ctx)}
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {
+        str(n): {k: [] for k in LAUNCHERS} for n in counts(ctx)
+    }
     for i in range(ctx.runs):
         for n in counts(ctx):
             for launcher in alternate(i):
@@ -77,22 +81,34 @@ def run(ctx: Ctx) -> dict[str, Any]:
     for key, by in raw.items():
         secs = {k: [r["seconds"] for r in v] for k, v in by.items()}
         rss = {k: [r["peak_rss_mib"] for r in v] for k, v in by.items()}
-        summary[key] = {"seconds": {k: summarize(v) for k, v in secs.items()},
-                        "peak_rss_mib": {k: summarize(v) for k, v in rss.items()},
-                        "ratio_s": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
-                        "ratio_rss": ratio(median(rss[MULTIGPU]), median(rss[TORCHRUN]))}
+        summary[key] = {
+            "seconds": {k: summarize(v) for k, v in secs.items()},
+            "peak_rss_mib": {k: summarize(v) for k, v in rss.items()},
+            "ratio_s": ratio(median(secs[MULTIGPU]), median(secs[TORCHRUN])),
+            "ratio_rss": ratio(median(rss[MULTIGPU]), median(rss[TORCHRUN])),
+        }
     return {"raw": raw, "summary": summary}
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
     rows = []
     for n, by in res["raw"].items():
-        rows.append({"label": f"{n} workers: job time", "unit": "s", "samples":
-                     {k: [r["seconds"] for r in v] for k, v in by.items()},
-                     "ratio": res["summary"][n]["ratio_s"]})
-        rows.append({"label": f"{n} workers: launcher peak RSS", "unit": "MiB", "samples":
-                     {k: [r["peak_rss_mib"] for r in v] for k, v in by.items()},
-                     "ratio": res["summary"][n]["ratio_rss"]})
+        rows.append(
+            {
+                "label": f"{n} workers: job time",
+                "unit": "s",
+                "samples": {k: [r["seconds"] for r in v] for k, v in by.items()},
+                "ratio": res["summary"][n]["ratio_s"],
+            }
+        )
+        rows.append(
+            {
+                "label": f"{n} workers: launcher peak RSS",
+                "unit": "MiB",
+                "samples": {k: [r["peak_rss_mib"] for r in v] for k, v in by.items()},
+                "ratio": res["summary"][n]["ratio_rss"],
+            }
+        )
     return metric_table(rows, first="metric", digits=1)
 
 
@@ -101,5 +117,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     if not ratios:
         return []
     met = all(r is not None and r <= TARGET_RATIO for r in ratios.values())
-    return [target("many ranks on one node", f"<= {TARGET_RATIO}x torchrun's job time at 32 and 64 ranks",
-                   met, ", ".join(f"{n} ranks: {ratio_text(r)}" for n, r in ratios.items()))]
+    return [
+        target(
+            "many ranks on one node",
+            f"<= {TARGET_RATIO}x torchrun's job time at 32 and 64 ranks",
+            met,
+            ", ".join(f"{n} ranks: {ratio_text(r)}" for n, r in ratios.items()),
+        )
+    ]

@@ -26,8 +26,12 @@ def one(ctx: Ctx, launcher: str) -> dict[str, Any]:
         return {"seconds": None, "survivors": None, "error": "ranks never became ready"}
     try:
         _, gone, left = signal_and_watch(job, signal.SIGKILL, BOUND_S)
-        return {"seconds": gone, "survivors": len(left),
-                "survivor_kinds": sorted(p.kind for p in left), "killed_by_harness": job.finish()}
+        return {
+            "seconds": gone,
+            "survivors": len(left),
+            "survivor_kinds": sorted(p.kind for p in left),
+            "killed_by_harness": job.finish(),
+        }
     finally:
         job.finish()
 
@@ -37,8 +41,11 @@ def run(ctx: Ctx) -> dict[str, Any]:
     for i in range(ctx.runs):
         for launcher in alternate(i):
             raw[launcher].append(one(ctx, launcher))
-    return {"raw": raw, "bound_s": BOUND_S,
-            "summary": {k: summarize([r["seconds"] for r in v]) for k, v in raw.items()}}
+    return {
+        "raw": raw,
+        "bound_s": BOUND_S,
+        "summary": {k: summarize([r["seconds"] for r in v]) for k, v in raw.items()},
+    }
 
 
 def _survivors(runs: list[dict[str, Any]]) -> str:
@@ -47,15 +54,34 @@ def _survivors(runs: list[dict[str, Any]]) -> str:
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
-    rows = [[k, cell([r["seconds"] for r in res["raw"][k]], "s", 3, never=f"never (>{res['bound_s']:g} s)"),
-             _survivors(res["raw"][k])] for k in LAUNCHERS]
-    return table(["launcher", f"SIGKILL to all {NPROC} workers + grandchildren gone",
-                  "processes left after the bound (then killed by the harness)"], rows)
+    rows = [
+        [
+            k,
+            cell([r["seconds"] for r in res["raw"][k]], "s", 3, never=f"never (>{res['bound_s']:g} s)"),
+            _survivors(res["raw"][k]),
+        ]
+        for k in LAUNCHERS
+    ]
+    return table(
+        [
+            "launcher",
+            f"SIGKILL to all {NPROC} workers + grandchildren gone",
+            "processes left after the bound (then killed by the harness)",
+        ],
+        rows,
+    )
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     s = res["summary"][MULTIGPU]
     met = s["never"] == 0 and s.get("max") is not None and s["max"] <= 1.0
-    return [target("SIGKILL clean-up", "every worker and grandchild gone within 1 s (every run)", met,
-                   f"max {s.get('max', float('nan')):.3f} s, never in {s['never']}/{s['n']}"
-                   if s.get("max") is not None else f"never in {s['never']}/{s['n']}")]
+    return [
+        target(
+            "SIGKILL clean-up",
+            "every worker and grandchild gone within 1 s (every run)",
+            met,
+            f"max {s.get('max', float('nan')):.3f} s, never in {s['never']}/{s['n']}"
+            if s.get("max") is not None
+            else f"never in {s['never']}/{s['n']}",
+        )
+    ]

@@ -55,8 +55,11 @@ def rank_main(calls: int, rounds: int) -> None:
 
     def watch(mode: str) -> threading.Thread | None:
         progress._fd, progress._owner, progress._looked = write, os.getpid(), True
-        looks = {"on": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S),
-                 "sampling": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S), "stress": (0.001, 0.001)}
+        looks = {
+            "on": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S),
+            "sampling": (progress.COLLECTIVES_EVERY_S, progress.ENTRY_POLL_S),
+            "stress": (0.001, 0.001),
+        }
         if mode not in looks:
             return None
         progress.SAMPLE_FOR_S = every[0] if mode != "on" else every[1]  # always sampling, or as ranks do
@@ -91,8 +94,10 @@ def rank_main(calls: int, rounds: int) -> None:
             median = statistics.median(times)
             delta = (median - base) * 1e6
             print(f"  {mode:8s} median {median * 1e6:8.1f} us/call  ({delta:+6.1f} us vs off)")
-        print(f"  one read of the counter (every group's sequence number): median "
-              f"{statistics.median(reads) * 1e6:.2f} us")
+        print(
+            f"  one read of the counter (every group's sequence number): median "
+            f"{statistics.median(reads) * 1e6:.2f} us"
+        )
     dist.destroy_process_group()
 
 

@@ -36,25 +36,59 @@ def torchrun_argv() -> list[str]:
     return [str(script)] if script.exists() else [PYTHON, "-m", "torch.distributed.run"]
 
 
-def launcher_argv(launcher: str, nproc: int | str, script: str, args: Sequence[str] = (),
-                  output: Path | None = None, extra: Sequence[str] = ()) -> list[str]:
+def launcher_argv(
+    launcher: str,
+    nproc: int | str,
+    script: str,
+    args: Sequence[str] = (),
+    output: Path | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The command line that runs WORKERS/script under ``launcher`` with ``nproc`` CPU workers."""
     target = [str(WORKERS / script), *args]
     if launcher == MULTIGPU:
         out = ["--output", str(output)] if output is not None else []
         return [PYTHON, "-m", "multigpu", "run", "--cpu", str(nproc), *out, *extra, *target]
     if launcher == TORCHRUN:
-        return [*torchrun_argv(), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{LOOPBACK}:0", "--max-restarts", "0", *extra, *target]
+        return [
+            *torchrun_argv(),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{LOOPBACK}:0",
+            "--max-restarts",
+            "0",
+            *extra,
+            *target,
+        ]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def two_node_argv(launcher: str, node_rank: int, port: int, script: str, args: Sequence[str] = (),
-                  output: Path | None = None, extra: Sequence[str] = ()) -> list[str]:
+def two_node_argv(
+    launcher: str,
+    node_rank: int,
+    port: int,
+    script: str,
+    args: Sequence[str] = (),
+    output: Path | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """Node ``node_rank`` of a static two-node job on loopback, one rank a node: the same torchrun line
     for both launchers (multigpu's ``--output`` and ``extra`` flags go before the script)."""
-    nodes = ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", LOOPBACK,
-             "--master-port", str(port), "--nproc-per-node", "1"]
+    nodes = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        LOOPBACK,
+        "--master-port",
+        str(port),
+        "--nproc-per-node",
+        "1",
+    ]
     target = [str(WORKERS / script), *args]
     if launcher == MULTIGPU:
         out = ["--output", str(output)] if output is not None else []
@@ -177,9 +211,12 @@ REGISTRY = Registry()
 
 def worker_env(bench_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The harness's environment, minus any distributed variables, plus BENCH_DIR and one thread a rank."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("MULTIGPU_", "TORCHELASTIC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("MULTIGPU_", "TORCHELASTIC_"))
+    }
     env["BENCH_DIR"] = str(bench_dir)
     env["OMP_NUM_THREADS"] = "1"  # the same for every launcher and the floor (torchrun's own default)
     env.update(extra or {})
@@ -234,21 +271,36 @@ def new_bench_dir(root: Path, name: str) -> Path:
     return path
 
 
-def start(argv: Sequence[str], bench_dir: Path, env: dict[str, str] | None = None,
-          log_name: str = "console.log") -> Job:
+def start(
+    argv: Sequence[str], bench_dir: Path, env: dict[str, str] | None = None, log_name: str = "console.log"
+) -> Job:
     """Start argv with stdout and stderr to one file, in its own session (terminal signals stay out)."""
     log_path = bench_dir / log_name
     with open(log_path, "wb") as log:
         started = time.time()
-        popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=env or worker_env(bench_dir), cwd=bench_dir, start_new_session=True)
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env or worker_env(bench_dir),
+            cwd=bench_dir,
+            start_new_session=True,
+        )
     REGISTRY.track(popen, bench_dir)
     return Job(popen, bench_dir, started, log_path)
 
 
-def start_launcher(root: Path, name: str, launcher: str, nproc: int, script: str,
-                   args: Sequence[str] = (), extra: Callable[[Path], list[str]] | None = None,
-                   env: dict[str, str] | None = None) -> Job:
+def start_launcher(
+    root: Path,
+    name: str,
+    launcher: str,
+    nproc: int,
+    script: str,
+    args: Sequence[str] = (),
+    extra: Callable[[Path], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> Job:
     """Start a launcher job in a fresh scratch directory (multigpu's --output is DIR/mg); ``env`` adds
     to the harness's environment."""
     bench_dir = new_bench_dir(root, f"{name}-{launcher}")
@@ -257,9 +309,17 @@ def start_launcher(root: Path, name: str, launcher: str, nproc: int, script: str
     return start(argv, bench_dir, worker_env(bench_dir, env))
 
 
-def run_launcher(root: Path, name: str, launcher: str, nproc: int, script: str, args: Sequence[str] = (),
-                 timeout: float = 120.0, extra: Callable[[Path], list[str]] | None = None,
-                 env: dict[str, str] | None = None) -> tuple[Job, int | None]:
+def run_launcher(
+    root: Path,
+    name: str,
+    launcher: str,
+    nproc: int,
+    script: str,
+    args: Sequence[str] = (),
+    timeout: float = 120.0,
+    extra: Callable[[Path], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[Job, int | None]:
     """Start a launcher job, wait for it (bounded), then end whatever is left; (job, exit code)."""
     job = start_launcher(root, name, launcher, nproc, script, args, extra, env)
     code = job.wait(timeout)
@@ -278,17 +338,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_floor(root: Path, nproc: int, script: str, args: Sequence[str] = (),
-              timeout: float = 120.0) -> tuple[float | None, list[int | None]]:
+def run_floor(
+    root: Path, nproc: int, script: str, args: Sequence[str] = (), timeout: float = 120.0
+) -> tuple[float | None, list[int | None]]:
     """The same ranks started by hand, no launcher: (wall seconds from first start to last exit, codes)."""
     bench_dir = new_bench_dir(root, "floor")
     port = free_port()
     started = time.time()
     jobs = []
     for r in range(nproc):
-        env = worker_env(bench_dir, {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                                     "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": LOOPBACK,
-                                     "MASTER_PORT": str(port)})
+        env = worker_env(
+            bench_dir,
+            {
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": LOOPBACK,
+                "MASTER_PORT": str(port),
+            },
+        )
         jobs.append(start([PYTHON, str(WORKERS / script), *args], bench_dir, env, f"rank_{r}.log"))
     deadline = started + timeout
     codes = [j.wait(max(0.0, deadline - time.time())) for j in jobs]
@@ -308,8 +377,22 @@ def numpy_site(path: Path) -> Path | None:
     tmp = path.with_name(path.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        done = subprocess.run([PYTHON, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               "--no-deps", "--target", str(tmp), "numpy"], capture_output=True, timeout=280)
+        done = subprocess.run(
+            [
+                PYTHON,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--target",
+                str(tmp),
+                "numpy",
+            ],
+            capture_output=True,
+            timeout=280,
+        )
     except subprocess.TimeoutExpired:
         return None
     if done.returncode != 0:

@@ -94,8 +94,9 @@ def run_once(case: str, world: int, python: str) -> dict[str, object]:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
-    raise RuntimeError(f"{case}: no result (exit {proc.returncode})\n{proc.stdout[-2000:]}\n"
-                       f"{proc.stderr[-3000:]}")
+    raise RuntimeError(
+        f"{case}: no result (exit {proc.returncode})\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def main() -> None:
@@ -108,8 +109,11 @@ def main() -> None:
         results = [run_once(case, args.world, sys.executable) for _ in range(args.runs)]
         ms = sorted(1000 * float(r["latency"]) for r in results)  # type: ignore[arg-type]
         causes = sorted({str(r["cause"]) for r in results})
-        print(f"{case:<11} n={len(ms)} min {ms[0]:7.1f} ms  median {statistics.median(ms):7.1f} ms  "
-              f"max {ms[-1]:7.1f} ms  chained from: {', '.join(causes)}", flush=True)
+        print(
+            f"{case:<11} n={len(ms)} min {ms[0]:7.1f} ms  median {statistics.median(ms):7.1f} ms  "
+            f"max {ms[-1]:7.1f} ms  chained from: {', '.join(causes)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

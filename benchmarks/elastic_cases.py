@@ -49,13 +49,37 @@ def free_port() -> int:
 
 
 def argv(launcher: str, port: int, script: Path, finish_at: int, out: Path) -> list[str]:
-    rdzv = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "bench", "--max-restarts", "1",
-            "--rdzv-conf", "join_timeout=60,last_call_timeout=1"]
+    rdzv = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "bench",
+        "--max-restarts",
+        "1",
+        "--rdzv-conf",
+        "join_timeout=60,last_call_timeout=1",
+    ]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--nproc-per-node", "2", *rdzv, str(script), str(finish_at)]
-    return [str(BIN / "multigpu"), "run", "--cpu", "2", "--status", "off", "--grace-period", "1",
-            "--output", str(out), *rdzv, str(script), str(finish_at)]
+    return [
+        str(BIN / "multigpu"),
+        "run",
+        "--cpu",
+        "2",
+        "--status",
+        "off",
+        "--grace-period",
+        "1",
+        "--output",
+        str(out),
+        *rdzv,
+        str(script),
+        str(finish_at),
+    ]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -111,15 +135,20 @@ def late_join(launcher: str, work: Path, bound: float) -> dict[str, Any]:
         took = time.monotonic() - joined
         done = sum(text(log).count("done pid=") for log in logs)
         rcs = [p.poll() for p in procs]
-        both = [float(t) for t in re.findall(r"world=4 group=\d+ restart=\d+ at=([\d.]+)",
-                                             text(logs[0]) + text(logs[1]))]
+        both = [
+            float(t)
+            for t in re.findall(r"world=4 group=\d+ restart=\d+ at=([\d.]+)", text(logs[0]) + text(logs[1]))
+        ]
         if not ended:
             return outcome(None, None, f"NOT finished {bound:.0f} s after the join (ranks done: {done}/4)")
         round_s = max(both) - joined_at if len(both) >= 4 and rcs == [0, 0] else None
         formed = f"4 ranks initialised after {round_s:.1f} s, " if round_s is not None else ""
-        return outcome(took if rcs == [0, 0] else None, round_s,
-                       f"both ended {took:.1f} s after the second node started ({formed}rc={rcs}, "
-                       f"ranks done at world 4: {done})")
+        return outcome(
+            took if rcs == [0, 0] else None,
+            round_s,
+            f"both ended {took:.1f} s after the second node started ({formed}rc={rcs}, "
+            f"ranks done at world 4: {done})",
+        )
     finally:
         left = cleanup(procs, logs)
         if left:
@@ -159,9 +188,12 @@ def lost_peer(launcher: str, work: Path, bound: float, whole_node: bool = False)
         ok = a.returncode == 0 and done == 2
         round_s = max(alone) - killed_at if alone and ok else None
         joined = f"its ranks re-initialised alone after {round_s:.1f} s, " if round_s is not None else ""
-        return outcome(took if ok else None, round_s,
-                       f"survivor ended {took:.1f} s after the peer's SIGKILL ({joined}rc={a.returncode}, "
-                       f"its ranks done alone: {done})")
+        return outcome(
+            took if ok else None,
+            round_s,
+            f"survivor ended {took:.1f} s after the peer's SIGKILL ({joined}rc={a.returncode}, "
+            f"its ranks done alone: {done})",
+        )
     finally:
         left = cleanup(procs, logs)
         if left:
@@ -178,10 +210,14 @@ def main() -> None:
     (work / "w.py").write_text(textwrap.dedent(WORKER))
     cases = {
         "late": ("late join", lambda launcher: late_join(launcher, work, args.bound)),
-        "lost": ("lost peer (its launcher SIGKILLed)",
-                 lambda launcher: lost_peer(launcher, work, args.bound)),
-        "machine": ("lost machine (launcher and ranks SIGKILLed)",
-                    lambda launcher: lost_peer(launcher, work, args.bound, whole_node=True)),
+        "lost": (
+            "lost peer (its launcher SIGKILLed)",
+            lambda launcher: lost_peer(launcher, work, args.bound),
+        ),
+        "machine": (
+            "lost machine (launcher and ranks SIGKILLed)",
+            lambda launcher: lost_peer(launcher, work, args.bound, whole_node=True),
+        ),
     }
     for launcher in args.launchers:
         for case in args.cases.split(","):

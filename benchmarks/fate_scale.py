@@ -36,8 +36,12 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore",
-       "RES_OPTIONS": "timeout:1 attempts:1"}
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONWARNINGS": "ignore",
+    "RES_OPTIONS": "timeout:1 attempts:1",
+}
 """c10d looks up every connection's peer by reverse DNS (for its logs); where no resolver answers (a
 sandbox), each lookup that times out holds a connect for the resolver's time-out (5 s by default)."""
 LEARN_BOUND_S = 15.0
@@ -57,8 +61,7 @@ class Child:
     """A process answering JSON lines; every read is bounded."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=ENV)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -95,14 +98,19 @@ def _split(nodes: int, procs: int) -> list[tuple[int, int]]:
 
 def run_case(nodes: int, protocol: str, steady_s: float) -> dict[str, Any]:
     procs = 1 if nodes <= 10 else 4 if nodes <= 100 else nodes // 100
-    server = subprocess.Popen([PYTHON, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=ENV)
+    server = subprocess.Popen(
+        [PYTHON, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV
+    )
     clients: list[Child] = []
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        clients = [Child([PYTHON, str(HERE / "fate_sim.py"), str(port), str(first), str(count), str(nodes),
-                          protocol]) for first, count in _split(nodes, procs)]
+        clients = [
+            Child(
+                [PYTHON, str(HERE / "fate_sim.py"), str(port), str(first), str(count), str(nodes), protocol]
+            )
+            for first, count in _split(nodes, procs)
+        ]
         for client in clients:
             client.ask(None)
         case: dict[str, Any] = {"nodes": nodes, "protocol": protocol, "processes": procs}
@@ -145,15 +153,22 @@ def _steady(clients: list[Child], server: psutil.Process, steady_s: float, attem
     after, cpu1, t1 = _all(clients, "count"), sum(server.cpu_times()[:2]), time.monotonic()
     calls = sum(a["calls"] - b["calls"] for a, b in zip(after, before, strict=True))
     aborted = sum(a["learned"] for a in after)
-    return {"join_s": round(joined_s, 2), "ops_per_s": round(calls / (t1 - t0)),
-            "store_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1), "aborted_healthy": aborted,
-            "p99_rtt_ms": round(1000 * max(a.get("max_p99_s", 0.0) for a in after), 1)}
+    return {
+        "join_s": round(joined_s, 2),
+        "ops_per_s": round(calls / (t1 - t0)),
+        "store_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "aborted_healthy": aborted,
+        "p99_rtt_ms": round(1000 * max(a.get("max_p99_s", 0.0) for a in after), 1),
+    }
 
 
 def _learn(clients: list[Child], nodes: int, command: str, answer: str, origin: int) -> dict[str, Any]:
     """Send ``command`` to the process owning ``origin``; time until every other node learned."""
-    owner = next(c for c, (first, count) in zip(clients, _split(nodes, len(clients)), strict=True)
-                 if first <= origin < first + count)
+    owner = next(
+        c
+        for c, (first, count) in zip(clients, _split(nodes, len(clients)), strict=True)
+        if first <= origin < first + count
+    )
     t0 = float(owner.ask(command)[answer])
     deadline = t0 + LEARN_BOUND_S
     while time.monotonic() < deadline:
@@ -163,9 +178,13 @@ def _learn(clients: list[Child], nodes: int, command: str, answer: str, origin: 
     learned = [row for c in _all(clients, "report") for row in c["learned"] if row[0] != origin]
     delays = sorted(t - t0 for _, t, _, _ in learned)
     kinds = sorted({f"{kind} of node {node}" for _, _, kind, node in learned})
-    return {"learned": len(learned), "of": nodes - 1, "kinds": kinds,
-            "median_s": round(statistics.median(delays), 3) if delays else None,
-            "max_s": round(delays[-1], 3) if len(delays) == nodes - 1 else None}
+    return {
+        "learned": len(learned),
+        "of": nodes - 1,
+        "kinds": kinds,
+        "median_s": round(statistics.median(delays), 3) if delays else None,
+        "max_s": round(delays[-1], 3) if len(delays) == nodes - 1 else None,
+    }
 
 
 def _cell(case: dict[str, Any], key: str) -> str:
@@ -182,25 +201,34 @@ def _seconds(value: float) -> str:
 
 
 def _table(cases: list[dict[str, Any]]) -> str:
-    rows = ["| nodes | protocol | store ops/s | store CPU (% of a core) | store p99 RTT seen | healthy nodes "
-            "aborted | every node knows of a death (median / max) | every node knows of a published "
-            "failure (median / max) |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| nodes | protocol | store ops/s | store CPU (% of a core) | store p99 RTT seen | healthy nodes "
+        "aborted | every node knows of a death (median / max) | every node knows of a published "
+        "failure (median / max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         death, published = _cell(c, "death"), _cell(c, "published")
         p99 = f"{c['p99_rtt_ms']} ms" if c["protocol"] != "old" else "-"
-        rows.append(f"| {c['nodes']} | {c['protocol']} | {c['ops_per_s']:,} | {c['store_cpu_pct']} | {p99} | "
-                    f"{c['aborted_healthy']} of {c['nodes']} | {death} | {published} |")
+        rows.append(
+            f"| {c['nodes']} | {c['protocol']} | {c['ops_per_s']:,} | {c['store_cpu_pct']} | {p99} | "
+            f"{c['aborted_healthy']} of {c['nodes']} | {death} | {published} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="10,100,1000")
-    parser.add_argument("--protocols", default="old,new,full",
-                        help="old, new, full (a FateMonitor on every node)")
-    parser.add_argument("--skip", default="1000:full",
-                        help="NODES:PROTOCOL cases not to run (default 1000:full: 3,000 monitor threads in "
-                             "10 Python processes measure their GIL, not the store)")
+    parser.add_argument(
+        "--protocols", default="old,new,full", help="old, new, full (a FateMonitor on every node)"
+    )
+    parser.add_argument(
+        "--skip",
+        default="1000:full",
+        help="NODES:PROTOCOL cases not to run (default 1000:full: 3,000 monitor threads in "
+        "10 Python processes measure their GIL, not the store)",
+    )
     parser.add_argument("--steady", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -216,14 +244,20 @@ def main() -> None:
             case["took_s"] = round(time.monotonic() - began, 1)
             print(json.dumps(case), flush=True)
             cases.append(case)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fate_scale.json").write_text(json.dumps({"machine": machine, "cases": cases}, indent=2))
     (args.out / "fate_scale.md").write_text(
         f"# Fate sharing at scale (benchmarks/fate_scale.py)\n\n{machine['cpus']} CPUs, "
         f"{machine['platform']}, load average at the end {machine['load_average']}, {machine['date']}.\n\n"
-        f"{_table(cases)}\n")
+        f"{_table(cases)}\n"
+    )
     print(_table(cases))
 
 

@@ -61,6 +61,7 @@ class Counted:
         def counted(*args: Any) -> Any:
             self._counter[0] += 1
             return call(*args)
+
         return counted
 
 
@@ -75,8 +76,10 @@ class OldMonitor:
         self._lock = threading.Lock()
         self._seen: dict[int, tuple[int, float]] = {}
         self._last_ok = time.monotonic()
-        self._threads = [threading.Thread(target=self._run, daemon=True),
-                         threading.Thread(target=self._deadman, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._run, daemon=True),
+            threading.Thread(target=self._deadman, daemon=True),
+        ]
 
     def start(self) -> None:
         self._last_ok = time.monotonic()
@@ -135,14 +138,17 @@ class LightNodes:
     """Nodes that are not the watcher, making ``FateMonitor``'s store calls: a beat each, per ``BEAT_S``
     (one thread for all), and one waiter thread each, blocked in ``wait`` on its wake key."""
 
-    def __init__(self, jobs: dict[int, JobStore],
-                 on: Callable[[int], Callable[[WorkerFailure], None]]) -> None:
+    def __init__(
+        self, jobs: dict[int, JobStore], on: Callable[[int], Callable[[WorkerFailure], None]]
+    ) -> None:
         self.jobs, self._on = jobs, on
         self.killed: set[int] = set()
         self._stop = threading.Event()
         self._done: set[int] = set()
-        self._threads = [threading.Thread(target=self._beat, daemon=True),
-                         *(threading.Thread(target=self._wait, args=(base,), daemon=True) for base in jobs)]
+        self._threads = [
+            threading.Thread(target=self._beat, daemon=True),
+            *(threading.Thread(target=self._wait, args=(base,), daemon=True) for base in jobs),
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -184,8 +190,10 @@ class Nodes:
 
         self.total, self.protocol = total, protocol
         self.calls = [0]
-        self.clients = [Counted(TCPStore("127.0.0.1", port, None, False, timedelta(seconds=300)), self.calls)
-                        for _ in range(count)]
+        self.clients = [
+            Counted(TCPStore("127.0.0.1", port, None, False, timedelta(seconds=300)), self.calls)
+            for _ in range(count)
+        ]
         self.bases = list(range(first, first + count))
         self.monitors: dict[int, Any] = {}
         self.light: LightNodes | None = None
@@ -218,6 +226,7 @@ class Nodes:
         def learned(failure: WorkerFailure) -> None:
             with self._lock:
                 self.learned.setdefault(base, (time.monotonic(), str(failure.error_type), failure.node))
+
         return learned
 
     def stop(self) -> None:
@@ -234,8 +243,15 @@ class Nodes:
             self.light.killed.add(base)
 
     def publish(self, base: int) -> float:
-        failure = WorkerFailure(rank=base, local_rank=0, pid=None, node=base, error_type="RuntimeError",
-                                message="a simulated rank failure", time=time.time())
+        failure = WorkerFailure(
+            rank=base,
+            local_rank=0,
+            pid=None,
+            node=base,
+            error_type="RuntimeError",
+            message="a simulated rank failure",
+            time=time.time(),
+        )
         began = time.monotonic()
         self.jobs[base].publish_abort(failure_record(failure))
         return began
@@ -255,8 +271,14 @@ def main() -> None:
             nodes.start(int(args[0]))
             say({"started": True})
         elif command == "count":
-            say({"calls": nodes.calls[0], "time": time.monotonic(), "learned": len(nodes.learned),
-                 **nodes.latency()})
+            say(
+                {
+                    "calls": nodes.calls[0],
+                    "time": time.monotonic(),
+                    "learned": len(nodes.learned),
+                    **nodes.latency(),
+                }
+            )
         elif command == "kill":
             base = int(args[0])
             killed = time.monotonic()

@@ -10,14 +10,18 @@ from common import Ctx, Job, Tracked, read_marks, start_launcher, wait_until
 HOLD_S = "120"
 
 
-def start_holding(ctx: Ctx, name: str, launcher: str, nproc: int, child: bool = True,
-                  seconds: str = HOLD_S) -> Job | None:
+def start_holding(
+    ctx: Ctx, name: str, launcher: str, nproc: int, child: bool = True, seconds: str = HOLD_S
+) -> Job | None:
     """Start hold.py and wait (bounded) until every rank is ready and has recorded its grandchild."""
     args = [seconds] if child else [seconds, "--no-child"]
     job = start_launcher(ctx.root, name, launcher, nproc, "hold.py", args)
     expected = nproc * (2 if child else 1)
-    ready = wait_until(lambda: len(read_marks(job.bench_dir, "ready")) == nproc
-                       and len(job.procs()) == expected, 120, poll=0.02)
+    ready = wait_until(
+        lambda: len(read_marks(job.bench_dir, "ready")) == nproc and len(job.procs()) == expected,
+        120,
+        poll=0.02,
+    )
     if ready is None:
         job.finish()
         return None

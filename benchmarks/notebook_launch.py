@@ -98,11 +98,12 @@ PLAIN = "import time; t = time.monotonic(); import torch; torch.ones(4).sum(); p
 def measure(kind: str, nprocs: int, cwd: Path) -> dict[str, float | None]:
     script = cwd / "caller.py"  # a file: mp.spawn's children re-import the caller's __main__
     script.write_text(CALLER)
-    proc = subprocess.run([sys.executable, str(script), kind, str(nprocs)], cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), kind, str(nprocs)], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]))
+            return dict(json.loads(line[len("RESULT ") :]))
     raise RuntimeError(f"{kind} x{nprocs} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
@@ -134,10 +135,12 @@ def main() -> None:
     floor = [plain() for _ in range(options.runs)]
     for n in (int(x) for x in options.nprocs.split(",")):
         for run in range(options.runs):
-            for kind in kinds[run % len(kinds):] + kinds[:run % len(kinds)]:  # rotated: drift is shared
+            for kind in kinds[run % len(kinds) :] + kinds[: run % len(kinds)]:  # rotated: drift is shared
                 samples.setdefault(f"{kind} x{n}", []).append(measure(kind, n, out))
-    rows = ["| caller | first launch (s) | second launch (s) | exception to except (s) |",
-            "| --- | --- | --- | --- |"]
+    rows = [
+        "| caller | first launch (s) | second launch (s) | exception to except (s) |",
+        "| --- | --- | --- | --- |",
+    ]
     summary = {}
     for name, runs in samples.items():
         summary[name] = {k: median([r[k] for r in runs]) for k in ("first", "second", "exception")}
@@ -149,8 +152,9 @@ def main() -> None:
     table = "\n".join(rows)
     print(table)
     (out / "notebook_launch.md").write_text(table + "\n")
-    (out / "notebook_launch.json").write_text(json.dumps({"samples": samples, "plain": floor,
-                                                         "summary": summary}, indent=2))
+    (out / "notebook_launch.json").write_text(
+        json.dumps({"samples": samples, "plain": floor, "summary": summary}, indent=2)
+    )
     print(f"written to {out}")
 
 

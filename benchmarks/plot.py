@@ -35,11 +35,17 @@ def failure_cases(results: dict[str, Any]) -> list[tuple[str, dict[str, list[flo
         cases.append((f"rank {mode}\n{n} workers", secs, 15.0))
     sk = results.get("sigkill")
     if sk:
-        cases.append(("launcher\nSIGKILL", {k: [r["seconds"] for r in v] for k, v in sk["raw"].items()},
-                      sk["bound_s"]))
+        cases.append(
+            ("launcher\nSIGKILL", {k: [r["seconds"] for r in v] for k, v in sk["raw"].items()}, sk["bound_s"])
+        )
     for name, by in results.get("signals", {}).get("raw", {}).items():
-        cases.append((f"launcher\n{name}", {k: [r.get("gone_s") for r in v] for k, v in by.items()},
-                      results["signals"]["bound_s"]))
+        cases.append(
+            (
+                f"launcher\n{name}",
+                {k: [r.get("gone_s") for r in v] for k, v in by.items()},
+                results["signals"]["bound_s"],
+            )
+        )
     return cases
 
 
@@ -79,8 +85,9 @@ def draw_failures(ax: Any, results: dict[str, Any]) -> None:
             x = i + (j - 0.5) * width
             if "median" not in s:
                 ax.bar(x, bound, width, color="none", edgecolor=COLOURS[k], hatch="//")
-                ax.text(x, bound / 2, f"never (> {bound:g} s)", ha="center", va="center", fontsize=7,
-                        rotation=90)
+                ax.text(
+                    x, bound / 2, f"never (> {bound:g} s)", ha="center", va="center", fontsize=7, rotation=90
+                )
                 continue
             med, lo, hi = _errbar(s)
             ax.bar(x, med, width, yerr=[[lo], [hi]], capsize=2, color=COLOURS[k], label=label)
@@ -102,8 +109,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     draw_launch(left, results)
     draw_failures(right, results)
     machine = results.get("machine", {})
-    fig.suptitle(f"multigpu vs torchrun: torch {machine.get('torch', '?')}, {machine.get('nproc', '?')} "
-                 f"cores, {machine.get('date', '')}", fontsize=10)
+    fig.suptitle(
+        f"multigpu vs torchrun: torch {machine.get('torch', '?')}, {machine.get('nproc', '?')} "
+        f"cores, {machine.get('date', '')}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

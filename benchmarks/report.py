@@ -44,15 +44,22 @@ def metric_rows(rows: Sequence[dict[str, Any]], digits: int = 2, never: str = "n
     """rows of {'label', 'unit', 'samples': {launcher: [...]}, 'ratio'} -> table cells."""
     out = []
     for r in rows:
-        out.append([r["label"], *(cell(r["samples"].get(name, []), r.get("unit", ""), digits, never)
-                                  for name in LAUNCHERS), ratio_text(r.get("ratio"))])
+        out.append(
+            [
+                r["label"],
+                *(cell(r["samples"].get(name, []), r.get("unit", ""), digits, never) for name in LAUNCHERS),
+                ratio_text(r.get("ratio")),
+            ]
+        )
     return out
 
 
-def metric_table(rows: Sequence[dict[str, Any]], first: str = "case", digits: int = 2,
-                 never: str = "never") -> list[str]:
-    return table([first, "multigpu", "torchrun", "ratio (multigpu / torchrun)"],
-                 metric_rows(rows, digits, never))
+def metric_table(
+    rows: Sequence[dict[str, Any]], first: str = "case", digits: int = 2, never: str = "never"
+) -> list[str]:
+    return table(
+        [first, "multigpu", "torchrun", "ratio (multigpu / torchrun)"], metric_rows(rows, digits, never)
+    )
 
 
 def target(name: str, goal: str, met: bool | None, measured: str, note: str = "") -> dict[str, Any]:

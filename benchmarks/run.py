@@ -37,24 +37,44 @@ import bench_train
 from common import HERE, REGISTRY, Ctx, log, rmtree_quiet
 from report import table
 
-BENCHES: tuple[ModuleType, ...] = (bench_launch, bench_death, bench_sigkill, bench_signals, bench_badinput,
-                                   bench_train, bench_logs, bench_idle, bench_scale, bench_soak,
-                                   bench_elastic, bench_claims)
+BENCHES: tuple[ModuleType, ...] = (
+    bench_launch,
+    bench_death,
+    bench_sigkill,
+    bench_signals,
+    bench_badinput,
+    bench_train,
+    bench_logs,
+    bench_idle,
+    bench_scale,
+    bench_soak,
+    bench_elastic,
+    bench_claims,
+)
 BY_NAME = {m.NAME: m for m in BENCHES}
 FULL_RUNS, QUICK_RUNS = 5, 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help=f"{QUICK_RUNS} run each, fewer cases, shorter sleeps (a smoke test, ~3 min)")
-    p.add_argument("--runs", type=int,
-                   help=f"runs per figure (default {FULL_RUNS}, {QUICK_RUNS} with --quick)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_RUNS} run each, fewer cases, shorter sleeps (a smoke test, ~3 min)",
+    )
+    p.add_argument(
+        "--runs", type=int, help=f"runs per figure (default {FULL_RUNS}, {QUICK_RUNS} with --quick)"
+    )
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BY_NAME)}")
-    p.add_argument("--out", type=Path, help="output directory (default: benchmarks/results, the committed "
-                   "results; with --quick a scratch folder, so a smoke test never replaces them)")
-    p.add_argument("--keep-scratch", action="store_true",
-                   help="keep the jobs' scratch directories (debugging)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: benchmarks/results, the committed "
+        "results; with --quick a scratch folder, so a smoke test never replaces them)",
+    )
+    p.add_argument(
+        "--keep-scratch", action="store_true", help="keep the jobs' scratch directories (debugging)"
+    )
     args = p.parse_args(argv)
     args.names = list(BY_NAME) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in args.names if n not in BY_NAME]
@@ -80,9 +100,11 @@ def missing_requirements() -> str | None:
     missing = [name for name in NEEDS if importlib.util.find_spec(name) is None]
     if not missing:
         return None
-    return (f"benchmarks/run.py: error: {', '.join(missing)} not installed for {sys.executable}; run it "
-            f"with the venv's python: .venv/bin/python benchmarks/run.py (set up by "
-            f"python3 -m venv .venv && .venv/bin/pip install -e '.[dev]')")
+    return (
+        f"benchmarks/run.py: error: {', '.join(missing)} not installed for {sys.executable}; run it "
+        f"with the venv's python: .venv/bin/python benchmarks/run.py (set up by "
+        f"python3 -m venv .venv && .venv/bin/pip install -e '.[dev]')"
+    )
 
 
 def machine() -> dict[str, Any]:
@@ -90,11 +112,17 @@ def machine() -> dict[str, Any]:
 
     import psutil
 
-    return {"nproc": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": version("torch"),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "load_average_at_start": os.getloadavg(), "commit": _commit()}
+    return {
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load_average_at_start": os.getloadavg(),
+        "commit": _commit(),
+    }
 
 
 def _commit() -> str:
@@ -126,8 +154,11 @@ def run_one(mod: ModuleType, ctx: Ctx) -> dict[str, Any]:
     finally:
         killed = REGISTRY.cleanup()
     result["elapsed_s"] = round(time.time() - started, 1)
-    result["measured"] = {"commit": _commit(), "load_average_at_start": load,
-                          "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    result["measured"] = {
+        "commit": _commit(),
+        "load_average_at_start": load,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
     result["stragglers_killed_by_harness"] = killed
     log(f"{mod.NAME}: done in {result['elapsed_s']:.0f} s")
     return result
@@ -156,22 +187,31 @@ def targets_section(results: dict[str, Any]) -> list[str]:
         for t in mod.targets(res):
             met = {True: "**met**", False: "**missed**", None: "n/a"}[t["met"]]
             rows.append([t["name"], t["goal"], met, t["measured"], t["note"]])
-    return ["## Targets (from the issues: 3, 4, 6, 21 and 24)", "",
-            *table(["target", "goal", "result", "measured", "note"], rows), ""]
+    return [
+        "## Targets (from the issues: 3, 4, 6, 21 and 24)",
+        "",
+        *table(["target", "goal", "result", "measured", "note"], rows),
+        "",
+    ]
 
 
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
-    lines = ["# multigpu vs torchrun", "",
-             f"Machine: {m['nproc']} cores ({m['usable_cpus']} usable), {m['memory_gib']} GiB, "
-             f"{m['platform']}; Python {m['python']}, torch {m['torch']}, multigpu "
-             f"{results.get('multigpu', '?')} at commit {m.get('commit', '?')}; {m['date']}; "
-             "load average at start "
-             f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.",
-             "", f"Mode: {results['mode']}, {results['runs']} run(s) per figure, launchers alternated run by "
-             "run. Cells are median [min-max] over the runs; 'never' counts runs that hit the bound. "
-             "Ratios compare medians. Raw samples: results.json; plot: launch_time.png.", "",
-             *targets_section(results)]
+    lines = [
+        "# multigpu vs torchrun",
+        "",
+        f"Machine: {m['nproc']} cores ({m['usable_cpus']} usable), {m['memory_gib']} GiB, "
+        f"{m['platform']}; Python {m['python']}, torch {m['torch']}, multigpu "
+        f"{results.get('multigpu', '?')} at commit {m.get('commit', '?')}; {m['date']}; "
+        "load average at start "
+        f"{', '.join(f'{x:.2f}' for x in m['load_average_at_start'])}.",
+        "",
+        f"Mode: {results['mode']}, {results['runs']} run(s) per figure, launchers alternated run by "
+        "run. Cells are median [min-max] over the runs; 'never' counts runs that hit the bound. "
+        "Ratios compare medians. Raw samples: results.json; plot: launch_time.png.",
+        "",
+        *targets_section(results),
+    ]
     for mod in BENCHES:
         res = results.get(mod.NAME)
         if res is None:
@@ -181,8 +221,11 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"This benchmark failed: `{res['error']}` (traceback in results.json).", ""]
             continue
         stamp = res.get("measured", {})
-        again = (f"; re-measured alone at commit {stamp['commit']}, {stamp['date']}"
-                 if stamp.get("commit") not in (None, m.get("commit")) else "")
+        again = (
+            f"; re-measured alone at commit {stamp['commit']}, {stamp['date']}"
+            if stamp.get("commit") not in (None, m.get("commit"))
+            else ""
+        )
         lines += [*mod.markdown(res), "", f"_{res['elapsed_s']:.0f} s{again}_", ""]
     return "\n".join(lines)
 
@@ -225,12 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(runs=runs, quick=args.quick, root=scratch)
     mods = [BY_NAME[n] for n in args.names]
     estimate = sum(m.estimate(ctx) for m in mods) / 60
-    log(f"{len(mods)} benchmark(s), {runs} run(s) each: estimated {estimate:.1f} min on a quiet "
-        f"2-core machine; scratch {scratch}")
+    log(
+        f"{len(mods)} benchmark(s), {runs} run(s) each: estimated {estimate:.1f} min on a quiet "
+        f"2-core machine; scratch {scratch}"
+    )
     results = load_previous(args.out / "results.json") if args.only else {}
     if "machine" not in results:  # a partial run keeps the full run's header; each section has its stamp
-        results.update(machine=machine(), multigpu=multigpu_version(), runs=runs,
-                       mode="quick" if args.quick else "full", python_executable=sys.executable)
+        results.update(
+            machine=machine(),
+            multigpu=multigpu_version(),
+            runs=runs,
+            mode="quick" if args.quick else "full",
+            python_executable=sys.executable,
+        )
     started = time.time()
     try:
         for mod in mods:

@@ -25,10 +25,22 @@ from pathlib import Path
 
 VENV = Path(sys.executable).parent
 MG = [sys.executable, "-m", "multigpu", "run", "--cpu", "2", "--grace-period", "0.5", "--status", "off"]
-TR = [str(VENV / "torchrun"), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-      "127.0.0.1:0", "--max-restarts", "0"]
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")}, "OMP_NUM_THREADS": "1",
-       "PYTHONUNBUFFERED": "1"}
+TR = [
+    str(VENV / "torchrun"),
+    "--nproc-per-node",
+    "2",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-endpoint",
+    "127.0.0.1:0",
+    "--max-restarts",
+    "0",
+]
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("MULTIGPU_")},
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 PRELUDE = "import os, sys, time, pathlib, signal\nRANK = int(os.environ['RANK'])\n"
 
 
@@ -82,8 +94,14 @@ def stalled_reader(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", 'time.sleep(2)\n    raise ValueError("rank one fails")'))
     r, w = os.pipe()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd(launcher, job, d / "out"),
+        cwd=d,
+        env=ENV,
+        stdout=w,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.close(w)
     rc = end(proc, 30)
     os.close(r)
@@ -93,8 +111,14 @@ def stalled_reader(launcher: str, d: Path) -> str:
 def stalled_then_sigterm(launcher: str, d: Path) -> str:
     job = write(d, CHATTY.replace("{after}", "time.sleep(30)"))
     r, w = os.pipe()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=w,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd(launcher, job, d / "out"),
+        cwd=d,
+        env=ENV,
+        stdout=w,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.close(w)
     deadline = time.monotonic() + 60
     while not (d / "ready_0").exists() and time.monotonic() < deadline:
@@ -113,21 +137,26 @@ def redirected(how: str) -> Callable[[str, Path], str]:
         rc, secs, _, err = bash(f"exec {q(cmd(launcher, job, d / 'out'))} {how}", d, 60)
         tb = ", traceback" if b"Traceback" in err else ""
         return f"exit {rc} in {secs:.1f}s{tb}" if rc != -999 else "hung (killed at 60s)"
+
     return case
 
 
 def progress_bar(launcher: str, d: Path) -> str:
-    job = write(d, """
+    job = write(
+        d,
+        """
     if RANK == 0:
         for i in range(5):
             pathlib.Path(f"t{i}").write_text(repr(time.time()))
             sys.stderr.write(f"\\rstep {i}/5"); sys.stderr.flush()
             time.sleep(0.5)
         sys.stderr.write("\\n")
-    """)
+    """,
+    )
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=slave, stderr=slave,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=slave, stderr=slave, start_new_session=True
+    )
     os.close(slave)
     seen, arrivals = bytearray(), {}
     deadline = time.monotonic() + 60
@@ -142,21 +171,31 @@ def progress_bar(launcher: str, d: Path) -> str:
     end(proc, 5)
     lags = [arrivals[i] - float((d / f"t{i}").read_text()) for i in arrivals if (d / f"t{i}").exists()]
     in_place = b"step 1/5\r\n" not in seen and b"step 1/5\n" not in seen
-    return (f"{len(arrivals)}/5 updates live, lag max {max(lags):.2f}s, "
-            f"{'in place' if in_place else 'one line per update'}") if lags else "no update reached the tty"
+    return (
+        (
+            f"{len(arrivals)}/5 updates live, lag max {max(lags):.2f}s, "
+            f"{'in place' if in_place else 'one line per update'}"
+        )
+        if lags
+        else "no update reached the tty"
+    )
 
 
 def hang_up(launcher: str, d: Path) -> str:
-    job = write(d, """
+    job = write(
+        d,
+        """
     pathlib.Path(f"ready_{RANK}").touch()
     while not os.path.exists("hung_up"):
         time.sleep(0.01)
     for i in range(2000):
         print(f"after {i}", flush=True)
-    """)
+    """,
+    )
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=slave, stderr=slave,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=slave, stderr=slave, start_new_session=True
+    )
     os.close(slave)
     deadline = time.monotonic() + 60
     while not ((d / "ready_0").exists() and (d / "ready_1").exists()) and time.monotonic() < deadline:
@@ -178,8 +217,14 @@ def _status(out: Path) -> str:
 
 def sigquit(launcher: str, d: Path) -> str:
     job = write(d, 'pathlib.Path(f"ready_{RANK}").touch()\ntime.sleep(30)\n')
-    proc = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd(launcher, job, d / "out"),
+        cwd=d,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not ((d / "ready_0").exists() and (d / "ready_1").exists()) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -210,8 +255,14 @@ def ctrl_c_loop(launcher: str, d: Path) -> str:
     base = q(cmd(launcher, job, Path("OUT"))[:-1]).replace("OUT", "out_$i")
     loop = d / "loop.sh"
     loop.write_text(f"for i in 1 2 3; do {base} {shlex.quote(str(job))} $i; echo finished $i; done\n")
-    proc = subprocess.Popen(["bash", str(loop)], cwd=d, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(loop)],
+        cwd=d,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not (d / "ready_1_1").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -263,8 +314,14 @@ def disk_fills(launcher: str, d: Path) -> str:
 
 def two_at_once(launcher: str, d: Path) -> str:
     job = write(d, 'pathlib.Path(f"ready_{RANK}_{os.getpid()}").touch()\ntime.sleep(3)\n')
-    first = subprocess.Popen(cmd(launcher, job, d / "out"), cwd=d, env=ENV, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        cmd(launcher, job, d / "out"),
+        cwd=d,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while len(list(d.glob("ready_*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -85,28 +85,63 @@ NEW_ROUND = re.compile(r"\bworld=2 restart=(\d+) at=([\d.]+)")
 def node_argv(launcher: str, port: int, script: Path, out: Path, conf: str = "") -> list[str]:
     """One node's command line: torchrun's elastic line, plus multigpu's store-off-the-nodes conf;
     ``conf`` (K=V,...) goes into both launchers' --rdzv-conf."""
-    rdzv = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{LOOPBACK}:{port}",
-            "--rdzv-id", "bench", "--max-restarts", "2", "--nproc-per-node", "1"]
+    rdzv = [
+        "--nnodes",
+        "2:3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{LOOPBACK}:{port}",
+        "--rdzv-id",
+        "bench",
+        "--max-restarts",
+        "2",
+        "--nproc-per-node",
+        "1",
+    ]
     if launcher == TORCHRUN:
         return [*torchrun_argv(), *rdzv, *(["--rdzv-conf", conf] if conf else []), str(script)]
     ours = ",".join(filter(None, ["is_host=false", conf]))
-    return [PYTHON, "-m", "multigpu", "run", *rdzv, "--rdzv-conf", ours,
-            "--status", "off", "--grace-period", "1", "--output", str(out), str(script)]
+    return [
+        PYTHON,
+        "-m",
+        "multigpu",
+        "run",
+        *rdzv,
+        "--rdzv-conf",
+        ours,
+        "--status",
+        "off",
+        "--grace-period",
+        "1",
+        "--output",
+        str(out),
+        str(script),
+    ]
 
 
 def listening(pid: int, port: int) -> bool:
     """Whether process ``pid`` listens on 127.0.0.1:port (the store is up)."""
     with contextlib.suppress(psutil.Error):
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+        )
     return False
 
 
 def start_store(bench_dir: Path, port: int) -> Job | None:
     """``multigpu store 127.0.0.1:port``, once it serves; None (ended) if it never did within 60 s."""
     store = start([PYTHON, "-m", "multigpu", "store", f"{LOOPBACK}:{port}"], bench_dir, log_name="store.log")
-    if wait_until(lambda: "serving the rendezvous store" in store.output() or store.popen.poll() is not None,
-                  60, poll=0.02) is None or store.popen.poll() is not None:
+    if (
+        wait_until(
+            lambda: "serving the rendezvous store" in store.output() or store.popen.poll() is not None,
+            60,
+            poll=0.02,
+        )
+        is None
+        or store.popen.poll() is not None
+    ):
         store.finish()
         return None
     return store
@@ -119,8 +154,11 @@ def start_nodes(launcher: str, bench_dir: Path, port: int, script: Path, conf: s
     if launcher == TORCHRUN:
         wait_until(lambda: listening(nodes[0].pid, port) or nodes[0].popen.poll() is not None, 60, 0.02)
     for i in range(1, NODES):
-        nodes.append(start(node_argv(launcher, port, script, bench_dir / f"mg{i}", conf), bench_dir, env,
-                           f"node{i}.log"))
+        nodes.append(
+            start(
+                node_argv(launcher, port, script, bench_dir / f"mg{i}", conf), bench_dir, env, f"node{i}.log"
+            )
+        )
     return nodes
 
 
@@ -163,11 +201,13 @@ def after_kill(nodes: list[Job], killed_at: float) -> dict[str, Any]:
     wait_until(exited, EXIT_BOUND_S, 0.02)
     round_s = survivors_round(nodes, killed_at)
     ok = len(exits) == NODES - 1 and all(nodes[i].popen.returncode == 0 for i in exits)
-    return {"round_s": round_s if round_s is not None and round_s <= EXIT_BOUND_S else None,
-            "exit_s": max(exits.values()) if ok else None,
-            "exit_after_s": [exits.get(i) for i in range(1, NODES)],
-            "exit_codes": [nodes[i].popen.returncode if i in exits else None for i in range(1, NODES)],
-            "restarts": sorted({int(r) for n in nodes[1:] for r, _ in NEW_ROUND.findall(n.output())})}
+    return {
+        "round_s": round_s if round_s is not None and round_s <= EXIT_BOUND_S else None,
+        "exit_s": max(exits.values()) if ok else None,
+        "exit_after_s": [exits.get(i) for i in range(1, NODES)],
+        "exit_codes": [nodes[i].popen.returncode if i in exits else None for i in range(1, NODES)],
+        "restarts": sorted({int(r) for n in nodes[1:] for r, _ in NEW_ROUND.findall(n.output())}),
+    }
 
 
 def parent(proc: psutil.Process) -> int | None:
@@ -244,11 +284,16 @@ def one_run(root: Path, launcher: str, script: Path, conf: str) -> dict[str, Any
 
 
 def note(r: dict[str, Any]) -> str:
-    formed = (f"new round {r['round_s']:.2f} s after the kill (restart {r['restarts']})"
-              if r["round_s"] is not None else f"no new round within {EXIT_BOUND_S:.0f} s")
+    formed = (
+        f"new round {r['round_s']:.2f} s after the kill (restart {r['restarts']})"
+        if r["round_s"] is not None
+        else f"no new round within {EXIT_BOUND_S:.0f} s"
+    )
     ended = ", ".join(f"{s:.2f} s" if s is not None else "still running" for s in r["exit_after_s"])
-    return (f"{formed}; survivors exited {ended} after it, rc={r['exit_codes']}; workers left running "
-            f"with their launcher gone: {r['orphans']}")
+    return (
+        f"{formed}; survivors exited {ended} after it, rc={r['exit_codes']}; workers left running "
+        f"with their launcher gone: {r['orphans']}"
+    )
 
 
 def measure(runs: int, root: Path, conf: str) -> dict[str, list[dict[str, Any]]]:
@@ -264,36 +309,50 @@ def measure(runs: int, root: Path, conf: str) -> dict[str, list[dict[str, Any]]]
 
 
 def summary(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    return {k: {key: summarize([r.get(key) for r in v]) for key in ("form_s", "round_s", "exit_s")}
-            | {"orphans": [r.get("orphans") for r in v], "swept": sum(len(r["swept"]) for r in v)}
-            for k, v in raw.items()}
+    return {
+        k: {key: summarize([r.get(key) for r in v]) for key in ("form_s", "round_s", "exit_s")}
+        | {"orphans": [r.get("orphans") for r in v], "swept": sum(len(r["swept"]) for r in v)}
+        for k, v in raw.items()
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     raw = res["raw"]
     ours = [r.get("round_s") for r in raw[MULTIGPU]]
     met = bool(ours) and all(s is not None and s <= TARGET_S for s in ours)
+
     def times(key: str) -> list[str]:
         return [cell([r.get(key) for r in raw[k]], "s") for k in LAUNCHERS]
 
     def per_run(key: str) -> list[str]:
         return [", ".join(str(r.get(key)) for r in raw[k]) for k in LAUNCHERS]
 
-    rows = [["first start to all 3 ranks at world=3", *times("form_s")],
-            ["kill to both survivors' ranks at world=2 (the new round)", *times("round_s")],
-            ["kill to both survivors' exit, both rc 0", *times("exit_s")],
-            ["survivors' exit codes (per run)", *per_run("exit_codes")],
-            ["workers left running, launcher gone (per run)", *per_run("orphans")],
-            ["descendants the harness had to end after the run",
-             *(str(sum(len(r["swept"]) for r in raw[k])) for k in LAUNCHERS)]]
-    lines = ["# Node 0 lost: store off the nodes (multigpu) against torchrun's store on node 0",
-             "", f"{res['when']}, {res['machine']}, {res['runs']} run(s) per launcher, load average at the "
-             f"start {res['load']}, extra --rdzv-conf: {res['rdzv_conf'] or 'none'}. Cells: median "
-             f"[min-max]; never: no number within {EXIT_BOUND_S:.0f} s of the kill.", "",
-             f"Target (issue 31): node 0's loss to the new round <= {TARGET_S:.0f} s, every run: "
-             f"**{'met' if met else 'missed'}** ({cell(ours, 's')}).", "",
-             *table(["measure", "multigpu (`multigpu store`, is_host=false)", "torchrun (store on node 0)"],
-                    rows), "", "Runs:", ""]
+    rows = [
+        ["first start to all 3 ranks at world=3", *times("form_s")],
+        ["kill to both survivors' ranks at world=2 (the new round)", *times("round_s")],
+        ["kill to both survivors' exit, both rc 0", *times("exit_s")],
+        ["survivors' exit codes (per run)", *per_run("exit_codes")],
+        ["workers left running, launcher gone (per run)", *per_run("orphans")],
+        [
+            "descendants the harness had to end after the run",
+            *(str(sum(len(r["swept"]) for r in raw[k])) for k in LAUNCHERS),
+        ],
+    ]
+    lines = [
+        "# Node 0 lost: store off the nodes (multigpu) against torchrun's store on node 0",
+        "",
+        f"{res['when']}, {res['machine']}, {res['runs']} run(s) per launcher, load average at the "
+        f"start {res['load']}, extra --rdzv-conf: {res['rdzv_conf'] or 'none'}. Cells: median "
+        f"[min-max]; never: no number within {EXIT_BOUND_S:.0f} s of the kill.",
+        "",
+        f"Target (issue 31): node 0's loss to the new round <= {TARGET_S:.0f} s, every run: "
+        f"**{'met' if met else 'missed'}** ({cell(ours, 's')}).",
+        "",
+        *table(["measure", "multigpu (`multigpu store`, is_host=false)", "torchrun (store on node 0)"], rows),
+        "",
+        "Runs:",
+        "",
+    ]
     lines += [f"- {k} run {i + 1}: {r.get('note')}" for k in LAUNCHERS for i, r in enumerate(raw[k])]
     return "\n".join(lines) + "\n"
 
@@ -303,10 +362,18 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per launcher (default 3)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the results (default: a new "
-                        "scratch folder, which the last line names)")
-    parser.add_argument("--rdzv-conf", default="", metavar="K=V,...",
-                        help="added to both launchers' --rdzv-conf (e.g. last_call_timeout=1); default none")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the results (default: a new scratch folder, which the last line names)",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="K=V,...",
+        help="added to both launchers' --rdzv-conf (e.g. last_call_timeout=1); default none",
+    )
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -314,9 +381,12 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="store-off-nodes-results-"))
     root = Path(tempfile.mkdtemp(prefix="store-off-nodes-"))
     res: dict[str, Any] = {
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": args.runs,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "runs": args.runs,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "rdzv_conf": args.rdzv_conf, "load": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+        "rdzv_conf": args.rdzv_conf,
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
     try:
         res["raw"] = measure(args.runs, root, args.rdzv_conf)
     finally:

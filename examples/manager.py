@@ -1,8 +1,8 @@
 """OTX-style function mode: this process becomes rank 0 and MultiGPUManager spawns the other ranks.
 
-    python examples/manager.py --cpu 2            # two CPU worker slots, gloo
-    python examples/manager.py --cpu 2 --fail     # rank 1 raises: the parent gets WorkerFailedError
-    python examples/manager.py --gpus 0,1         # two GPUs, NCCL
+python examples/manager.py --cpu 2            # two CPU worker slots, gloo
+python examples/manager.py --cpu 2 --fail     # rank 1 raises: the parent gets WorkerFailedError
+python examples/manager.py --gpus 0,1         # two GPUs, NCCL
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ def main() -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(8, 1).to(device),
-                                    device_ids=[local_rank] if use_cuda else None)
+    model = DistributedDataParallel(
+        torch.nn.Linear(8, 1).to(device), device_ids=[local_rank] if use_cuda else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
     previous = os.environ.get("MULTIGPU_PREVIOUS_OUTPUT")

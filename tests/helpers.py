@@ -65,25 +65,48 @@ def write_script(directory: Path, name: str, code: str) -> Path:
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The test process's environment without any launcher or scheduler contract leaking in (a CI inside
     SLURM would otherwise turn preemption on in every test)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MULTIGPU_", "TORCHELASTIC_", "SLURM_", "PET_")) and k not in (
-               "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "GROUP_RANK", "CUDA_VISIBLE_DEVICES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MULTIGPU_", "TORCHELASTIC_", "SLURM_", "PET_"))
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "CUDA_VISIBLE_DEVICES",
+        )
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 60, env: Mapping[str, str] | None = None,
-            ) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m multigpu ARGS`` to completion, bounded in time."""
-    return subprocess.run([*MULTIGPU, *args], cwd=cwd, env=clean_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [*MULTIGPU, *args], cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_cli(args: list[str], cwd: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([*MULTIGPU, *args], cwd=cwd, env=clean_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*MULTIGPU, *args],
+        cwd=cwd,
+        env=clean_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def pids_in(text: str, label: str = "pid") -> list[int]:
@@ -148,8 +171,22 @@ def numpy_site() -> Path | None:
         if (NUMPY_SITE / "numpy" / "__init__.py").exists():
             return NUMPY_SITE
         tmp = NUMPY_SITE.with_name(NUMPY_SITE.name + ".partial")
-        done = subprocess.run([PYTHON, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               "--no-deps", "--target", str(tmp), "numpy"], capture_output=True, timeout=280)
+        done = subprocess.run(
+            [
+                PYTHON,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--target",
+                str(tmp),
+                "numpy",
+            ],
+            capture_output=True,
+            timeout=280,
+        )
         if done.returncode != 0:
             return None
         os.replace(tmp, NUMPY_SITE)
@@ -235,6 +272,8 @@ def record_problems(root: Path) -> list[str]:
             problems.append(f"{path.relative_to(root)}: unreadable: {err}")
             continue
         if isinstance(data, dict) and "attempts" in data:
-            problems += [f"{path.relative_to(root)}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
-                         for e in _validator().iter_errors(data)]
+            problems += [
+                f"{path.relative_to(root)}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
+                for e in _validator().iter_errors(data)
+            ]
     return problems

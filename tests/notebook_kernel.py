@@ -70,8 +70,12 @@ class Kernel:
                 return str(content["data"].get("text/plain", "")) + "\n"
             if kind == "error":
                 return f"{content['ename']}: {content['evalue']}\n"
-            if (stop_at_idle and kind == "status" and content["execution_state"] == "idle"
-                    and msg["parent_header"].get("msg_id") == msg_id):
+            if (
+                stop_at_idle
+                and kind == "status"
+                and content["execution_state"] == "idle"
+                and msg["parent_header"].get("msg_id") == msg_id
+            ):
                 raise StopIteration
 
     def shutdown(self) -> None:

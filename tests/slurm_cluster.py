@@ -119,8 +119,11 @@ class SlurmCluster:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         ports = {k: _port() for k in ("ctld_port", "slurmd_port", "port_n1", "port_n2")}
         conf = self.root / "slurm.conf"
-        conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], root=self.root,
-                                    kill_wait=KILL_WAIT_S, **ports))
+        conf.write_text(
+            CONF.format(
+                host=socket.gethostname().split(".")[0], root=self.root, kill_wait=KILL_WAIT_S, **ports
+            )
+        )
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
         self._start_munge()
         self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i", "-f", str(conf)])
@@ -133,15 +136,31 @@ class SlurmCluster:
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        self._spawn("munged", [_tool("munged"), "-F", "-f", f"--socket={munge}/munge.socket",
-                               f"--key-file={key}", f"--log-file={munge}/munged.log",
-                               f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/munged.seed"])
+        self._spawn(
+            "munged",
+            [
+                _tool("munged"),
+                "-F",
+                "-f",
+                f"--socket={munge}/munge.socket",
+                f"--key-file={key}",
+                f"--log-file={munge}/munged.log",
+                f"--pid-file={munge}/munged.pid",
+                f"--seed-file={munge}/munged.seed",
+            ],
+        )
         self._wait(lambda: (munge / "munge.socket").exists(), "munged never made its socket")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         with open(self.root / "log" / f"{name}.out", "wb") as out:
-            self.procs[name] = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _wait(self, ready: object, what: str, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -156,17 +175,31 @@ class SlurmCluster:
 
     def wait_idle(self) -> None:
         """Wait (bounded) until ``sinfo`` shows both nodes idle."""
+
         def idle() -> bool:
             out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
             return sorted(zip(out[::2], out[1::2], strict=False)) == [(n, "idle") for n in NODES]
+
         self._wait(idle, "sinfo never showed n1 and n2 idle")
 
-    def run(self, argv: list[str], check: bool = True, timeout: float = 30,
-            env: Mapping[str, str] | None = None, cwd: Path | None = None,
-            ) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        argv: list[str],
+        check: bool = True,
+        timeout: float = 30,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
         """Run a SLURM client command against this cluster, bounded in time."""
-        return subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              check=check, timeout=timeout, cwd=cwd)
+        return subprocess.run(
+            argv,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            cwd=cwd,
+        )
 
     def logs(self) -> str:
         tails = []

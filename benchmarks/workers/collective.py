@@ -16,8 +16,9 @@ from _bench import bench_dir, record_pid, write_atomic
 ROUNDS, OPS = 5, 20_000
 
 record_pid()
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0,
-                        world_size=1)
+dist.init_process_group(
+    "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=0, world_size=1
+)
 t = torch.ones(1)
 for _ in range(2000):
     dist.all_reduce(t)

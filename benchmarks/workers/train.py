@@ -23,8 +23,11 @@ dist = init_gloo()
 result = train(argparse.Namespace(steps=int(sys.argv[1]), batch_size=64, lr=0.05), "cpu")
 if rank() == 0:
     summaries = result["summaries"]
-    out = {"samples": sum(s["samples"] for s in summaries),
-           "seconds": max(s["seconds"] for s in summaries), "accuracy": result["accuracy"]}
+    out = {
+        "samples": sum(s["samples"] for s in summaries),
+        "seconds": max(s["seconds"] for s in summaries),
+        "accuracy": result["accuracy"],
+    }
     with contextlib.suppress(Exception):  # where the flight recorder is on: collectives enqueued so far
         import torch
 

@@ -59,8 +59,10 @@ def main() -> int:
         return 1
     except WorkerFailedError as exc:
         latency = time.time() - (exc.root_cause.time or start)
-        print(f"CAUGHT rank={exc.rank} latency_ms={latency * 1000:.0f} cause={type(exc.__cause__).__name__}",
-              flush=True)
+        print(
+            f"CAUGHT rank={exc.rank} latency_ms={latency * 1000:.0f} cause={type(exc.__cause__).__name__}",
+            flush=True,
+        )
         ok = exc.rank == 1 and "boom from rank 1" in (exc.traceback or "") and latency < 5
     with contextlib.suppress(WorkerFailedError):  # it was raised already; finalize() raises it again
         manager.finalize()

@@ -47,8 +47,9 @@ def test_devices_lists_the_gpus(tmp_path: Path) -> None:
 
 def test_one_rank_nccl_group(tmp_path: Path) -> None:
     script = write_script(tmp_path, "nccl.py", NCCL_ALL_REDUCE)
-    result = run_cli(["run", "--gpus", "0", "--output", str(tmp_path / "out"), str(script)], cwd=tmp_path,
-                     timeout=180)
+    result = run_cli(
+        ["run", "--gpus", "0", "--output", str(tmp_path / "out"), str(script)], cwd=tmp_path, timeout=180
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert_gone(pids_in(result.stdout))
     assert re.search(r"^\[rank 0\] nccl ok rank=0 world=1 backend=nccl ", result.stdout, re.M), result.stdout
@@ -56,8 +57,11 @@ def test_one_rank_nccl_group(tmp_path: Path) -> None:
 
 
 def test_demo_on_one_gpu(tmp_path: Path) -> None:
-    result = run_cli(["demo", "--gpus", "0", "--steps", "100", "--output", str(tmp_path / "demo")],
-                     cwd=tmp_path, timeout=240)
+    result = run_cli(
+        ["demo", "--gpus", "0", "--steps", "100", "--output", str(tmp_path / "demo")],
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 rank(s) on cuda" in result.stdout
     m = re.search(r"done: loss ([\d.]+) -> ([\d.]+), accuracy ([\d.]+)%", result.stdout)

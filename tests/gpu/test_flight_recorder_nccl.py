@@ -43,8 +43,26 @@ for step in range(1, 1000):
 def hang_run(tmp_path: Path, gpus: str) -> tuple[str, Path]:
     job = write_script(tmp_path, "job.py", JOB)
     out = tmp_path / "out"
-    res = run_cli(["run", "--gpus", gpus, "--status", "off", "--grace-period", "2", "--output", str(out),
-                   "--hang-timeout", "120", "--hang-floor", "3", str(job)], cwd=tmp_path, timeout=240)
+    res = run_cli(
+        [
+            "run",
+            "--gpus",
+            gpus,
+            "--status",
+            "off",
+            "--grace-period",
+            "2",
+            "--output",
+            str(out),
+            "--hang-timeout",
+            "120",
+            "--hang-floor",
+            "3",
+            str(job),
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
     print(res.stderr[-4000:])
     data = json.loads((out / "run.json").read_text())
     assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])

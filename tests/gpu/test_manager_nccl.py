@@ -17,8 +17,9 @@ from multigpu.cluster.devices import visible_gpus
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.integration,
-    pytest.mark.skipif(len(visible_gpus()) < 2,
-                       reason="needs two visible CUDA GPUs for a two-rank NCCL group"),
+    pytest.mark.skipif(
+        len(visible_gpus()) < 2, reason="needs two visible CUDA GPUs for a two-rank NCCL group"
+    ),
 ]
 
 SCRIPT = Path(__file__).with_name("manager_nccl_failure.py")
@@ -26,8 +27,14 @@ SCRIPT = Path(__file__).with_name("manager_nccl_failure.py")
 
 @pytest.mark.parametrize("case", ["collective", "synchronize", "sleep"])
 def test_child_failure_reaches_rank_0_waiting_on_nccl(tmp_path: Path, case: str) -> None:
-    proc = subprocess.run([PYTHON, str(SCRIPT), case, str(tmp_path / "out")], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, str(SCRIPT), case, str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     text = proc.stdout + proc.stderr
     assert_gone(pids_in(text))
     assert re.search(r"^CAUGHT rank=1 latency_ms=\d+ ", proc.stdout, re.M), text[-3000:]

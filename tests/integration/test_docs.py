@@ -108,7 +108,7 @@ def parse_block(page: str, line: int, kind: str, body: str) -> Block:
         if text.startswith(_EXPECT):
             if not commands:
                 raise ValueError(f"{where}: '# expect:' before any command")
-            commands[-1].expects.append(text[len(_EXPECT):].strip())
+            commands[-1].expects.append(text[len(_EXPECT) :].strip())
             continue
         if not text or text.startswith("#"):
             continue
@@ -119,8 +119,14 @@ def parse_block(page: str, line: int, kind: str, body: str) -> Block:
         match = _EXIT.search(text)
         code = int(match.group(1)) if match else 0
         skip = _NOT_RUN.search(text)
-        commands.append(Command(text[: match.start()] if match else text, line + offset, code,
-                                not_run=skip.group(1) if skip else None))
+        commands.append(
+            Command(
+                text[: match.start()] if match else text,
+                line + offset,
+                code,
+                not_run=skip.group(1) if skip else None,
+            )
+        )
     if not commands:
         raise ValueError(f"{page}:{line}: a bash block without a command")
     return Block(page, line, kind, body, commands)
@@ -143,7 +149,6 @@ def gpu_visible() -> bool:
     from multigpu.cluster.devices import visible_gpus
 
     return bool(visible_gpus())
-
 
 
 @pytest.fixture
@@ -194,15 +199,17 @@ def run_venv_chain(block: Block, cmd: Command, cwd: Path, env: Mapping[str, str]
     """The README's ``python3 -m venv .venv && .venv/bin/pip install ... && COMMAND``, part by part."""
     for part in cmd.text.split(" && "):
         if part.startswith("python3 -m venv "):  # made for real, without pip, in a scratch folder
-            run_together(block, [Command(f"python3 -m venv --without-pip {cwd / 'venv'}", cmd.line)], cwd,
-                         [env])
+            run_together(
+                block, [Command(f"python3 -m venv --without-pip {cwd / 'venv'}", cmd.line)], cwd, [env]
+            )
         elif "pip install" in part:
             dry = Command(part + DRY_RUN, cmd.line, expects=["Would install multigpu"])
             run_together(block, [dry], ROOT, [env], records=False)
         else:
             here = ROOT if " -m pytest" in part else cwd
-            run_together(block, [Command(part, cmd.line, cmd.exit_code, cmd.expects)], here, [env],
-                         records=here is cwd)
+            run_together(
+                block, [Command(part, cmd.line, cmd.exit_code, cmd.expects)], here, [env], records=here is cwd
+            )
 
 
 def _worker_pids(cwd: Path, before: Mapping[Path, float]) -> list[int]:
@@ -229,8 +236,15 @@ def _session_gone(pgid: int, timeout: float = 2.0) -> bool:
 
 
 def start(command: str, cwd: Path, env: Mapping[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(["bash", "-c", command], cwd=cwd, env=dict(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str]:
@@ -247,8 +261,13 @@ def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int | None, str
 def torch_exit_abort(cmd: Command, code: int | None, out: str) -> bool:
     """torchrun's rank aborted in torch's C++ teardown after the work was done (issue 12): the doc's
     expected output is all there, and torchrun names SIGABRT. The work is judged, not that abort."""
-    return (cmd.text.startswith("torchrun ") and code not in (None, cmd.exit_code) and "SIGABRT" in out
-            and bool(cmd.expects) and all(text in out for text in cmd.expects))
+    return (
+        cmd.text.startswith("torchrun ")
+        and code not in (None, cmd.exit_code)
+        and "SIGABRT" in out
+        and bool(cmd.expects)
+        and all(text in out for text in cmd.expects)
+    )
 
 
 def check(cmd: Command, code: int | None, out: str, block: Block) -> None:
@@ -257,14 +276,16 @@ def check(cmd: Command, code: int | None, out: str, block: Block) -> None:
     if torch_exit_abort(cmd, code, out):
         print(f"{where}: torchrun's rank aborted at exit after the work was done (SIGABRT); judged done")
         return
-    assert code == cmd.exit_code, \
+    assert code == cmd.exit_code, (
         f"{where}\nexit {code}, the doc says {cmd.exit_code}; output:\n{out[-3000:]}"
+    )
     for text in cmd.expects:
         assert text in out, f"{where}\noutput lacks {text!r}:\n{out[-3000:]}"
 
 
-def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]],
-                 records: bool = True) -> None:
+def run_together(
+    block: Block, commands: list[Command], cwd: Path, envs: list[Mapping[str, str]], records: bool = True
+) -> None:
     """Start every command at once (one per "node"), wait for all, check all, prove all gone.
     ``records``: look for run records under ``cwd`` (not in the repository, which holds none)."""
     before = _records(cwd) if records else {}
@@ -285,25 +306,39 @@ def run_together(block: Block, commands: list[Command], cwd: Path, envs: list[Ma
 
 
 def run_srun_line(block: Block, cwd: Path, port: int) -> None:
-    assert SBATCH.read_text().strip() == block.body.strip(), \
+    assert SBATCH.read_text().strip() == block.body.strip(), (
         "the sbatch block in multinode.md differs from docs/examples/multigpu.sbatch"
+    )
     (srun,) = block.commands
     words = shlex.split(srun.text)
     start_at = words.index("multigpu")
     assert all(w.startswith("-") for w in words[1:start_at]), srun.text
-    command = srun.text[srun.text.index(" multigpu ") + 1:]
+    command = srun.text[srun.text.index(" multigpu ") + 1 :]
     job = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_JOB_NAME": "ddp", "MASTER_PORT": str(port)}
     # One node: the SLURM layout is one machine's, a plain run.
-    one = {**job, "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",
-           "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    run_together(block, [Command(command, srun.line, expects=["done: 1 rank(s)"])], cwd,
-                 [command_env(one)])
+    one = {
+        **job,
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    run_together(block, [Command(command, srun.line, expects=["done: 1 rank(s)"])], cwd, [command_env(one)])
     # Two launcher tasks (two "nodes", both localhost): endpoint, node rank and run id from SLURM.
-    two = {**job, "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
-           "MASTER_PORT": str(free_port())}
+    two = {
+        **job,
+        "SLURM_JOB_NODELIST": "localhost,localhost",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "MASTER_PORT": str(free_port()),
+    }
     nodes = [{**two, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"} for i in (0, 1)]
-    cmds = [Command(command, srun.line, expects=[f"node {i}: joined run slurm-4242 at localhost:"])
-            for i in (0, 1)]
+    cmds = [
+        Command(command, srun.line, expects=[f"node {i}: joined run slurm-4242 at localhost:"])
+        for i in (0, 1)
+    ]
     cmds[0].expects.append("[node 0 rank 0] done: 2 rank(s)")
     run_together(block, cmds, cwd, [command_env(e) for e in nodes])
 
@@ -368,8 +403,9 @@ def test_notebook_page_runs_in_a_kernel(page: str, tmp_path: Path) -> None:
         for number, cell in enumerate(cells, 1):
             text, reply = kernel.run(cell)
             started |= {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
-            assert reply["status"] == "ok", \
+            assert reply["status"] == "ok", (
                 f"{page} cell {number}: {reply.get('ename')}: {reply.get('evalue')}\n{text}"
+            )
     finally:
         kernel.shutdown()
     assert_gone([*started, kernel.pid], timeout=10)

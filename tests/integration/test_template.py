@@ -97,12 +97,18 @@ print("POOLS " + json.dumps({
 
 
 @pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
-@pytest.mark.parametrize(("nproc", "extra"), [
-    ("1", {}), pytest.param("2", {"OPENBLAS_NUM_THREADS": "2"}, marks=pytest.mark.matrix),
-    pytest.param("2", {}, marks=pytest.mark.matrix),
-    pytest.param("1", {"MKL_NUM_THREADS": "1"}, marks=pytest.mark.matrix)])
-def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(tmp_path: Path, numpy: str, nproc: str,
-                                                              extra: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("nproc", "extra"),
+    [
+        ("1", {}),
+        pytest.param("2", {"OPENBLAS_NUM_THREADS": "2"}, marks=pytest.mark.matrix),
+        pytest.param("2", {}, marks=pytest.mark.matrix),
+        pytest.param("1", {"MKL_NUM_THREADS": "1"}, marks=pytest.mark.matrix),
+    ],
+)
+def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(
+    tmp_path: Path, numpy: str, nproc: str, extra: dict[str, str]
+) -> None:
     """Issue 31, case 4: NumPy's OpenBLAS started its pool at the template's ``import torch`` (one rank
     per node: OMP_NUM_THREADS=2 here) and the template refused to fork. Held to one thread there, each
     rank sizes torch's and the BLAS pools from its own environment, as a fresh rank does."""
@@ -113,13 +119,20 @@ def test_a_forked_rank_sizes_its_thread_pools_as_a_fresh_one(tmp_path: Path, num
             pytest.skip("pip could not install numpy here")
         env["PYTHONPATH"] = str(site)
     job = write_script(tmp_path, "job.py", POOLS)
-    runs = {flag: run_cli(["run", "--cpu", nproc, "--status", "off", *flags, str(job)], cwd=tmp_path, env=env)
-            for flag, flags in (("warm", []), ("cold", ["--no-template"]))}
+    runs = {
+        flag: run_cli(["run", "--cpu", nproc, "--status", "off", *flags, str(job)], cwd=tmp_path, env=env)
+        for flag, flags in (("warm", []), ("cold", ["--no-template"]))
+    }
     for done in runs.values():
         assert done.returncode == 0, done.stderr
     assert "plain processes" not in runs["warm"].stderr, runs["warm"].stderr
-    seen = {flag: sorted((json.loads(line.split("POOLS ", 1)[1]) for line in done.stdout.splitlines()
-                          if "POOLS " in line), key=lambda r: r["rank"]) for flag, done in runs.items()}
+    seen = {
+        flag: sorted(
+            (json.loads(line.split("POOLS ", 1)[1]) for line in done.stdout.splitlines() if "POOLS " in line),
+            key=lambda r: r["rank"],
+        )
+        for flag, done in runs.items()
+    }
     assert_gone([r.pop("pid") for rs in seen.values() for r in rs])
     assert len(seen["warm"]) == int(nproc) and all(r.pop("forked") for r in seen["warm"])
     assert not any(r.pop("forked") for r in seen["cold"])
@@ -168,7 +181,9 @@ def test_the_store_outlives_rank_0(tmp_path: Path, mode: str) -> None:
     assert_gone([*pids_in(res.stdout), int((tmp_path / "rank0.pid").read_text())])
 
 
-RESTART = REPORT + """
+RESTART = (
+    REPORT
+    + """
 import torch.distributed as dist
 dist.init_process_group("gloo")
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
@@ -176,14 +191,29 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and dist.get_rank() == 1:
 dist.barrier()
 dist.destroy_process_group()
 """
+)
 
 
 def test_module_mode_restart_forks_from_the_same_template(tmp_path: Path) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     write_script(tmp_path / "pkg", "job.py", RESTART)
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--max-restarts", "1", "--grace-period", "1",
-                   "-m", "pkg.job"], cwd=tmp_path)
+    res = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--status",
+            "off",
+            "--max-restarts",
+            "1",
+            "--grace-period",
+            "1",
+            "-m",
+            "pkg.job",
+        ],
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     seen = reports(res.stdout)
     assert sorted((r["restart"], r["rank"]) for r in seen) == [("0", 0), ("0", 1), ("1", 0), ("1", 1)]
@@ -195,12 +225,16 @@ def test_module_mode_restart_forks_from_the_same_template(tmp_path: Path) -> Non
 
 def test_launcher_sigkill_leaves_nothing(tmp_path: Path) -> None:
     """The ranks, their children, the template and its store process all go with the launcher."""
-    job = write_script(tmp_path, "job.py", """
+    job = write_script(
+        tmp_path,
+        "job.py",
+        """
 import os, pathlib, subprocess, time
 child = subprocess.Popen(["sleep", "60"])
 pathlib.Path(f"ready_{os.environ['RANK']}").write_text(f"{os.getpid()} {child.pid}")
 time.sleep(60)
-""")
+""",
+    )
     proc = start_cli(["run", "--cpu", "2", "--status", "off", str(job)], cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
@@ -208,11 +242,17 @@ time.sleep(60)
             assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
             time.sleep(0.05)
         pids = [int(p) for r in (0, 1) for p in (tmp_path / f"ready_{r}").read_text().split()]
-        hosts = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-                 if p.pid not in pids and "multigpu.template" in " ".join(p.cmdline())]
+        hosts = [
+            p.pid
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if p.pid not in pids and "multigpu.template" in " ".join(p.cmdline())
+        ]
         assert len(hosts) >= 2, hosts  # the template and its store process
-        sentinels = [p.pid for p in psutil.Process(proc.pid).children()
-                     if "multigpu.rank.sentinel" in " ".join(p.cmdline())]
+        sentinels = [
+            p.pid
+            for p in psutil.Process(proc.pid).children()
+            if "multigpu.rank.sentinel" in " ".join(p.cmdline())
+        ]
         assert len(sentinels) == 1, sentinels  # the node's one sentinel; no rank forked its own
         os.kill(proc.pid, signal.SIGKILL)
         left = wait_gone(pids + hosts + sentinels, timeout=5.0)
@@ -227,8 +267,9 @@ time.sleep(60)
 def test_a_template_that_cannot_start_falls_back(tmp_path: Path) -> None:
     """A --preload that fails to import: the run goes on with plain processes, said in one line."""
     job = write_script(tmp_path, "job.py", "import os\nprint(f'pid={os.getpid()}', flush=True)\n")
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--preload", "no_such_module_here", str(job)],
-                  cwd=tmp_path)
+    res = run_cli(
+        ["run", "--cpu", "2", "--status", "off", "--preload", "no_such_module_here", str(job)], cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr
     notes = [line for line in res.stderr.splitlines() if "template failed to start" in line]
     assert len(notes) == 1 and "no_such_module_here" in notes[0], res.stderr
@@ -239,16 +280,20 @@ def test_a_template_that_cannot_start_falls_back(tmp_path: Path) -> None:
 def test_plain_launch_env_reaches_forked_rank(tmp_path: Path) -> None:
     """A variable set for the ranks only in one rank's environment (here: RANK) is the rank's own,
     and OMP_NUM_THREADS is applied as a fresh rank reads it."""
-    job = write_script(tmp_path, "job.py", """
+    job = write_script(
+        tmp_path,
+        "job.py",
+        """
 import os, torch
 print(f"pid={os.getpid()} omp={os.environ['OMP_NUM_THREADS']} threads={torch.get_num_threads()}", flush=True)
-""")
-    res = run_cli(["run", "--cpu", "2", "--status", "off", str(job)], cwd=tmp_path,
-                  env={"OMP_NUM_THREADS": "1"})
+""",
+    )
+    res = run_cli(
+        ["run", "--cpu", "2", "--status", "off", str(job)], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"}
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("omp=1 threads=1") == 2
     assert_gone(pids_in(res.stdout))
-
 
 
 CLOSE = """
@@ -272,8 +317,9 @@ print(json.dumps({"pids": pids, "left": [p for p in pids if os.path.exists(f"/pr
 def test_closing_the_template_ends_and_reaps_it_and_its_store(tmp_path: Path) -> None:
     """The template and its store hold nothing a user needs once the ranks are gone: close() ends
     both at once and reaps both (no zombie left for the launcher's own exit to leave behind)."""
-    res = subprocess.run([sys.executable, "-c", CLOSE], capture_output=True, text=True, timeout=60,
-                         cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", CLOSE], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr
     seen = json.loads(res.stdout)
     assert len(seen["pids"]) == 2 and all(seen["pids"])
@@ -285,7 +331,10 @@ def test_a_rank_leaving_does_not_run_the_templates_finalizers(tmp_path: Path) ->
     """A --preload module's temporary folder belongs to the template: rank 0 exiting must not delete it
     while rank 1 still runs (the template's weakref finalizers stay the template's)."""
     (tmp_path / "holder.py").write_text("import tempfile\nFOLDER = tempfile.TemporaryDirectory()\n")
-    job = write_script(tmp_path, "job.py", """
+    job = write_script(
+        tmp_path,
+        "job.py",
+        """
 import os, pathlib, time, holder
 folder = pathlib.Path(holder.FOLDER.name)
 if os.environ["RANK"] == "0":
@@ -298,9 +347,13 @@ deadline = time.monotonic() + 30
 while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
     time.sleep(0.02)
 print(f"pid={os.getpid()} folder={folder} exists={folder.is_dir()}", flush=True)
-""")
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--preload", "holder", str(job)], cwd=tmp_path,
-                  env={"PYTHONPATH": str(tmp_path)})
+""",
+    )
+    res = run_cli(
+        ["run", "--cpu", "2", "--status", "off", "--preload", "holder", str(job)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "exists=True" in res.stdout, res.stdout[-2000:]
     assert_gone(pids_in(res.stdout))

@@ -59,22 +59,31 @@ class Fault:
     tags: frozenset[str] = field(default_factory=frozenset)
 
 
-FAULTS = {f.name: f for f in (
-    Fault("raise", (1, 1), "ValueError: cell fault at step 2", survivor_stacks=True),
-    Fault("exit", (1, 1), "exited with code 1", survivor_stacks=True),
-    Fault("sigkill", (137, 137), "SIGKILL", survivor_stacks=True),
-    Fault("hang", (1, 1), "cell.py:", launcher_args=("--hang-timeout", "4"), survivor_stacks=True),
-    Fault("healthy", (0, 0), steps=6, step_s=1.0, launcher_args=("--hang-timeout", "3")),
-    Fault("term1", (143, 143), "SIGTERM"),
-    Fault("kill0", (None, 1), "node 0", elastic_cause="root cause: node "),
-    Fault("kill1", (1, None), "node 1", survivor_stacks=True, elastic_cause="root cause: node "),
-    Fault("mismatch", (1, 1), "the nodes would run different things"),
-    Fault("nevercomes", (1, None), "joined", nodes=(0,), launcher_args=("--rdzv-timeout", "4")),
-    Fault("oom", (137, 137), "OOM killer", survivor_stacks=True),
-)}
+FAULTS = {
+    f.name: f
+    for f in (
+        Fault("raise", (1, 1), "ValueError: cell fault at step 2", survivor_stacks=True),
+        Fault("exit", (1, 1), "exited with code 1", survivor_stacks=True),
+        Fault("sigkill", (137, 137), "SIGKILL", survivor_stacks=True),
+        Fault("hang", (1, 1), "cell.py:", launcher_args=("--hang-timeout", "4"), survivor_stacks=True),
+        Fault("healthy", (0, 0), steps=6, step_s=1.0, launcher_args=("--hang-timeout", "3")),
+        Fault("term1", (143, 143), "SIGTERM"),
+        Fault("kill0", (None, 1), "node 0", elastic_cause="root cause: node "),
+        Fault("kill1", (1, None), "node 1", survivor_stacks=True, elastic_cause="root cause: node "),
+        Fault("mismatch", (1, 1), "the nodes would run different things"),
+        Fault("nevercomes", (1, None), "joined", nodes=(0,), launcher_args=("--rdzv-timeout", "4")),
+        Fault("oom", (137, 137), "OOM killer", survivor_stacks=True),
+    )
+}
 
-FORBIDDEN = ("Exception raised from", "TCPStore.cpp", ".cpp:", "signal 47", "plain processes",
-             "could not fork")
+FORBIDDEN = (
+    "Exception raised from",
+    "TCPStore.cpp",
+    ".cpp:",
+    "signal 47",
+    "plain processes",
+    "could not fork",
+)
 """Never on a launcher's console: a C++ frame or torch store message, a rank ended by our own dump
 signal, a node that fell back from the template."""
 
@@ -85,6 +94,9 @@ def our_frames(console: str) -> list[str]:
     its log keep it). The user's frames are the point of a root cause, and a hang report shows where
     each rank waits (torch's collective included): those may appear."""
     bad = ("/multigpu/", "/torch/distributed/elastic/", "rendezvous", "TCPStore")
-    return [line for line in console.splitlines()
-            if (line.strip().startswith('File "') and any(b in line for b in bad))
-            or ("rank 0]" in line and "Traceback" in line)]
+    return [
+        line
+        for line in console.splitlines()
+        if (line.strip().startswith('File "') and any(b in line for b in bad))
+        or ("rank 0]" in line and "Traceback" in line)
+    ]

@@ -38,8 +38,14 @@ def cells() -> Iterator[object]:
             for numpy in ("no-numpy", "numpy"):
                 for fault in FAULTS:
                     marks = [] if (mode, load, numpy, fault) in SUITE else [pytest.mark.matrix]
-                    yield pytest.param(mode, load, numpy, fault, id=f"{mode}-{load}-{numpy}-{fault}",
-                                       marks=[pytest.mark.slow, pytest.mark.integration, *marks])
+                    yield pytest.param(
+                        mode,
+                        load,
+                        numpy,
+                        fault,
+                        id=f"{mode}-{load}-{numpy}-{fault}",
+                        marks=[pytest.mark.slow, pytest.mark.integration, *marks],
+                    )
 
 
 @contextlib.contextmanager
@@ -92,30 +98,58 @@ class Cell:
             # after any PYTHONPATH the tests run under (a checkout's src/): NumPy joins, nothing is replaced
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(site))))
         port = str(free_port())
-        self.layout = (["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                        "--rdzv-id", "matrix"] if mode == "elastic" else
-                       ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port])
+        self.layout = (
+            [
+                "--nnodes",
+                "2:2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "matrix",
+            ]
+            if mode == "elastic"
+            else ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+        )
         (tmp_path / "cell.py").write_text(JOB)
         (tmp_path / "other.py").write_text(JOB + "# another script\n")
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def argv(self, node: int) -> list[str]:
         script = "other.py" if self.fault.name == "mismatch" and node == 1 else "cell.py"
-        return [*MULTIGPU, "run", *self.layout, "--node-rank", str(node), "--nproc-per-node", "1",
-                "--grace-period", "1", "--output", str(self.tmp / f"out{node}"), *self.fault.launcher_args,
-                script, self.fault.name, str(self.fault.steps), str(self.fault.step_s)]
+        return [
+            *MULTIGPU,
+            "run",
+            *self.layout,
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--grace-period",
+            "1",
+            "--output",
+            str(self.tmp / f"out{node}"),
+            *self.fault.launcher_args,
+            script,
+            self.fault.name,
+            str(self.fault.steps),
+            str(self.fault.step_s),
+        ]
 
     def start(self, node: int, cgroup: Path | None = None) -> None:
         argv = self.argv(node)
         if cgroup is not None:  # the launcher and all it starts in the small memory cgroup
             argv = ["bash", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "bash", *argv]
         with open(self.tmp / f"out_{node}.txt", "wb") as out, open(self.tmp / f"err_{node}.txt", "wb") as err:
-            self.procs[node] = subprocess.Popen(argv, cwd=self.tmp, env=clean_env(self.env), stdout=out,
-                                                stderr=err, stdin=subprocess.DEVNULL)
+            self.procs[node] = subprocess.Popen(
+                argv, cwd=self.tmp, env=clean_env(self.env), stdout=out, stderr=err, stdin=subprocess.DEVNULL
+            )
 
     def console(self, node: int) -> str:
-        return "".join((self.tmp / f"{kind}_{node}.txt").read_text(errors="replace")
-                       for kind in ("out", "err"))
+        return "".join(
+            (self.tmp / f"{kind}_{node}.txt").read_text(errors="replace") for kind in ("out", "err")
+        )
 
     def wait(self) -> dict[int, int | None]:
         deadline = time.monotonic() + CELL_S
@@ -155,14 +189,18 @@ def check(cell: Cell, codes: dict[int, int | None]) -> None:
         if cause:
             verdict = [line for line in console.splitlines() if cause in line]
             assert verdict, f"node {node} never said {cause!r}:\n{console}"
-    roots = {node: [x for x in cell.console(node).splitlines() if x.startswith("root cause:")]
-             for node in fault.nodes if fault.codes[node] not in (None, 0)}
+    roots = {
+        node: [x for x in cell.console(node).splitlines() if x.startswith("root cause:")]
+        for node in fault.nodes
+        if fault.codes[node] not in (None, 0)
+    }
     firsts = {tuple(lines[:1]) for lines in roots.values() if lines}
     assert len(firsts) <= 1, f"the nodes disagree on the root cause: {roots}"
     if fault.survivor_stacks:  # its stacks as the verdict found it (in a collective, or on its way out)
         log = (cell.tmp / "out0" / "logs" / "attempt_0" / "rank_0.log").read_text(errors="replace")
-        assert "(most recent call first)" in log or 'cell.py", line' in log, \
+        assert "(most recent call first)" in log or 'cell.py", line' in log, (
             f"rank 0's stacks (or its own traceback) are not in its log:\n{log[-3000:]}"
+        )
 
 
 @pytest.mark.timeout(180)

@@ -17,20 +17,51 @@ from collections.abc import Mapping
 from package_map import MODULES, PACKAGE, imports_of
 
 README = PACKAGE.parent.parent / "README.md"
-LAYERS = ("contract", "rank", "config", "cluster", "console", "supervisor", "rendezvous", "template",
-          "record", "runner", "function", "cli")
+LAYERS = (
+    "contract",
+    "rank",
+    "config",
+    "cluster",
+    "console",
+    "supervisor",
+    "rendezvous",
+    "template",
+    "record",
+    "runner",
+    "function",
+    "cli",
+)
 """Lowest first: the order the README's map lists them in."""
 
-IN_A_RANK_OR_THE_TEMPLATE = ("multigpu.rank", "multigpu.template.child", "multigpu.template.server",
-                             "multigpu.template.__main__")
+IN_A_RANK_OR_THE_TEMPLATE = (
+    "multigpu.rank",
+    "multigpu.template.child",
+    "multigpu.template.server",
+    "multigpu.template.__main__",
+)
 """Code that runs inside a training process or the node's template process."""
-IN_THE_LAUNCHER = ("multigpu.console", "multigpu.supervisor", "multigpu.rendezvous.job",
-                   "multigpu.rendezvous.elastic", "multigpu.rendezvous.failure_sharing",
-                   "multigpu.rendezvous.latency", "multigpu.runner", "multigpu.record", "multigpu.cluster",
-                   "multigpu.config", "multigpu.template.client",
-                   "multigpu.template.process", "multigpu.cli.entry", "multigpu.cli.main",
-                   "multigpu.cli.options", "multigpu.cli.torchrun", "multigpu.cli.layout",
-                   "multigpu.cli.preemption_flags", "multigpu.cli.run_args", "multigpu.cli.run_parser")
+IN_THE_LAUNCHER = (
+    "multigpu.console",
+    "multigpu.supervisor",
+    "multigpu.rendezvous.job",
+    "multigpu.rendezvous.elastic",
+    "multigpu.rendezvous.failure_sharing",
+    "multigpu.rendezvous.latency",
+    "multigpu.runner",
+    "multigpu.record",
+    "multigpu.cluster",
+    "multigpu.config",
+    "multigpu.template.client",
+    "multigpu.template.process",
+    "multigpu.cli.entry",
+    "multigpu.cli.main",
+    "multigpu.cli.options",
+    "multigpu.cli.torchrun",
+    "multigpu.cli.layout",
+    "multigpu.cli.preemption_flags",
+    "multigpu.cli.run_args",
+    "multigpu.cli.run_parser",
+)
 """Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank
 as well). Shared by both sides, and so in neither list: ``contract``, the store (``rendezvous.store``),
 the template's channel (``template.wire``)."""
@@ -39,7 +70,8 @@ Graph = Mapping[str, set[str]]
 
 
 GRAPH: dict[str, set[str]] = {
-    name: imports_of(path.read_text(), name, path.name == "__init__.py") for name, path in MODULES.items()}
+    name: imports_of(path.read_text(), name, path.name == "__init__.py") for name, path in MODULES.items()
+}
 
 
 def layer(module: str) -> int:
@@ -52,13 +84,19 @@ def layer(module: str) -> int:
 
 
 def upward(graph: Graph) -> list[str]:
-    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                  if layer(d) > layer(m) and m != "multigpu")
+    return sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer(d) > layer(m) and m != "multigpu"
+    )
 
 
 def crossings(graph: Graph, sources: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
-    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(sources)
-                  for d in deps if d.startswith(targets))
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.startswith(sources)
+        for d in deps
+        if d.startswith(targets)
+    )
 
 
 def circle(graph: Graph) -> list[str] | None:
@@ -71,7 +109,7 @@ def circle(graph: Graph) -> list[str] | None:
         stack.append(module)
         for dep in sorted(graph.get(module, ())):
             if state.get(dep) == 1:
-                return [*stack[stack.index(dep):], dep]
+                return [*stack[stack.index(dep) :], dep]
             if dep not in state and (found := visit(dep)) is not None:
                 return found
         stack.pop()
@@ -114,28 +152,43 @@ def test_the_contract_uses_the_standard_library_only() -> None:
         if not name.startswith("multigpu.contract"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            roots = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             bad = [r for r in roots if r.split(".")[0] not in allowed]
             assert not bad, f"{name} imports {bad}"
 
 
 def test_the_checks_find_what_they_look_for() -> None:
     """The checks above can fail: planted violations in a small graph are each found."""
-    planted = imports_of("from multigpu.cli.main import main\nimport multigpu.runner.attempts\n",
-                         "multigpu.contract.planted")
+    planted = imports_of(
+        "from multigpu.cli.main import main\nimport multigpu.runner.attempts\n", "multigpu.contract.planted"
+    )
     assert planted == {"multigpu.cli.main", "multigpu.runner.attempts"}
-    graph = {"multigpu.contract.planted": planted, "multigpu.cli.main": set(),
-             "multigpu.runner.attempts": {"multigpu.runner.attempt"},
-             "multigpu.runner.attempt": {"multigpu.runner.attempts"},
-             "multigpu.rank.bootstrap": {"multigpu.supervisor.loop"}}
-    assert upward(graph) == ["multigpu.contract.planted -> multigpu.cli.main",
-                             "multigpu.contract.planted -> multigpu.runner.attempts",
-                             "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
-    assert circle(graph) == ["multigpu.runner.attempts", "multigpu.runner.attempt",
-                             "multigpu.runner.attempts"]
+    graph = {
+        "multigpu.contract.planted": planted,
+        "multigpu.cli.main": set(),
+        "multigpu.runner.attempts": {"multigpu.runner.attempt"},
+        "multigpu.runner.attempt": {"multigpu.runner.attempts"},
+        "multigpu.rank.bootstrap": {"multigpu.supervisor.loop"},
+    }
+    assert upward(graph) == [
+        "multigpu.contract.planted -> multigpu.cli.main",
+        "multigpu.contract.planted -> multigpu.runner.attempts",
+        "multigpu.rank.bootstrap -> multigpu.supervisor.loop",
+    ]
+    assert circle(graph) == [
+        "multigpu.runner.attempts",
+        "multigpu.runner.attempt",
+        "multigpu.runner.attempts",
+    ]
     assert crossings(graph, IN_A_RANK_OR_THE_TEMPLATE, IN_THE_LAUNCHER) == [
-        "multigpu.rank.bootstrap -> multigpu.supervisor.loop"]
+        "multigpu.rank.bootstrap -> multigpu.supervisor.loop"
+    ]
 
 
 def _readme_map() -> dict[str, str]:
@@ -163,5 +216,6 @@ def test_the_readme_map_names_every_folder_and_only_real_modules() -> None:
 def test_every_subpackage_says_where_it_runs() -> None:
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert len(doc) > 80 and re.search(r"\bruns? (in|inside)\b", doc, re.I), \
+        assert len(doc) > 80 and re.search(r"\bruns? (in|inside)\b", doc, re.I), (
             f"{init.parent.name}/__init__.py says in a paragraph which process it runs in"
+        )

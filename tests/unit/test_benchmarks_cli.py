@@ -34,8 +34,9 @@ def test_a_run_without_the_venv_is_one_line_naming_the_fix() -> None:
     assert ".venv/bin/pip install -e '.[dev]'" in line
 
 
-def test_quick_writes_to_a_scratch_folder_never_the_committed_results(monkeypatch: pytest.MonkeyPatch,
-                                                                      ) -> None:
+def test_quick_writes_to_a_scratch_folder_never_the_committed_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import run  # benchmarks/run.py
 

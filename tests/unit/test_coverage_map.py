@@ -34,7 +34,7 @@ NOT_IMPORTED = {
     "multigpu.cli.store_server": "`multigpu store` in integration/multinode/test_store_command.py",
     "multigpu.cli.torchrun": "through cli.run_args.parse_run_args in unit/cli/test_torchrun.py",
     "multigpu.function.launcher": "`python -m multigpu.function.launcher`: every launch in "
-                                  "integration/function/test_launch.py",
+    "integration/function/test_launch.py",
     "multigpu.function.prepare": "MultiGPUManager's setup in integration/function/ (real ranks)",
     "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
     "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
@@ -55,8 +55,12 @@ def imported_by(source: str) -> set[str]:
     """The package's modules ``source`` imports, and those its string literals import as Python."""
     found = imports_of(source, "tests")
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value \
-                and "multigpu" in node.value:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "import" in node.value
+            and "multigpu" in node.value
+        ):
             with contextlib.suppress(SyntaxError):
                 found |= imported_by(textwrap.dedent(node.value))
     return found
@@ -65,8 +69,11 @@ def imported_by(source: str) -> set[str]:
 def has_code(path: Path) -> bool:
     """More than a docstring (and ``from __future__``): a subpackage's ``__init__`` has nothing to test."""
     body = ast.parse(path.read_text()).body
-    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
-               and not (isinstance(n, ast.ImportFrom) and n.module == "__future__") for n in body)
+    return any(
+        not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+        and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+        for n in body
+    )
 
 
 @functools.cache
@@ -81,8 +88,10 @@ def imported_by_the_tests() -> frozenset[str]:
 def test_every_module_is_imported_by_a_test_or_says_why_not() -> None:
     imported = imported_by_the_tests()
     missing = sorted(m for m, p in MODULES.items() if has_code(p) and m not in imported | NOT_IMPORTED.keys())
-    assert not missing, ("no test imports these modules; add a unit test, or a line to NOT_IMPORTED "
-                         "naming the test that exercises it:\n" + "\n".join(missing))
+    assert not missing, (
+        "no test imports these modules; add a unit test, or a line to NOT_IMPORTED "
+        "naming the test that exercises it:\n" + "\n".join(missing)
+    )
 
 
 def test_every_entry_of_the_list_is_still_true() -> None:
@@ -90,8 +99,9 @@ def test_every_entry_of_the_list_is_still_true() -> None:
     stale = sorted(m for m in NOT_IMPORTED if m in imported or m not in MODULES)
     assert not stale, f"a test imports these now, or they are gone; remove them from NOT_IMPORTED: {stale}"
     assert all(why.strip() and "\n" not in why for why in NOT_IMPORTED.values())
-    named = {path for why in NOT_IMPORTED.values()
-             for path in re.findall(r"\b(?:unit|integration)/[\w/.]*", why)}
+    named = {
+        path for why in NOT_IMPORTED.values() for path in re.findall(r"\b(?:unit|integration)/[\w/.]*", why)
+    }
     gone = sorted(path for path in named if not (TESTS / path).exists())
     assert not gone, f"NOT_IMPORTED names tests that do not exist: {gone}"
 
@@ -106,6 +116,10 @@ def test_imports_are_found_in_code_and_in_a_childs_script() -> None:
         """
         NOT_PYTHON = "multigpu run --cpu 2 train.py"
     ''')
-    assert imported_by(source) == {"multigpu.rank.guard", "multigpu.cluster.devices",
-                                   "multigpu.supervisor.loop", "multigpu.template.wire"}
+    assert imported_by(source) == {
+        "multigpu.rank.guard",
+        "multigpu.cluster.devices",
+        "multigpu.supervisor.loop",
+        "multigpu.template.wire",
+    }
     assert not has_code(MODULES["multigpu.cli"]) and has_code(MODULES["multigpu"])

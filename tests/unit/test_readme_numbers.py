@@ -28,7 +28,7 @@ RESULT_LINK = re.compile(r"\]\(benchmarks/results/([\w.-]+\.md)\)")
 def quoted_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Why switch")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def results_files() -> dict[str, str]:
@@ -80,15 +80,17 @@ def missing(section: str, files: dict[str, str]) -> list[str]:
     out = []
     for claim, source in claims(section, files):
         rows = source.splitlines()
-        out += [f"{number}{unit}" for number, unit in FIGURE.findall(claim)
-                if not in_a_row(number, unit, rows)]
+        out += [
+            f"{number}{unit}" for number, unit in FIGURE.findall(claim) if not in_a_row(number, unit, rows)
+        ]
     return sorted(out)
 
 
 def test_the_readme_quotes_figures() -> None:
     assert len(figures(quoted_section())) >= 10, "the README's measured section lost its figures"
-    assert sum(1 for _, source in claims(quoted_section(), results_files())
-               if source.startswith("## ")) >= 4, "the README's rows lost their [N] section references"
+    assert (
+        sum(1 for _, source in claims(quoted_section(), results_files()) if source.startswith("## ")) >= 4
+    ), "the README's rows lost their [N] section references"
 
 
 def test_every_figure_the_readme_quotes_is_in_its_own_row_of_the_results() -> None:

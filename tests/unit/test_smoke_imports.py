@@ -15,9 +15,11 @@ def test_import_multigpu_does_not_import_torch() -> None:
 def test_import_multigpu_hides_torchs_numpy_warning_and_only_it() -> None:
     """Every process of a run (launcher, template, ranks) imports multigpu before torch: the filter
     there is what keeps torch's "Failed to initialize NumPy" off every first screen."""
-    code = ("import multigpu, warnings\n"
-            "warnings.warn(\"Failed to initialize NumPy: No module named 'numpy' (Triggered internally)\")\n"
-            "warnings.warn('Failed to initialize NumPy: _ARRAY_API not found')\n")
+    code = (
+        "import multigpu, warnings\n"
+        "warnings.warn(\"Failed to initialize NumPy: No module named 'numpy' (Triggered internally)\")\n"
+        "warnings.warn('Failed to initialize NumPy: _ARRAY_API not found')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert "No module named" not in out.stderr and "_ARRAY_API not found" in out.stderr, out.stderr
 

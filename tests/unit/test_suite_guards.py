@@ -32,8 +32,9 @@ def test_other_json_under_a_record_name_is_not_checked(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("ci", "fails"), [("", False), ("false", False), ("true", True), ("1", True)])
-def test_a_tier_that_cannot_run_skips_locally_and_fails_in_ci(monkeypatch: pytest.MonkeyPatch, ci: str,
-                                                              fails: bool) -> None:
+def test_a_tier_that_cannot_run_skips_locally_and_fails_in_ci(
+    monkeypatch: pytest.MonkeyPatch, ci: str, fails: bool
+) -> None:
     monkeypatch.setenv("CI", ci)
     assert in_ci() is fails
     outcome = pytest.fail.Exception if fails else pytest.skip.Exception

@@ -77,16 +77,31 @@ def run_line(args: argparse.Namespace, run_id: str) -> list[str]:
     """The ``multigpu run`` arguments the demo runs: its devices, its output, this module as the target."""
     where = ["--output", args.output] if args.output else []
     rdzv = ["--rdzv-endpoint", args.rdzv_endpoint] if args.rdzv_endpoint else []
-    return [*_device_options(args), "--run-id", run_id, *where, *rdzv, "-m", "multigpu.cli.demo",
-            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr)]
+    return [
+        *_device_options(args),
+        "--run-id",
+        run_id,
+        *where,
+        *rdzv,
+        "-m",
+        "multigpu.cli.demo",
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--lr",
+        str(args.lr),
+    ]
 
 
 def where_and_next(args: argparse.Namespace, run_id: str) -> None:
     """The demo's last lines, in the launcher after the run: where its output is, what to try next."""
     out = Path(args.output or Path("multigpu_runs") / run_id).resolve()
     if (out / "run.json").exists():
-        show(f"demo: logs in {out / 'logs'}, the run record in {out / 'run.json'}",
-             f"next: your own script on 2 CPU workers, the same way: {NEXT}")
+        show(
+            f"demo: logs in {out / 'logs'}, the run record in {out / 'run.json'}",
+            f"next: your own script on 2 CPU workers, the same way: {NEXT}",
+        )
 
 
 def rank_main(argv: Sequence[str] | None = None) -> int:
@@ -116,8 +131,12 @@ def _progress(total: int, enabled: bool) -> Any:
         return None
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+    return Progress(
+        TextColumn("step {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+    )
 
 
 def train(args: argparse.Namespace, device: str) -> dict[str, Any]:
@@ -129,25 +148,34 @@ def train(args: argparse.Namespace, device: str) -> dict[str, Any]:
     world = dist.get_world_size() if distributed else 1
     dev, dataset, sampler, loader, model = _setup(args, device, distributed, rank, world)
     if rank == 0:
-        show(f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
-             f"batch {args.batch_size} per rank")
+        show(
+            f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
+            f"batch {args.batch_size} per rank"
+        )
     step, samples, elapsed, first_loss, loss_value = _loop(args, model, sampler, loader, dev, rank, world)
     accuracy = evaluate(model, dataset, dev, rank, world)
     device_index = dev.index if dev.type == "cuda" else -1
     summaries = gather_summaries(
-        [rank, os.getpid(), device_index, step, samples, elapsed, first_loss, loss_value], dev, world)
+        [rank, os.getpid(), device_index, step, samples, elapsed, first_loss, loss_value], dev, world
+    )
     if rank == 0:
         total = sum(s["samples"] for s in summaries)
-        show(f"done: loss {first_loss:.4f} -> {loss_value:.4f}, accuracy {accuracy:.1%}, "
-             f"{total / elapsed:,.0f} samples/s over {world} rank(s) in {elapsed:.1f}s",
-             "rank  pid      device  steps  samples  seconds  first loss  final loss",
-             *(f"{s['rank']:>4}  {s['pid']:<7}  {s['device']:<6}  {s['steps']:>5}  {s['samples']:>7}  "
-               f"{s['seconds']:>7}  {s['first_loss']:>10.4f}  {s['final_loss']:>10.4f}" for s in summaries))
+        show(
+            f"done: loss {first_loss:.4f} -> {loss_value:.4f}, accuracy {accuracy:.1%}, "
+            f"{total / elapsed:,.0f} samples/s over {world} rank(s) in {elapsed:.1f}s",
+            "rank  pid      device  steps  samples  seconds  first loss  final loss",
+            *(
+                f"{s['rank']:>4}  {s['pid']:<7}  {s['device']:<6}  {s['steps']:>5}  {s['samples']:>7}  "
+                f"{s['seconds']:>7}  {s['first_loss']:>10.4f}  {s['final_loss']:>10.4f}"
+                for s in summaries
+            ),
+        )
     return {"accuracy": accuracy, "summaries": summaries}
 
 
-def _setup(args: argparse.Namespace, device: str, distributed: bool, rank: int,
-           world: int) -> tuple[Any, Any, Any, Any, Any]:
+def _setup(
+    args: argparse.Namespace, device: str, distributed: bool, rank: int, world: int
+) -> tuple[Any, Any, Any, Any, Any]:
     """(device, dataset, sampler, loader, model): the same on every rank, sharded by the sampler."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -158,15 +186,17 @@ def _setup(args: argparse.Namespace, device: str, distributed: bool, rank: int,
     dataset = make_dataset()
     sampler: Any = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    model: Any = torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(),
-                                     torch.nn.Linear(64, CLASSES)).to(dev)
+    model: Any = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES)
+    ).to(dev)
     if distributed:
         model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     return dev, dataset, sampler, loader, model
 
 
-def _loop(args: argparse.Namespace, model: Any, sampler: Any, loader: Any, dev: Any, rank: int,
-          world: int) -> tuple[int, int, float, float, float]:
+def _loop(
+    args: argparse.Namespace, model: Any, sampler: Any, loader: Any, dev: Any, rank: int, world: int
+) -> tuple[int, int, float, float, float]:
     """``args.steps`` SGD steps; (steps, samples, seconds, first loss, last loss)."""
     import torch
 

@@ -53,8 +53,10 @@ def check_layout(base_rank: int, local: int, world_size: int) -> None:
     if world_size < local:
         raise UsageError(f"--world-size {world_size} is smaller than this node's {local} worker(s)")
     if base_rank + local > world_size:
-        raise UsageError(f"ranks {base_rank}..{base_rank + local - 1} do not fit in --world-size "
-                         f"{world_size}; lower --base-rank or raise --world-size")
+        raise UsageError(
+            f"ranks {base_rank}..{base_rank + local - 1} do not fit in --world-size "
+            f"{world_size}; lower --base-rank or raise --world-size"
+        )
 
 
 def _elastic_layout(config: RunConfig, values: LayoutOptions) -> RunConfig | None:
@@ -68,14 +70,17 @@ def _elastic_layout(config: RunConfig, values: LayoutOptions) -> RunConfig | Non
     if max_nodes == 1:
         return None
     if values.base_rank or values.world_size:
-        raise UsageError("--base-rank/--world-size do not apply with --rdzv-backend c10d: the rendezvous "
-                         "assigns ranks")
+        raise UsageError(
+            "--base-rank/--world-size do not apply with --rdzv-backend c10d: the rendezvous assigns ranks"
+        )
     endpoint = config.rdzv.endpoint
     if endpoint is None or endpoint.port == 0:
-        raise UsageError("--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT with a "
-                         "fixed port")
-    return dataclasses.replace(config, rdzv=dataclasses.replace(config.rdzv, min_nodes=min_nodes,
-                                                                max_nodes=max_nodes))
+        raise UsageError(
+            "--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT with a fixed port"
+        )
+    return dataclasses.replace(
+        config, rdzv=dataclasses.replace(config.rdzv, min_nodes=min_nodes, max_nodes=max_nodes)
+    )
 
 
 def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str]) -> RunConfig:
@@ -105,23 +110,34 @@ def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str
             raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
         derived_base, derived_world = node_rank * config.nproc, nnodes * config.nproc
         if base_rank is not None and base_rank != derived_base:
-            raise UsageError(f"--base-rank {base_rank} disagrees with --node-rank {node_rank} "
-                             f"x {config.nproc} workers = {derived_base}")
+            raise UsageError(
+                f"--base-rank {base_rank} disagrees with --node-rank {node_rank} "
+                f"x {config.nproc} workers = {derived_base}"
+            )
         if world_size is not None and world_size != derived_world:
-            raise UsageError(f"--world-size {world_size} disagrees with --nnodes {nnodes} "
-                             f"x {config.nproc} workers = {derived_world}")
+            raise UsageError(
+                f"--world-size {world_size} disagrees with --nnodes {nnodes} "
+                f"x {config.nproc} workers = {derived_world}"
+            )
         base_rank, world_size = derived_base, derived_world
     base_rank = base_rank or 0
     world_size = world_size if world_size is not None else base_rank + config.nproc
     check_layout(base_rank, config.nproc, world_size)
     if world_size > config.nproc:
         if endpoint is None:
-            raise UsageError("a multi-node job needs --rdzv-endpoint HOST:PORT (the base-rank-0 node's "
-                             "address)")
+            raise UsageError(
+                "a multi-node job needs --rdzv-endpoint HOST:PORT (the base-rank-0 node's address)"
+            )
         if endpoint.port == 0:
             raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
     elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
         raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
-    return dataclasses.replace(config, base_rank=base_rank, world_size=world_size, nnodes=nnodes,
-                               node_rank=node_rank, rdzv=dataclasses.replace(config.rdzv, endpoint=endpoint),
-                               output=dataclasses.replace(config.output, run_id=run_id))
+    return dataclasses.replace(
+        config,
+        base_rank=base_rank,
+        world_size=world_size,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv=dataclasses.replace(config.rdzv, endpoint=endpoint),
+        output=dataclasses.replace(config.output, run_id=run_id),
+    )

@@ -26,8 +26,10 @@ from multigpu.contract.exitcodes import EXIT_USAGE
 
 def cmd_run(argv: Sequence[str]) -> int:
     if inside_launched_worker():
-        raise UsageError("already inside a multigpu or torchrun worker (TORCHELASTIC_RUN_ID is set); "
-                         "run the script directly instead of launching a nested group")
+        raise UsageError(
+            "already inside a multigpu or torchrun worker (TORCHELASTIC_RUN_ID is set); "
+            "run the script directly instead of launching a nested group"
+        )
     config, note = parse_run_args(argv)
     if note:
         print(f"multigpu: {note}", file=sys.stderr, flush=True)
@@ -44,8 +46,11 @@ def cmd_devices(argv: Sequence[str]) -> int:
         print("No GPU is visible. Run CPU workers instead: multigpu run --cpu N SCRIPT")
         return 0
     for g in gpus:
-        mem = (f"{g.memory_used_mib} / {g.memory_total_mib} MiB" if g.memory_total_mib is not None
-               else "memory unknown (install nvidia-ml-py)")
+        mem = (
+            f"{g.memory_used_mib} / {g.memory_total_mib} MiB"
+            if g.memory_total_mib is not None
+            else "memory unknown (install nvidia-ml-py)"
+        )
         print(f"{g.index}: {g.name}  {mem}  ({g.uuid or 'device ' + g.ordinal})")
     return 0
 
@@ -86,8 +91,15 @@ def cmd_store(argv: Sequence[str]) -> int:
     return store(argv)
 
 
-COMMANDS = {"run": cmd_run, "demo": cmd_demo, "devices": cmd_devices, "report": cmd_report,
-            "stacks": cmd_stacks, "status": cmd_status, "store": cmd_store}
+COMMANDS = {
+    "run": cmd_run,
+    "demo": cmd_demo,
+    "devices": cmd_devices,
+    "report": cmd_report,
+    "stacks": cmd_stacks,
+    "status": cmd_status,
+    "store": cmd_store,
+}
 
 HELP = f"""usage: multigpu [--version] COMMAND [ARGS...]
 

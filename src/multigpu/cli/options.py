@@ -43,8 +43,14 @@ class Option:
         return (*names, "PET_" + self.dest.upper()) if self.torchrun and self.pet else names
 
 
-def _text(flags: tuple[str, ...], metavar: str, help: str, torchrun: bool = False, pet: bool = True,
-          choices: tuple[str, ...] | None = None) -> Any:
+def _text(
+    flags: tuple[str, ...],
+    metavar: str,
+    help: str,
+    torchrun: bool = False,
+    pet: bool = True,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     """A ``RunOptions`` field for an option that takes a value: ``str | None``, None when not given."""
     return field(default=None, metadata={OPTION: Option(flags, metavar, help, torchrun, pet, choices)})
 
@@ -72,151 +78,268 @@ class RunOptions:
     """
 
     gpus: str | None = _text(
-        ("--gpus",), "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)")
+        ("--gpus",), "SPEC", "visible GPU indices, e.g. 0,1, or 'all' (default: every visible GPU)"
+    )
     cpu: str | None = _text(("--cpu",), "N", "run N CPU workers (gloo) instead of GPUs")
     output: str | None = _text(("--output",), "DIR", "run directory (default: ./multigpu_runs/<run id>)")
     run_id: str | None = _text(
-        ("--run-id",), "ID", "job id shared by every node (default: generated, or SLURM_JOB_ID); same as "
-        "--rdzv-id")
+        ("--run-id",),
+        "ID",
+        "job id shared by every node (default: generated, or SLURM_JOB_ID); same as --rdzv-id",
+    )
     log_ranks: str | None = _text(
-        ("--log-ranks",), "LIST", "global ranks shown on the console, e.g. 0,2 (log files keep every rank); "
-        "--local-ranks-filter names local ranks")
+        ("--log-ranks",),
+        "LIST",
+        "global ranks shown on the console, e.g. 0,2 (log files keep every rank); "
+        "--local-ranks-filter names local ranks",
+    )
     rdzv_timeout: str | None = _text(
-        ("--rdzv-timeout",), "S", "seconds to wait for peer nodes (default {rdzv_timeout}); also --rdzv-conf "
-        "join_timeout=S")
+        ("--rdzv-timeout",),
+        "S",
+        "seconds to wait for peer nodes (default {rdzv_timeout}); also --rdzv-conf join_timeout=S",
+    )
     base_rank: str | None = _text(
-        ("--base-rank",), "R", "global rank of this node's first worker (multi-node)")
+        ("--base-rank",), "R", "global rank of this node's first worker (multi-node)"
+    )
     world_size: str | None = _text(("--world-size",), "W", "total workers over all nodes (multi-node)")
     allow_mismatch: bool | None = _flag(
-        ("--allow-mismatch",), "run a multi-node job even when its nodes would run a different script, "
-        "arguments, torch, multigpu or device kind (a warning instead of refusing it)")
+        ("--allow-mismatch",),
+        "run a multi-node job even when its nodes would run a different script, "
+        "arguments, torch, multigpu or device kind (a warning instead of refusing it)",
+    )
     grace_period: str | None = _text(
-        ("--grace-period",), "S", "seconds between SIGTERM and SIGKILL at teardown (default {grace_period}); "
-        "same as --shutdown-timeout")
+        ("--grace-period",),
+        "S",
+        "seconds between SIGTERM and SIGKILL at teardown (default {grace_period}); "
+        "same as --shutdown-timeout",
+    )
     hang_timeout: str | None = _text(
-        ("--hang-timeout",), "S", "stop the run, with stack dumps, after S seconds without progress; for "
-        "ranks that report steps, the ceiling of a timeout learned from their step times")
+        ("--hang-timeout",),
+        "S",
+        "stop the run, with stack dumps, after S seconds without progress; for "
+        "ranks that report steps, the ceiling of a timeout learned from their step times",
+    )
     hang_factor: str | None = _text(
-        ("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default "
-        "{hang_factor})")
+        ("--hang-factor",), "F", "learned hang timeout: F x the slowest step interval (default {hang_factor})"
+    )
     hang_floor: str | None = _text(
-        ("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})")
+        ("--hang-floor",), "S", "learned hang timeouts are at least S seconds (default {hang_floor})"
+    )
     straggler_threshold: str | None = _text(
-        ("--straggler-threshold",), "F", "name a rank that enters collectives after this node's other "
+        ("--straggler-threshold",),
+        "F",
+        "name a rank that enters collectives after this node's other "
         "ranks by more than F of their step (default {straggler_threshold}: the job runs 20% slower for "
-        "it); 0: no straggler detection")
+        "it); 0: no straggler detection",
+    )
     debug_server: str | None = _text(
-        ("--debug-server",), "[HOST:]PORT", "serve torch's debug server (every rank's stacks, flight record, "
+        ("--debug-server",),
+        "[HOST:]PORT",
+        "serve torch's debug server (every rank's stacks, flight record, "
         "store) on PORT of rank 0's node, on loopback unless HOST is given (0.0.0.0: every interface, for "
-        "several nodes); needs pip install 'multigpu[debug]'")
+        "several nodes); needs pip install 'multigpu[debug]'",
+    )
     status: str | None = _text(
-        ("--status",), "MODE", "live status view: auto (on a terminal), on, off",
-        choices=("auto", "on", "off"))
+        ("--status",),
+        "MODE",
+        "live status view: auto (on a terminal), on, off",
+        choices=("auto", "on", "off"),
+    )
     # -- preemption and requeue
     preempt_signal: str | None = _text(
-        ("--preempt-signal",), "SIGS", "signal(s) that warn of a preemption or the time limit, e.g. USR1 "
+        ("--preempt-signal",),
+        "SIGS",
+        "signal(s) that warn of a preemption or the time limit, e.g. USR1 "
         "(#SBATCH --signal=USR1@90), or none; ranks see multigpu.preempted() (default under SLURM: "
-        "USR1,USR2)")
+        "USR1,USR2)",
+    )
     preempt_grace: str | None = _text(
-        ("--preempt-grace",), "S", "stop the ranks S seconds after the warning if they still run (default: "
-        "wait for them, or for SLURM's SIGTERM)")
+        ("--preempt-grace",),
+        "S",
+        "stop the ranks S seconds after the warning if they still run (default: "
+        "wait for them, or for SLURM's SIGTERM)",
+    )
     requeue: bool | None = _flag(
-        ("--requeue",), "after a warning, once the ranks exit, 'scontrol requeue' the job and exit 75 "
-        "(default under SLURM with a warning signal)")
+        ("--requeue",),
+        "after a warning, once the ranks exit, 'scontrol requeue' the job and exit 75 "
+        "(default under SLURM with a warning signal)",
+    )
     no_requeue: bool | None = _flag(("--no-requeue",), "never requeue; a warned run still exits 75")
     # -- warm worker template
     no_template: bool | None = _flag(
-        ("--no-template",), "start every rank as a fresh Python process instead of forking it from the "
-        "node's template (which imports torch once per node)")
+        ("--no-template",),
+        "start every rank as a fresh Python process instead of forking it from the "
+        "node's template (which imports torch once per node)",
+    )
     preload: str | None = _text(
-        ("--preload",), "MODULES", "modules the template imports besides torch, comma separated")
+        ("--preload",), "MODULES", "modules the template imports besides torch, comma separated"
+    )
     # -- torchrun's
     nnodes: str | None = _text(
-        ("--nnodes",), "N|MIN:MAX", "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d)",
-        torchrun=True)
+        ("--nnodes",),
+        "N|MIN:MAX",
+        "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d)",
+        torchrun=True,
+    )
     nproc_per_node: str | None = _text(
-        _both("nproc-per-node"), "N|auto|gpu|cpu", "workers per node: N (N GPUs when GPUs are visible, else "
+        _both("nproc-per-node"),
+        "N|auto|gpu|cpu",
+        "workers per node: N (N GPUs when GPUs are visible, else "
         "N CPU workers), gpu (every visible GPU), cpu (one CPU worker per usable core), auto (gpu if any, "
         "else cpu); default: 1 on a line with torchrun-only options, as torchrun, else every visible GPU",
-        torchrun=True)
+        torchrun=True,
+    )
     rdzv_backend: str | None = _text(
-        _both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused", torchrun=True)
+        _both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused", torchrun=True
+    )
     rdzv_endpoint: str | None = _text(
-        _both("rdzv-endpoint"), "HOST:PORT", "where the nodes meet (default: 127.0.0.1, a free port, on one "
-        "node; --master-addr:--master-port for static)", torchrun=True)
+        _both("rdzv-endpoint"),
+        "HOST:PORT",
+        "where the nodes meet (default: 127.0.0.1, a free port, on one "
+        "node; --master-addr:--master-port for static)",
+        torchrun=True,
+    )
     rdzv_id: str | None = _text(_both("rdzv-id"), "ID", "same as --run-id", torchrun=True)
     rdzv_conf: str | None = _text(
-        _both("rdzv-conf"), "K=V,...", "rendezvous settings: join_timeout (as --rdzv-timeout), read_timeout, "
-        "last_call_timeout, close_timeout, is_host, ...", torchrun=True)
+        _both("rdzv-conf"),
+        "K=V,...",
+        "rendezvous settings: join_timeout (as --rdzv-timeout), read_timeout, "
+        "last_call_timeout, close_timeout, is_host, ...",
+        torchrun=True,
+    )
     standalone: bool | None = _flag(
-        ("--standalone",), "one node on a free local port; --rdzv-backend/-endpoint/-id are ignored, as "
-        "under torchrun", torchrun=True)
+        ("--standalone",),
+        "one node on a free local port; --rdzv-backend/-endpoint/-id are ignored, as under torchrun",
+        torchrun=True,
+    )
     max_restarts: str | None = _text(
-        _both("max-restarts"), "K", "restart the whole group up to K times after a failure (default "
-        "{max_restarts})", torchrun=True)
+        _both("max-restarts"),
+        "K",
+        "restart the whole group up to K times after a failure (default {max_restarts})",
+        torchrun=True,
+    )
     monitor_interval: str | None = _text(
-        _both("monitor-interval"), "S", NO_EFFECT + "a worker's exit is seen at once (process descriptors), "
-        "nothing is polled", torchrun=True)
+        _both("monitor-interval"),
+        "S",
+        NO_EFFECT + "a worker's exit is seen at once (process descriptors), nothing is polled",
+        torchrun=True,
+    )
     start_method: str | None = _text(
-        _both("start-method"), "METHOD", NO_EFFECT + "torchrun uses it only for function entry points; a "
+        _both("start-method"),
+        "METHOD",
+        NO_EFFECT + "torchrun uses it only for function entry points; a "
         "script always starts as a fresh process, here too",
-        torchrun=True, choices=("spawn", "fork", "forkserver"))
+        torchrun=True,
+        choices=("spawn", "fork", "forkserver"),
+    )
     event_log_handler: str | None = _text(
-        _both("event-log-handler"), "NAME", NO_EFFECT + "the run's events (attempts, failures, root cause) "
-        "are written to run.json", torchrun=True)
+        _both("event-log-handler"),
+        "NAME",
+        NO_EFFECT + "the run's events (attempts, failures, root cause) are written to run.json",
+        torchrun=True,
+    )
     role: str | None = _text(("--role",), "NAME", "the workers' ROLE_NAME (default {role})", torchrun=True)
     module: bool | None = _flag(
-        ("-m", "--module"), "SCRIPT is a module, run as with python -m", torchrun=True)
+        ("-m", "--module"), "SCRIPT is a module, run as with python -m", torchrun=True
+    )
     no_python: bool | None = _flag(
-        _both("no-python"), "SCRIPT is a program to execute directly, not a Python script", torchrun=True)
+        _both("no-python"), "SCRIPT is a program to execute directly, not a Python script", torchrun=True
+    )
     run_path: bool | None = _flag(
-        _both("run-path"), "run SCRIPT with runpy.run_path (what multigpu always does for a script); beats "
-        "--no-python", torchrun=True)
+        _both("run-path"),
+        "run SCRIPT with runpy.run_path (what multigpu always does for a script); beats --no-python",
+        torchrun=True,
+    )
     log_dir: str | None = _text(
-        _both("log-dir"), "DIR", "also write torchrun's files: DIR/<run id>_<random>/attempt_<k>/<local "
-        "rank>/{{stdout,stderr}}.log, error.json (per-rank logs in --output stay)", torchrun=True)
+        _both("log-dir"),
+        "DIR",
+        "also write torchrun's files: DIR/<run id>_<random>/attempt_<k>/<local "
+        "rank>/{{stdout,stderr}}.log, error.json (per-rank logs in --output stay)",
+        torchrun=True,
+    )
     redirects: str | None = _text(
-        ("-r", "--redirects"), "STD", "streams written to --log-dir files and not shown: 0 none, 1 stdout, 2 "
-        "stderr, 3 both, or per local rank 0:1,1:2", torchrun=True)
+        ("-r", "--redirects"),
+        "STD",
+        "streams written to --log-dir files and not shown: 0 none, 1 stdout, 2 "
+        "stderr, 3 both, or per local rank 0:1,1:2",
+        torchrun=True,
+    )
     tee: str | None = _text(
-        ("-t", "--tee"), "STD", "streams written to --log-dir files and also shown (as --redirects)",
-        torchrun=True)
+        ("-t", "--tee"),
+        "STD",
+        "streams written to --log-dir files and also shown (as --redirects)",
+        torchrun=True,
+    )
     local_ranks_filter: str | None = _text(
-        _both("local-ranks-filter"), "LIST", "local ranks shown on the console (files keep every rank); see "
-        "--log-ranks", torchrun=True)
+        _both("local-ranks-filter"),
+        "LIST",
+        "local ranks shown on the console (files keep every rank); see --log-ranks",
+        torchrun=True,
+    )
     duplicate_stdout_filters: str | None = _text(
-        _both("duplicate-stdout-filters"), "WORDS", "copy stdout lines holding any of these words (comma "
-        "separated, ',,' for a comma) to attempt_<k>/filtered_stdout.log in --log-dir", torchrun=True)
+        _both("duplicate-stdout-filters"),
+        "WORDS",
+        "copy stdout lines holding any of these words (comma "
+        "separated, ',,' for a comma) to attempt_<k>/filtered_stdout.log in --log-dir",
+        torchrun=True,
+    )
     duplicate_stderr_filters: str | None = _text(
-        _both("duplicate-stderr-filters"), "WORDS", "the same for stderr (filtered_stderr.log)",
-        torchrun=True)
+        _both("duplicate-stderr-filters"), "WORDS", "the same for stderr (filtered_stderr.log)", torchrun=True
+    )
     node_rank: str | None = _text(
-        _both("node-rank"), "I", "this node's index for a static rendezvous, with --nnodes", torchrun=True)
+        _both("node-rank"), "I", "this node's index for a static rendezvous, with --nnodes", torchrun=True
+    )
     master_addr: str | None = _text(
-        _both("master-addr"), "HOST", "static rendezvous host (rank 0's node); with --master-port it is "
-        "--rdzv-endpoint HOST:PORT", torchrun=True)
+        _both("master-addr"),
+        "HOST",
+        "static rendezvous host (rank 0's node); with --master-port it is --rdzv-endpoint HOST:PORT",
+        torchrun=True,
+    )
     master_port: str | None = _text(
-        _both("master-port"), "PORT", f"static rendezvous port (default {TORCHRUN_MASTER_PORT} on several "
-        "nodes; one node without it gets a free port)", torchrun=True)
+        _both("master-port"),
+        "PORT",
+        f"static rendezvous port (default {TORCHRUN_MASTER_PORT} on several "
+        "nodes; one node without it gets a free port)",
+        torchrun=True,
+    )
     local_addr: str | None = _text(
-        _both("local-addr"), "HOST", "the address this node announces in a c10d rendezvous (unused by "
-        "static, as under torchrun)", torchrun=True)
+        _both("local-addr"),
+        "HOST",
+        "the address this node announces in a c10d rendezvous (unused by static, as under torchrun)",
+        torchrun=True,
+    )
     logs_specs: str | None = _text(
-        _both("logs-specs"), "NAME", "an installed torchrun.logs_specs entry point that decides where the "
-        "-r/-t files and error files go", torchrun=True, pet=False)
+        _both("logs-specs"),
+        "NAME",
+        "an installed torchrun.logs_specs entry point that decides where the -r/-t files and error files go",
+        torchrun=True,
+        pet=False,
+    )
     numa_binding: str | None = _text(
-        _both("numa-binding"), "MODE", "bind each rank to the CPUs (and memory) of its GPU's NUMA node (CPU "
+        _both("numa-binding"),
+        "MODE",
+        "bind each rank to the CPUs (and memory) of its GPU's NUMA node (CPU "
         "workers: an equal share of the usable cores)",
-        torchrun=True, pet=False, choices=("node", "socket", "exclusive", "core-complex"))
+        torchrun=True,
+        pet=False,
+        choices=("node", "socket", "exclusive", "core-complex"),
+    )
     signals_to_handle: str | None = _text(
-        _both("signals-to-handle"), "SIGS", "the workers' TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun "
+        _both("signals-to-handle"),
+        "SIGS",
+        "the workers' TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun "
         "(names are checked); multigpu itself always passes SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 on "
-        "to every rank's process group", torchrun=True)
+        "to every rank's process group",
+        torchrun=True,
+    )
     shutdown_timeout: str | None = _text(
-        _both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True)
+        _both("shutdown-timeout"), "S", "same as --grace-period", torchrun=True
+    )
     virtual_local_rank: bool | None = _flag(
-        _both("virtual-local-rank"), "LOCAL_RANK=0 in every worker; each GPU worker sees only its own GPU, "
-        "as device 0", torchrun=True)
+        _both("virtual-local-rank"),
+        "LOCAL_RANK=0 in every worker; each GPU worker sees only its own GPU, as device 0",
+        torchrun=True,
+    )
 
 
 ALL = tuple(dataclasses.replace(f.metadata[OPTION], dest=f.name) for f in dataclasses.fields(RunOptions))
@@ -264,9 +387,9 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     while i < len(argv):
         token = argv[i]
         if token == "--":
-            return ours, list(argv[i + 1:])
+            return ours, list(argv[i + 1 :])
         if token.startswith("-m") and len(token) > 2 and not token.startswith("--"):
-            return [*ours, "-m"], [token[2:], *argv[i + 1:]]
+            return [*ours, "-m"], [token[2:], *argv[i + 1 :]]
         if not token.startswith("-") or token == "-":
             return ours, list(argv[i:])
         token = expand_abbreviation(token)
@@ -297,8 +420,9 @@ def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> RunOptions:
         for index, name in zip((1, 2), opt.env_names(), strict=False):
             raw = env.get(name)
             if raw:  # an empty variable counts as unset
-                levels[index][opt.dest] = ("1" if flag_value(raw, name) else "0") if not opt.takes_value \
-                    else raw
+                levels[index][opt.dest] = (
+                    ("1" if flag_value(raw, name) else "0") if not opt.takes_value else raw
+                )
     texts: dict[str, str | None] = {}
     for opt in ALL:
         texts[opt.dest] = next((lv[opt.dest] for lv in levels if opt.dest in lv), None)
@@ -306,8 +430,10 @@ def resolve(given: Mapping[str, object], env: Mapping[str, str]) -> RunOptions:
         level = next((lv for lv in levels if ours in lv or theirs in lv), {})
         a, b = level.get(ours), level.get(theirs)
         if a is not None and b is not None and a != b:
-            raise UsageError(f"--{ours.replace('_', '-')} {a} and --{theirs.replace('_', '-')} {b} "
-                             "disagree; they are the same setting, give one")
+            raise UsageError(
+                f"--{ours.replace('_', '-')} {a} and --{theirs.replace('_', '-')} {b} "
+                "disagree; they are the same setting, give one"
+            )
         texts[ours] = texts[theirs] = a if a is not None else b
     return RunOptions(**{opt.dest: _typed(opt, texts[opt.dest]) for opt in ALL})
 
@@ -325,8 +451,9 @@ def is_torchrun_line(values: RunOptions) -> bool:
     """Whether the options (command line or ``PET_``/``MULTIGPU_`` variables) use one only torchrun has;
     such a line gets torchrun's defaults where ours differ (one worker per node). A flag set to 0, or a
     value of "0", does not count."""
-    return any(getattr(values, opt.dest) not in (None, False, "0") for opt in TORCHRUN
-               if opt.dest not in SHARED)
+    return any(
+        getattr(values, opt.dest) not in (None, False, "0") for opt in TORCHRUN if opt.dest not in SHARED
+    )
 
 
 @dataclass(frozen=True)
@@ -349,8 +476,9 @@ def device_choice(given: Mapping[str, object], env: Mapping[str, str]) -> Device
     ]
     for prefix, found in sources:
         if len(found) > 1:
-            names = " and ".join(f"{prefix}{k.upper()}" if prefix else "--" + k.replace("_", "-")
-                                 for k in found)
+            names = " and ".join(
+                f"{prefix}{k.upper()}" if prefix else "--" + k.replace("_", "-") for k in found
+            )
             raise UsageError(f"give one of --gpus, --cpu, --nproc-per-node, not {names}")
         if found:
             return DeviceChoice(**found)

@@ -24,13 +24,14 @@ def _signal_names(text: str) -> tuple[str, ...]:
     bad = [n for n in numbers if n not in WARNING_SIGNALS]
     if bad or not numbers:
         what = signal.Signals(bad[0]).name if bad else repr(text)
-        raise UsageError(f"--preempt-signal: {what} cannot be a warning (INT, TERM and QUIT stop the run); "
-                         "use USR1, USR2 or HUP, or none")
+        raise UsageError(
+            f"--preempt-signal: {what} cannot be a warning (INT, TERM and QUIT stop the run); "
+            "use USR1, USR2 or HUP, or none"
+        )
     return signal_names(numbers)
 
 
-def apply_preemption_options(config: RunConfig, values: RunOptions,
-                             env: Mapping[str, str]) -> RunConfig:
+def apply_preemption_options(config: RunConfig, values: RunOptions, env: Mapping[str, str]) -> RunConfig:
     """``--preempt-signal``, ``--preempt-grace``, ``--requeue``/``--no-requeue`` into the config."""
     slurm = under_slurm(env)
     given = values.preempt_signal
@@ -42,8 +43,9 @@ def apply_preemption_options(config: RunConfig, values: RunOptions,
     if on and not slurm:
         raise UsageError("--requeue needs a SLURM batch job (SLURM_JOB_ID is not set)")
     if on and not signals:
-        raise UsageError("--requeue needs a warning signal: --preempt-signal USR1 (and #SBATCH "
-                         "--signal=USR1@90)")
+        raise UsageError(
+            "--requeue needs a warning signal: --preempt-signal USR1 (and #SBATCH --signal=USR1@90)"
+        )
     grace = values.preempt_grace
     if grace and not signals:
         raise UsageError("--preempt-grace needs a warning signal (--preempt-signal)")
@@ -52,5 +54,8 @@ def apply_preemption_options(config: RunConfig, values: RunOptions,
     # the next allocation finds this one's folder by the run id (srun steps have it already).
     run_id = config.output.run_id or (f"slurm-{env['SLURM_JOB_ID']}" if slurm else None)
     grace_s = seconds(grace, "--preempt-grace", positive=True) if grace else None
-    return dataclasses.replace(config, preemption=PreemptionConfig(signals, requeue, grace_s),
-                               output=dataclasses.replace(config.output, run_id=run_id))
+    return dataclasses.replace(
+        config,
+        preemption=PreemptionConfig(signals, requeue, grace_s),
+        output=dataclasses.replace(config.output, run_id=run_id),
+    )

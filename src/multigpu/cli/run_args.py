@@ -59,13 +59,16 @@ def _threshold(value: str | None) -> float:
     except ValueError:
         number = -1.0
     if not 0 <= number < math.inf:
-        raise UsageError(f"--straggler-threshold must be a number of at least 0 (a share of the step, "
-                         f"0: off), got {value!r}")
+        raise UsageError(
+            f"--straggler-threshold must be a number of at least 0 (a share of the step, "
+            f"0: off), got {value!r}"
+        )
     return number
 
 
-def _choose_devices(choice: DeviceChoice, env: Mapping[str, str],
-                    torchrun_line: bool = False) -> tuple[Device, int, tuple[int, ...], str | None]:
+def _choose_devices(
+    choice: DeviceChoice, env: Mapping[str, str], torchrun_line: bool = False
+) -> tuple[Device, int, tuple[int, ...], str | None]:
     """(device, local worker count, GPU indices, a note for the user).
 
     Without a device option, a torchrun line gets torchrun's default of one worker per node (its world
@@ -94,8 +97,10 @@ def _choose_devices(choice: DeviceChoice, env: Mapping[str, str],
         raise UsageError("--gpus: no GPU is visible on this machine; use --cpu N for N CPU workers")
     missing = [i for i in indices if i >= len(visible)]
     if missing:
-        raise UsageError(f"--gpus: GPU {missing[0]} is not visible; {len(visible)} visible "
-                         f"(indices 0-{len(visible) - 1}, see 'multigpu devices')")
+        raise UsageError(
+            f"--gpus: GPU {missing[0]} is not visible; {len(visible)} visible "
+            f"(indices 0-{len(visible) - 1}, see 'multigpu devices')"
+        )
     return "cuda", len(indices), tuple(indices), None
 
 
@@ -115,8 +120,10 @@ def _nproc_per_node(value: str, visible: int) -> tuple[Device, int, tuple[int, .
     if not visible:
         return "cpu", count, (), None
     if count > visible:
-        raise UsageError(f"--nproc-per-node {count}: only {visible} GPU(s) visible, and rank i uses GPU i; "
-                         f"use --cpu {count} for CPU workers")
+        raise UsageError(
+            f"--nproc-per-node {count}: only {visible} GPU(s) visible, and rank i uses GPU i; "
+            f"use --cpu {count} for CPU workers"
+        )
     return "cuda", count, tuple(range(count)), None
 
 
@@ -152,8 +159,11 @@ def _check_target(script: str | None, module: str | None, run_mode: RunMode) -> 
     if script is None:
         raise UsageError("no script given: multigpu run [options] SCRIPT [ARGS...] (or -m MODULE)")
     if run_mode == "exec":
-        found = shutil.which(script) if os.sep not in script else (script if os.access(script, os.X_OK)
-                                                                    and Path(script).is_file() else None)
+        found = (
+            shutil.which(script)
+            if os.sep not in script
+            else (script if os.access(script, os.X_OK) and Path(script).is_file() else None)
+        )
         if found is None:
             raise UsageError(f"--no-python: program {script!r} not found or not executable")
         return
@@ -196,8 +206,9 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     script = None if module_mode else (rest[0] if rest else None)
     if module_mode and module is None:
         raise UsageError("-m/--module needs a module name: multigpu run [options] -m MODULE [ARGS...]")
-    device, nproc, gpus, note = _choose_devices(options.device_choice(given, env), env,
-                                                options.is_torchrun_line(values))
+    device, nproc, gpus, note = _choose_devices(
+        options.device_choice(given, env), env, options.is_torchrun_line(values)
+    )
     grace, hang_timeout, max_restarts, status, factor, floor = _our_values(values)
     config = RunConfig(
         target=module if module is not None else str(script),
@@ -207,10 +218,15 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
         nproc=nproc,
         gpus=gpus,
         supervision=SupervisionConfig(grace_period=grace, max_restarts=max_restarts),
-        hang=HangConfig(timeout=hang_timeout, factor=factor, floor=floor,
-                        straggler_threshold=_threshold(values.straggler_threshold)),
-        output=OutputConfig(dir=Path(values.output) if values.output else None, run_id=values.run_id,
-                            status=status),
+        hang=HangConfig(
+            timeout=hang_timeout,
+            factor=factor,
+            floor=floor,
+            straggler_threshold=_threshold(values.straggler_threshold),
+        ),
+        output=OutputConfig(
+            dir=Path(values.output) if values.output else None, run_id=values.run_id, status=status
+        ),
         start=StartConfig(run_mode=run_mode),
     )
     config = apply_torchrun_options(config, values)
@@ -226,12 +242,14 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 def _our_values(values: RunOptions) -> tuple[float, float | None, int, LiveView, float, float]:
     """(grace period, hang timeout, max restarts, status, hang factor, hang floor), checked in this order."""
     grace, timeout, restarts = values.grace_period, values.hang_timeout, values.max_restarts
-    return (seconds(grace, "--grace-period") if grace else SupervisionConfig.grace_period,
-            seconds(timeout, "--hang-timeout", positive=True) if timeout else None,
-            integer(restarts, "--max-restarts", 0) if restarts else SupervisionConfig.max_restarts,
-            _status(values.status),
-            _factor(values.hang_factor) if values.hang_factor else HangConfig.factor,
-            seconds(values.hang_floor, "--hang-floor") if values.hang_floor else HangConfig.floor)
+    return (
+        seconds(grace, "--grace-period") if grace else SupervisionConfig.grace_period,
+        seconds(timeout, "--hang-timeout", positive=True) if timeout else None,
+        integer(restarts, "--max-restarts", 0) if restarts else SupervisionConfig.max_restarts,
+        _status(values.status),
+        _factor(values.hang_factor) if values.hang_factor else HangConfig.factor,
+        seconds(values.hang_floor, "--hang-floor") if values.hang_floor else HangConfig.floor,
+    )
 
 
 def _apply_template(config: RunConfig, values: RunOptions) -> RunConfig:
@@ -240,8 +258,7 @@ def _apply_template(config: RunConfig, values: RunOptions) -> RunConfig:
     bad = [m for m in preload if not all(part.isidentifier() for part in m.split("."))]
     if bad:
         raise UsageError(f"--preload takes module names, comma separated; got {bad[0]!r}")
-    supervision = dataclasses.replace(config.supervision, template=not values.no_template,
-                                      preload=preload)
+    supervision = dataclasses.replace(config.supervision, template=not values.no_template, preload=preload)
     return dataclasses.replace(config, supervision=supervision)
 
 
@@ -258,16 +275,19 @@ def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
     where = parse_endpoint(f"127.0.0.1:{text}" if text.isdigit() else text, option="--debug-server")
     missing = [name for name in DEBUG_MODULES if not _importable(name)]
     if missing:
-        raise UsageError(f"--debug-server needs {', '.join(missing)} (torch's debug server imports "
-                         f"{'it' if len(missing) == 1 else 'them'}): pip install 'multigpu[debug]'")
+        raise UsageError(
+            f"--debug-server needs {', '.join(missing)} (torch's debug server imports "
+            f"{'it' if len(missing) == 1 else 'them'}): pip install 'multigpu[debug]'"
+        )
     if where.port == 0:
         raise UsageError("--debug-server needs a port to open in a browser (0 would pick one no one is told)")
     if config.base_rank == 0:  # the page is served on rank 0's node: its port must be free there
         _check_free(where.bind_host, where.port)
     token = secrets.token_urlsafe(18)  # the page and every rank's server want it (rank/debug_server.py)
     env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port, token])}
-    return dataclasses.replace(config, extra_env=env,
-                               start=dataclasses.replace(config.start, debug_server=where))
+    return dataclasses.replace(
+        config, extra_env=env, start=dataclasses.replace(config.start, debug_server=where)
+    )
 
 
 def _check_free(host: str, port: int) -> None:
@@ -277,8 +297,10 @@ def _check_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise UsageError(f"--debug-server {format_endpoint(host, port)}: cannot listen there "
-                             f"({exc.strerror}); name another port") from None
+            raise UsageError(
+                f"--debug-server {format_endpoint(host, port)}: cannot listen there "
+                f"({exc.strerror}); name another port"
+            ) from None
 
 
 def _importable(name: str) -> bool:

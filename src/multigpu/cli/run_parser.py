@@ -48,10 +48,14 @@ class RunParser(Parser):
 
 
 HELP_DEFAULTS: dict[str, tuple[type[Any], str]] = {
-    "grace_period": (SupervisionConfig, "grace_period"), "rdzv_timeout": (RendezvousConfig, "timeout"),
-    "max_restarts": (SupervisionConfig, "max_restarts"), "role": (StartConfig, "role"),
-    "hang_factor": (HangConfig, "factor"), "hang_floor": (HangConfig, "floor"),
-    "straggler_threshold": (HangConfig, "straggler_threshold")}
+    "grace_period": (SupervisionConfig, "grace_period"),
+    "rdzv_timeout": (RendezvousConfig, "timeout"),
+    "max_restarts": (SupervisionConfig, "max_restarts"),
+    "role": (StartConfig, "role"),
+    "hang_factor": (HangConfig, "factor"),
+    "hang_floor": (HangConfig, "floor"),
+    "straggler_threshold": (HangConfig, "straggler_threshold"),
+}
 """The defaults ``--help`` quotes, by the name its text uses, and where each is written."""
 
 
@@ -74,16 +78,21 @@ def run_parser() -> Parser:
         allow_abbrev=False,  # split_argv knows only full flags: '--out DIR' must not eat DIR
     )
     defaults = {k: _default_text(k) for k in HELP_DEFAULTS}
-    groups = (("multigpu options", options.OURS),
-              ("torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)",
-               options.TORCHRUN))
+    groups = (
+        ("multigpu options", options.OURS),
+        (
+            "torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)",
+            options.TORCHRUN,
+        ),
+    )
     for title, table in groups:
         group = parser.add_argument_group(title)
         for opt in table:
             text = opt.help.format(**defaults).replace("%", "%%")
             if opt.takes_value:
-                group.add_argument(*opt.flags, dest=opt.dest, metavar=opt.metavar, help=text,
-                                   choices=opt.choices)
+                group.add_argument(
+                    *opt.flags, dest=opt.dest, metavar=opt.metavar, help=text, choices=opt.choices
+                )
             else:
                 group.add_argument(*opt.flags, dest=opt.dest, action="store_true", default=None, help=text)
     return parser

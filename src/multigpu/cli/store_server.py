@@ -52,10 +52,17 @@ def cmd_store(argv: Sequence[str]) -> int:
     sock = bind_store_socket(endpoint)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP)  # the store's threads inherit the block
     store = serve_store_on(sock, endpoint.bind_host)
-    print(f"multigpu: store: serving the rendezvous store at {endpoint} (jobs: --rdzv-backend c10d "
-          f"--rdzv-endpoint {endpoint} --rdzv-conf is_host=false); unauthenticated, so only on a trusted "
-          "network; Ctrl-C ends it", file=sys.stderr, flush=True)
+    print(
+        f"multigpu: store: serving the rendezvous store at {endpoint} (jobs: --rdzv-backend c10d "
+        f"--rdzv-endpoint {endpoint} --rdzv-conf is_host=false); unauthenticated, so only on a trusted "
+        "network; Ctrl-C ends it",
+        file=sys.stderr,
+        flush=True,
+    )
     sig = signal.sigwait(STOP)
-    print(f"multigpu: store: {signal_name(sig)} received; stopped ({store.num_keys()} keys dropped)",
-          file=sys.stderr, flush=True)
+    print(
+        f"multigpu: store: {signal_name(sig)} received; stopped ({store.num_keys()} keys dropped)",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0

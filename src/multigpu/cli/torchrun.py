@@ -31,8 +31,10 @@ def _rdzv_conf(text: str | None) -> dict[str, str]:
 def _backend(values: RunOptions) -> str:
     backend = (values.rdzv_backend or RendezvousConfig.backend).strip().lower()
     if backend in ("etcd", "etcd-v2"):
-        raise UsageError(f"--rdzv-backend {backend} is not supported; use --rdzv-backend c10d "
-                         "(torch's TCP store, no etcd server needed)")
+        raise UsageError(
+            f"--rdzv-backend {backend} is not supported; use --rdzv-backend c10d "
+            "(torch's TCP store, no etcd server needed)"
+        )
     if backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend must be static or c10d, got {backend!r}")
     return backend
@@ -69,22 +71,44 @@ def rendezvous_settings(config: RunConfig, values: RunOptions) -> RunConfig:
         raise UsageError(f"--nnodes {values.nnodes} is an elastic range: it needs --rdzv-backend c10d")
     timeout = values.rdzv_timeout or conf.get("join_timeout")
     rdzv = dataclasses.replace(
-        config.rdzv, backend=backend, conf=conf, min_nodes=min_nodes, max_nodes=max_nodes, endpoint=endpoint,
+        config.rdzv,
+        backend=backend,
+        conf=conf,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        endpoint=endpoint,
         timeout=seconds(timeout, "--rdzv-timeout", positive=True) if timeout else RendezvousConfig.timeout,
-        allow_mismatch=bool(values.allow_mismatch))
+        allow_mismatch=bool(values.allow_mismatch),
+    )
     return dataclasses.replace(config, rdzv=rdzv)
 
 
 def _logs_specs(name: str | None) -> str | None:
     """An installed ``torchrun.logs_specs`` entry point, found without loading it (no torch here)."""
     if name is not None and not metadata.entry_points(group="torchrun.logs_specs", name=name):
-        raise UsageError(f"--logs-specs {name!r}: no 'torchrun.logs_specs' entry point of that name "
-                         "is installed")
+        raise UsageError(
+            f"--logs-specs {name!r}: no 'torchrun.logs_specs' entry point of that name is installed"
+        )
     return name
 
 
-HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGABRT", "SIGALRM",
-                   "SIGCONT", "SIGPIPE", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGWINCH", "SIGXCPU")
+HANDLED_SIGNALS = (
+    "SIGTERM",
+    "SIGINT",
+    "SIGHUP",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGABRT",
+    "SIGALRM",
+    "SIGCONT",
+    "SIGPIPE",
+    "SIGTSTP",
+    "SIGTTIN",
+    "SIGTTOU",
+    "SIGWINCH",
+    "SIGXCPU",
+)
 """What torchrun's ``--signals-to-handle`` accepts."""
 
 
@@ -119,19 +143,26 @@ def apply_torchrun_options(config: RunConfig, values: RunOptions) -> RunConfig:
     role = values.role
     if role is not None and not role.strip():
         raise UsageError("--role must not be empty")
-    start = dataclasses.replace(config.start, role=role or StartConfig.role,
-                                virtual_local_rank=bool(values.virtual_local_rank), numa_binding=numa,
-                                signals_to_handle=values.signals_to_handle or StartConfig.signals_to_handle)
+    start = dataclasses.replace(
+        config.start,
+        role=role or StartConfig.role,
+        virtual_local_rank=bool(values.virtual_local_rank),
+        numa_binding=numa,
+        signals_to_handle=values.signals_to_handle or StartConfig.signals_to_handle,
+    )
     output = dataclasses.replace(
         config.output,
         log_dir=Path(values.log_dir) if values.log_dir else None,
-        redirects=StdStreams() if values.redirects is None else StdStreams.parse(values.redirects,
-                                                                                  "--redirects"),
+        redirects=StdStreams()
+        if values.redirects is None
+        else StdStreams.parse(values.redirects, "--redirects"),
         tee=StdStreams() if values.tee is None else StdStreams.parse(values.tee, "--tee"),
         duplicate_stdout_filters=options.comma_list(values.duplicate_stdout_filters)
-        if values.duplicate_stdout_filters else (),
+        if values.duplicate_stdout_filters
+        else (),
         duplicate_stderr_filters=options.comma_list(values.duplicate_stderr_filters)
-        if values.duplicate_stderr_filters else (),
+        if values.duplicate_stderr_filters
+        else (),
         logs_specs=_logs_specs(values.logs_specs),
     )
     rdzv = dataclasses.replace(config.rdzv, local_addr=values.local_addr)
@@ -153,9 +184,11 @@ def apply_rank_filters(config: RunConfig, values: RunOptions) -> RunConfig:
     if local is not None:
         as_global = frozenset(config.base_rank + r for r in local)
         if log_ranks is not None and log_ranks != as_global:
-            raise UsageError(f"--log-ranks {values.log_ranks} and --local-ranks-filter "
-                             f"{values.local_ranks_filter} disagree on this node (base rank "
-                             f"{config.base_rank})")
+            raise UsageError(
+                f"--log-ranks {values.log_ranks} and --local-ranks-filter "
+                f"{values.local_ranks_filter} disagree on this node (base rank "
+                f"{config.base_rank})"
+            )
         log_ranks = as_global
     output = dataclasses.replace(config.output, log_ranks=log_ranks, local_ranks_filter=local)
     return dataclasses.replace(config, output=output)

@@ -99,8 +99,10 @@ def apply_visible_devices(gpus: list[GPUInfo], cuda_visible_devices: str | None)
         if match is None or match in visible:
             break
         visible.append(match)
-    return [replace(g, index=i, ordinal=_entry_ordinal(g, raw.strip()))
-            for i, (g, raw) in enumerate(zip(visible, cuda_visible_devices.split(","), strict=False))]
+    return [
+        replace(g, index=i, ordinal=_entry_ordinal(g, raw.strip()))
+        for i, (g, raw) in enumerate(zip(visible, cuda_visible_devices.split(","), strict=False))
+    ]
 
 
 def _match_visible_entry(gpus: list[GPUInfo], item: str) -> GPUInfo | None:

@@ -34,6 +34,7 @@ def node_cpus(node: int, sysfs: Path = SYSFS) -> list[int]:
 
 def socket_nodes(node: int, sysfs: Path = SYSFS) -> list[int]:
     """Every NUMA node on the same socket (physical package) as ``node``."""
+
     def package(n: int) -> str | None:
         cpus = node_cpus(n, sysfs)
         path = sysfs / "devices" / "system" / "cpu" / f"cpu{cpus[0]}" / "topology" / "physical_package_id"
@@ -53,7 +54,7 @@ def share(cpus: Sequence[int], index: int, count: int) -> list[int]:
     ordered = sorted(cpus)
     size, extra = divmod(len(ordered), max(1, count))
     start = index * size + min(index, extra)
-    return ordered[start:start + size + (1 if index < extra else 0)] or ordered[:1]
+    return ordered[start : start + size + (1 if index < extra else 0)] or ordered[:1]
 
 
 def gpu_bus_ids(root: Path = PROC_GPUS) -> list[str]:
@@ -61,8 +62,9 @@ def gpu_bus_ids(root: Path = PROC_GPUS) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def gpu_rank_cpus(mode: str, bus_ids: Sequence[str], allowed: set[int],
-                  sysfs: Path = SYSFS) -> list[list[int] | None]:
+def gpu_rank_cpus(
+    mode: str, bus_ids: Sequence[str], allowed: set[int], sysfs: Path = SYSFS
+) -> list[list[int] | None]:
     """One CPU list per local rank, whose GPU has the PCI bus id ``bus_ids[local_rank]``."""
     nodes = [gpu_numa_node(b, sysfs) for b in bus_ids]
     answer: list[list[int] | None] = []

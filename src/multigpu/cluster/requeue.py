@@ -87,8 +87,13 @@ def requeue_job(env: Mapping[str, str], run: Runner = subprocess.run) -> tuple[s
     if job is None:
         return "?", "SLURM_JOB_ID is not set"
     try:
-        done = run(["scontrol", "requeue", job], env=dict(env), capture_output=True, text=True,
-                   timeout=SCONTROL_TIMEOUT_S)
+        done = run(
+            ["scontrol", "requeue", job],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_S,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return job, f"cannot run scontrol: {exc}"
     if done.returncode != 0:

@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 
 from multigpu.contract.errors import UsageError
 
-STREAM_BITS = {1: frozenset({"stdout"}), 2: frozenset({"stderr"}), 3: frozenset({"stdout", "stderr"}),
-               0: frozenset()}
+STREAM_BITS = {
+    1: frozenset({"stdout"}),
+    2: frozenset({"stderr"}),
+    3: frozenset({"stdout", "stderr"}),
+    0: frozenset(),
+}
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ import re
 TRACEBACK_HEAD = b"Traceback (most recent call last):"
 TORCH_RANK_PREFIX = re.compile(rb"^\[rank\d+\]: ")
 """What torch.distributed's excepthook puts before each line of a rank's traceback."""
-CHAINED = (b"During handling of the above exception, another exception occurred:",
-           b"The above exception was the direct cause of the following exception:")
+CHAINED = (
+    b"During handling of the above exception, another exception occurred:",
+    b"The above exception was the direct cause of the following exception:",
+)
 CPP_STACK_HEAD = re.compile(rb"Exception raised from (?P<where>\S+) at .*\(most recent call first\):\s*$")
 CPP_STACK_LINE = re.compile(rb"^\s*(frame #\d+: |<omitting python frames>)")
 
@@ -72,8 +74,13 @@ class InterruptTracebacks:
         for line in lines:
             text = TORCH_RANK_PREFIX.sub(b"", line, count=1)
             bare = text.rstrip()
-            if self.held is not None and self._last is not None and bare and bare not in CHAINED \
-                    and bare != TRACEBACK_HEAD:
+            if (
+                self.held is not None
+                and self._last is not None
+                and bare
+                and bare not in CHAINED
+                and bare != TRACEBACK_HEAD
+            ):
                 shown += self.flush()  # the chain is over: this line is the rank's next output
             if self.held is None:
                 if bare == TRACEBACK_HEAD:

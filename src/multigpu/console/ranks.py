@@ -44,8 +44,12 @@ class PrefixedConsole:
     stream shows the latest bar; other lines are printed above it and the bar is redrawn.
     """
 
-    def __init__(self, log_ranks: Iterable[int] | None = None, qualify_node: bool = False,
-                 writer: ConsoleWriter | None = None) -> None:
+    def __init__(
+        self,
+        log_ranks: Iterable[int] | None = None,
+        qualify_node: bool = False,
+        writer: ConsoleWriter | None = None,
+    ) -> None:
         self.log_ranks = None if log_ranks is None else frozenset(log_ranks)
         self.qualify_node = qualify_node
         self._writer = writer
@@ -113,8 +117,6 @@ class PrefixedConsole:
             target = out.fileno()
             with CALLER_LOCK:
                 while view:
-                    view = view[os.write(target, view):]
+                    view = view[os.write(target, view) :]
         except (OSError, ValueError, AttributeError):  # the console went away: the log files go on
             self._closed.add(fd)
-
-

@@ -181,8 +181,12 @@ class ConsoleWriter:
             if channel is None or channel.dead is not None or self._stop:
                 return
             over = channel.queued + len(data) - self.capacity
-            if not keep and channel.queued and over > 0 and (
-                    self._stalled() or over > HARD_CAP * self.capacity):
+            if (
+                not keep
+                and channel.queued
+                and over > 0
+                and (self._stalled() or over > HARD_CAP * self.capacity)
+            ):
                 channel.dropped += lines
                 return
             channel.queue.append((data, lines))
@@ -254,7 +258,7 @@ class ConsoleWriter:
         try:
             if event & (select.POLLERR | select.POLLNVAL):
                 raise OSError(errno.EPIPE, "the console went away")
-            written = os.write(channel.fd, data[channel.offset: channel.offset + WRITE_CHUNK])
+            written = os.write(channel.fd, data[channel.offset : channel.offset + WRITE_CHUNK])
         except (InterruptedError, BlockingIOError):
             return
         except OSError as exc:  # EPIPE, EIO (hang-up), ENOSPC, EBADF...: this stream is over
@@ -291,14 +295,15 @@ class ConsoleWriter:
             channel.queue.clear()
             channel.queued = channel.offset = channel.dropped = 0
             name = {1: "stdout", 2: "stderr"}.get(channel.fd, f"descriptor {channel.fd}")
-            self._notice(f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n"
-                         .encode())
+            self._notice(f"multigpu: {name} is gone ({why}); rank output goes on in the log files\n".encode())
             self._cond.notify_all()
 
 
 def _drop_notice(count: int) -> bytes:
-    return (f"multigpu: {count} console line(s) dropped: the console was not reading "
-            f"(the rank logs have every line)\n").encode()
+    return (
+        f"multigpu: {count} console line(s) dropped: the console was not reading "
+        f"(the rank logs have every line)\n"
+    ).encode()
 
 
 def isatty(fd: int) -> bool:

@@ -24,12 +24,23 @@ HEARTBEAT, OUTPUT, DONE, FAILING, DUMPED, STACKS = b".", b"o", b"D", b"!", b"F",
 STEP, BEGIN, END, COLLECTIVES, ENTERED = "S", "B", "E", "C", "K"
 
 
-_SINGLE = {HEARTBEAT[0]: "beat", OUTPUT[0]: "output", DONE[0]: "done", FAILING[0]: "failing",
-           DUMPED[0]: "dumped", STACKS[0]: "stacks"}
+_SINGLE = {
+    HEARTBEAT[0]: "beat",
+    OUTPUT[0]: "output",
+    DONE[0]: "done",
+    FAILING[0]: "failing",
+    DUMPED[0]: "dumped",
+    STACKS[0]: "stacks",
+}
 
 
-_RECORD = {ord(STEP): "step", ord(BEGIN): "begin", ord(END): "end", ord(COLLECTIVES): "collectives",
-           ord(ENTERED): "entered"}
+_RECORD = {
+    ord(STEP): "step",
+    ord(BEGIN): "begin",
+    ord(END): "end",
+    ord(COLLECTIVES): "collectives",
+    ord(ENTERED): "entered",
+}
 
 
 MAX_NAME = 64
@@ -83,7 +94,7 @@ class BeatDecoder:
                     i += 1
                     continue
                 break
-            beat = _record(_RECORD[byte], bytes(buf[i + 1:end]).decode(errors="replace"))
+            beat = _record(_RECORD[byte], bytes(buf[i + 1 : end]).decode(errors="replace"))
             if beat is not None:
                 beats.append(beat)
             i = end + 1

@@ -45,11 +45,32 @@ and refuses any other."""
 # Variables that describe one launched group. A launcher clears stale ones inherited from its own
 # environment so a worker never sees a mix of two jobs.
 CONTRACT_KEYS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE", RUN_ID_ENV, OUTPUT_DIR_ENV, LAUNCHER_PID_ENV, ERROR_FILE_ENV,
-    HEARTBEAT_FD_ENV, DEVICE_ENV, NODE_RANK_ENV, ATTEMPT_ENV, ANNOUNCE_ENV, FR_DUMP_ENV,
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    RUN_ID_ENV,
+    OUTPUT_DIR_ENV,
+    LAUNCHER_PID_ENV,
+    ERROR_FILE_ENV,
+    HEARTBEAT_FD_ENV,
+    DEVICE_ENV,
+    NODE_RANK_ENV,
+    ATTEMPT_ENV,
+    ANNOUNCE_ENV,
+    FR_DUMP_ENV,
 )
 FR_BUFFER_DEFAULT = "2000"
 """Collectives the flight recorder keeps per process group, unless the user chose (CPU and GPU ranks:
@@ -76,9 +97,14 @@ class RankPlacement:
     def on_node(cls, rank: int, local_rank: int, world_size: int, local_world_size: int) -> RankPlacement:
         """A rank whose node holds ``local_world_size`` consecutive ranks, as every node does here."""
         local = max(1, local_world_size)
-        return cls(rank=rank, local_rank=local_rank, world_size=world_size,
-                   local_world_size=local_world_size, group_rank=(rank - local_rank) // local,
-                   group_world_size=node_count(world_size, local))
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            group_rank=(rank - local_rank) // local,
+            group_world_size=node_count(world_size, local),
+        )
 
 
 def node_count(world_size: int, local_world_size: int) -> int:
@@ -186,8 +212,14 @@ def rank_env(placement: RankPlacement, job: JobContext) -> dict[str, str]:
         TORCHELASTIC_RESTART_COUNT=str(job.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(job.max_restarts),
     )
-    env.update({RUN_ID_ENV: job.run_id, DEVICE_ENV: job.device, NODE_RANK_ENV: str(p.group_rank),
-                ATTEMPT_ENV: str(job.restart_count)})
+    env.update(
+        {
+            RUN_ID_ENV: job.run_id,
+            DEVICE_ENV: job.device,
+            NODE_RANK_ENV: str(p.group_rank),
+            ATTEMPT_ENV: str(job.restart_count),
+        }
+    )
     if job.use_agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     if job.output_dir is not None:

@@ -48,8 +48,9 @@ class FailureKind(str, enum.Enum):
         return self.value  # f-strings and str() read "NodeLost", as the string constants did
 
 
-LEARNED_FROM_SILENCE = frozenset({FailureKind.NODE_LOST, FailureKind.STORE_LOST, FailureKind.REFUSED,
-                                  FailureKind.INTERRUPTED})
+LEARNED_FROM_SILENCE = frozenset(
+    {FailureKind.NODE_LOST, FailureKind.STORE_LOST, FailureKind.REFUSED, FailureKind.INTERRUPTED}
+)
 """Known from a peer's or the store's silence (or the store's refusal, or a peer's word that it was
 told to stop): nothing to publish, nothing to ask the store."""
 
@@ -92,6 +93,7 @@ def _as_kind(error_type: str | None) -> str | None:
     if not isinstance(error_type, str) or isinstance(error_type, FailureKind):
         return error_type  # None, a kind, or what a garbled record holds: kept as it is
     return _KINDS.get(error_type, error_type)
+
 
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
 """What a collective's error says when the rank only saw a peer die (gloo's words): such a failure is
@@ -177,11 +179,20 @@ class WorkerFailure:
         return self.error_type if isinstance(self.error_type, FailureKind) else None
 
     @classmethod
-    def launcher_named(cls, subject: Subject, kind: FailureKind, message: str, *, node: int,
-                       at: float | None = None) -> WorkerFailure:
+    def launcher_named(
+        cls, subject: Subject, kind: FailureKind, message: str, *, node: int, at: float | None = None
+    ) -> WorkerFailure:
         """A failure of a node, the store or the job, found by a launcher (``at``: when; default now)."""
-        return cls(rank=NO_RANK, local_rank=NO_RANK, pid=None, node=node, error_type=kind, message=message,
-                   time=_time.time() if at is None else at, subject=subject)
+        return cls(
+            rank=NO_RANK,
+            local_rank=NO_RANK,
+            pid=None,
+            node=node,
+            error_type=kind,
+            message=message,
+            time=_time.time() if at is None else at,
+            subject=subject,
+        )
 
     @property
     def saw_a_peer_die(self) -> bool:
@@ -209,8 +220,11 @@ class WorkerFailure:
             return self._describe_node()
         if self.kind is FailureKind.TIMER_EXPIRED:  # the message says it all: which timer, and the kill
             return f"rank {self.rank} (node {self.node}, pid {self.pid}) {self.message}"
-        how = (f"was killed by {self.killed_by or self.signal}" if self.signal
-               else f"exited with code {self.exit_code}")
+        how = (
+            f"was killed by {self.killed_by or self.signal}"
+            if self.signal
+            else f"exited with code {self.exit_code}"
+        )
         what = f": {self.error_type}: {self.message}" if self.error_type else ""
         return f"rank {self.rank} (node {self.node}, pid {self.pid}) {how}{what}"
 
@@ -256,18 +270,36 @@ class WorkerFailure:
         return cls(**values, subject=_subject_of(values["rank"], error_type))
 
     @classmethod
-    def from_exit(cls, rank: int, local_rank: int, node: int, pid: int | None, returncode: int | None,
-                  record: WorkerFailure | None = None, *, log_path: str | None = None,
-                  log_tail: list[str] | None = None) -> WorkerFailure:
+    def from_exit(
+        cls,
+        rank: int,
+        local_rank: int,
+        node: int,
+        pid: int | None,
+        returncode: int | None,
+        record: WorkerFailure | None = None,
+        *,
+        log_path: str | None = None,
+        log_tail: list[str] | None = None,
+    ) -> WorkerFailure:
         """The one constructor for a rank that ended badly: its exit status (``returncode`` < 0: killed by
         signal -returncode, as ``Popen`` says) and what its own error record says, if it wrote one
         (``read``), as torch's ``ProcessFailure`` reads its error file."""
         code, signame = exit_status(returncode)
         return cls(
-            rank=rank, local_rank=local_rank, node=node, pid=pid, exit_code=code, signal=signame,
-            error_type=record.error_type if record else None, message=record.message if record else None,
-            traceback=record.traceback if record else None, time=record.time if record else None,
-            log_tail=list(log_tail or []), log_path=log_path)
+            rank=rank,
+            local_rank=local_rank,
+            node=node,
+            pid=pid,
+            exit_code=code,
+            signal=signame,
+            error_type=record.error_type if record else None,
+            message=record.message if record else None,
+            traceback=record.traceback if record else None,
+            time=record.time if record else None,
+            log_tail=list(log_tail or []),
+            log_path=log_path,
+        )
 
     @classmethod
     def from_exception(cls, exc: BaseException, env: dict[str, str] | None = None) -> WorkerFailure:
@@ -277,10 +309,16 @@ class WorkerFailure:
         env = dict(os.environ) if env is None else env
         rank = _int_or(env.get("RANK"), NO_RANK)
         return cls(
-            rank=rank, local_rank=_int_or(env.get("LOCAL_RANK"), NO_RANK), pid=os.getpid(),
-            node=_int_or(env.get("GROUP_RANK"), 0), error_type=type(exc).__name__, message=str(exc),
-            time=_time.time(), subject=_subject_of(rank, None),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+            rank=rank,
+            local_rank=_int_or(env.get("LOCAL_RANK"), NO_RANK),
+            pid=os.getpid(),
+            node=_int_or(env.get("GROUP_RANK"), 0),
+            error_type=type(exc).__name__,
+            message=str(exc),
+            time=_time.time(),
+            subject=_subject_of(rank, None),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
 
     def write(self, path: str | Path) -> None:
         """Atomic (a half-written record never shows); a rank that cannot write it still fails normally."""
@@ -307,9 +345,15 @@ class WorkerFailure:
         if isinstance(data.get("message"), dict):  # torch.distributed.elastic @record
             info = data["message"]
             extra = info.get("extraInfo") or {}
-            return cls(rank=NO_RANK, local_rank=NO_RANK, pid=None, message=info.get("message"),
-                       traceback=extra.get("py_callstack"),
-                       time=float(extra.get("timestamp", 0) or 0) or None, subject=_subject_of(NO_RANK, None))
+            return cls(
+                rank=NO_RANK,
+                local_rank=NO_RANK,
+                pid=None,
+                message=info.get("message"),
+                traceback=extra.get("py_callstack"),
+                time=float(extra.get("timestamp", 0) or 0) or None,
+                subject=_subject_of(NO_RANK, None),
+            )
         return cls.from_dict(data)
 
 

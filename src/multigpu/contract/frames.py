@@ -131,5 +131,9 @@ def fold_own_threads(dump: str) -> str:
 
 def _own_thread(block: list[str]) -> bool:
     files = [m.group("file") for line in block if (m := _FILE_LINE.match(line))]
-    return (bool(block) and _THREAD.match(block[0]) is not None and any(own_file(f) for f in files)
-            and all(own_file(f) or os.path.basename(f) == "threading.py" for f in files))
+    return (
+        bool(block)
+        and _THREAD.match(block[0]) is not None
+        and any(own_file(f) for f in files)
+        and all(own_file(f) or os.path.basename(f) == "threading.py" for f in files)
+    )

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from multigpu.contract.errors import UsageError
 
 
-
 WAIT_LINE_EVERY_S = 30.0
 """A node that waits for its peers (to join, for the store's host, for a round) says so at once, then
 this often: each line names who is there, who is missing and the time left."""

@@ -111,8 +111,9 @@ def _flatten(node: Any, prefix: str, out: dict[str, Any], depth: int) -> None:
         elif isinstance(value, Mapping) or _is_group(value):
             _flatten(value, key + ".", out, depth + 1)
         else:
-            raise ValueError(f"hyper-parameter {key!r} is a {type(value).__name__}, not a number, "
-                             "string, boolean or group")
+            raise ValueError(
+                f"hyper-parameter {key!r} is a {type(value).__name__}, not a number, string, boolean or group"
+            )
 
 
 def _is_group(value: Any) -> bool:
@@ -126,6 +127,7 @@ def _children(node: Any) -> list[tuple[str, Any]]:
     if isinstance(groups, list) and isinstance(parameters, list):  # OTX's ParameterGroup
         return [(name, getattr(node, name)) for name in [*parameters, *groups]]
     if not _is_group(node):
-        raise ValueError(f"hyper-parameters must be a mapping or an object with attributes, "
-                         f"got {type(node).__name__}")
+        raise ValueError(
+            f"hyper-parameters must be a mapping or an object with attributes, got {type(node).__name__}"
+        )
     return [(k, v) for k, v in vars(node).items() if not k.startswith("_") and not callable(v)]

@@ -41,9 +41,15 @@ from typing import Any
 from multigpu.contract.errors import WorkerFailedError
 from multigpu.contract.frames import module_of, own_frame
 
-MACHINERY = frozenset({"multigpu.function.manager", "multigpu.function.prepare",
-                       "multigpu.function.interrupt_caller", "multigpu.function.watcher",
-                       "multigpu.function.rank_setup"})
+MACHINERY = frozenset(
+    {
+        "multigpu.function.manager",
+        "multigpu.function.prepare",
+        "multigpu.function.interrupt_caller",
+        "multigpu.function.watcher",
+        "multigpu.function.rank_setup",
+    }
+)
 """Function mode's own modules: a failure is never delivered while one of them is on the stack."""
 APPLICATIONS = frozenset({"multigpu.cli.demo", "multigpu.cli.main", "multigpu.__main__"})
 """Code shipped with multigpu that is the user's side here (``multigpu demo`` and the command that runs
@@ -261,6 +267,9 @@ def hook_collective_errors(delivery: FailureDelivery) -> Callable[[], None]:
 
 
 def _inner_code(decorator: Any) -> types.CodeType | None:
-    codes = [c for c in getattr(decorator, "__code__", types.SimpleNamespace(co_consts=())).co_consts
-             if isinstance(c, types.CodeType) and c.co_name == "wrapper"]
+    codes = [
+        c
+        for c in getattr(decorator, "__code__", types.SimpleNamespace(co_consts=())).co_consts
+        if isinstance(c, types.CodeType) and c.co_name == "wrapper"
+    ]
     return codes[0] if len(codes) == 1 else None

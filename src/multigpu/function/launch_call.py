@@ -36,8 +36,14 @@ PAYLOAD_DIR = ".multigpu"
 RESULTS_DIR = "results"
 
 
-def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, device: str = "auto",
-           kwargs: Mapping[str, Any] | None = None, **options: Any) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nprocs: int | None = None,
+    device: str = "auto",
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on every rank; return the values in rank order.
 
     ``nprocs``: the rank count (None: every visible GPU). ``device``: "auto", "cuda" or "cpu".
@@ -55,8 +61,16 @@ def shutdown() -> None:
 class Launch:
     """One launch: its payload and request written; ``wait`` runs it and returns the values."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *,
-                 nprocs: int | None, device: str, options: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        nprocs: int | None,
+        device: str,
+        options: Mapping[str, Any],
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"multigpu.launch: fn must be callable, got {fn!r}")
         blob = _pickled((fn, args, kwargs))
@@ -68,11 +82,13 @@ class Launch:
         self.results.mkdir(parents=True, exist_ok=True)
         payload.parent.mkdir(exist_ok=True)
         preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
-        payload.write_bytes(pickle.dumps(preparation) +
-                            pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))))
+        payload.write_bytes(
+            pickle.dumps(preparation) + pickle.dumps((rank_call.call_in_rank, (blob, str(self.results))))
+        )
         self.request = out / PAYLOAD_DIR / "request.pkl"
-        self.request.write_bytes(pickle.dumps({"config": self.config, "env": dict(os.environ),
-                                               "cwd": os.getcwd()}))
+        self.request.write_bytes(
+            pickle.dumps({"config": self.config, "env": dict(os.environ), "cwd": os.getcwd()})
+        )
 
     def wait(self) -> list[Any]:
         """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""
@@ -91,8 +107,9 @@ class Launch:
             try:
                 values.append(pickle.loads(path.read_bytes()))
             except FileNotFoundError:
-                raise MultiGPUError(f"multigpu.launch: rank {rank} succeeded but left no return value "
-                                    f"in {self.results}") from None
+                raise MultiGPUError(
+                    f"multigpu.launch: rank {rank} succeeded but left no return value in {self.results}"
+                ) from None
             path.unlink()
         return values
 
@@ -101,5 +118,6 @@ def _pickled(obj: Any) -> bytes:
     try:
         return bytes(cloudpickle.dumps(obj))
     except Exception as exc:
-        raise MultiGPUError(f"multigpu.launch: the function or its arguments cannot be sent to the ranks: "
-                            f"{exc}") from None
+        raise MultiGPUError(
+            f"multigpu.launch: the function or its arguments cannot be sent to the ranks: {exc}"
+        ) from None

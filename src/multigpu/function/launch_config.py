@@ -39,8 +39,9 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def resolve_devices(nprocs: int | None, device: str,
-                    env: Mapping[str, str]) -> tuple[Device, int, tuple[int, ...]]:
+def resolve_devices(
+    nprocs: int | None, device: str, env: Mapping[str, str]
+) -> tuple[Device, int, tuple[int, ...]]:
     """(device, rank count, GPU indices) for ``nprocs`` ranks on ``device`` ("auto", "cuda" or "cpu")."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
@@ -53,30 +54,36 @@ def resolve_devices(nprocs: int | None, device: str,
         return "cpu", nprocs, ()
     count = len(gpus) if nprocs is None else nprocs
     if not gpus or count > len(gpus):
-        raise UsageError(f"multigpu.launch: {count} GPU rank(s) asked for, {len(gpus)} GPU(s) visible; "
-                         "pass a smaller nprocs, or device='cpu'")
+        raise UsageError(
+            f"multigpu.launch: {count} GPU rank(s) asked for, {len(gpus)} GPU(s) visible; "
+            "pass a smaller nprocs, or device='cpu'"
+        )
     return "cuda", count, tuple(gpus[:count])
 
 
-def launch_config(nprocs: int | None, device: str, options: Mapping[str, Any],
-                  env: Mapping[str, str]) -> RunConfig:
+def launch_config(
+    nprocs: int | None, device: str, options: Mapping[str, Any], env: Mapping[str, str]
+) -> RunConfig:
     """The run ``multigpu run`` would make of the same settings, in function mode, every rank started
     (its ``target``, the payload in the run folder, is the caller's to set)."""
     kind, count, gpus = resolve_devices(nprocs, device, env)
-    config = RunConfig(target="", function=True, device=kind, nproc=count, gpus=gpus,
-                       output=OutputConfig(status="off"))
+    config = RunConfig(
+        target="", function=True, device=kind, nproc=count, gpus=gpus, output=OutputConfig(status="off")
+    )
     sections: dict[str, dict[str, Any]] = {}
     for name, value in options.items():
         if name not in OPTIONS:
             known = ", ".join(sorted(OPTIONS))
-            raise TypeError(f"multigpu.launch() got an unexpected keyword argument {name!r} "
-                            f"(options: {known})")
+            raise TypeError(
+                f"multigpu.launch() got an unexpected keyword argument {name!r} (options: {known})"
+            )
         section, field = OPTIONS[name]
         convert = _CONVERT.get(name)
         sections.setdefault(section, {})[field] = convert(value) if convert is not None else value
     for section, fields in sections.items():
-        config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section),
-                                                                             **fields)})
+        config = dataclasses.replace(
+            config, **{section: dataclasses.replace(getattr(config, section), **fields)}
+        )
     run_id = config.output.run_id or new_run_id()
     out = config.output.dir or (Path("multigpu_runs") / run_id).resolve()
     return dataclasses.replace(config, output=dataclasses.replace(config.output, dir=out, run_id=run_id))

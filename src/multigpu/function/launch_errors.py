@@ -46,8 +46,10 @@ def failure_of(output_dir: Path, code: int) -> BaseException:
     attempt = last_attempt(output_dir)
     root = attempt.get("root_cause") if attempt else None
     if not root:
-        return MultiGPUError(f"multigpu.launch failed (launcher exit code {code}) before any rank reported; "
-                             f"see the messages above and {output_dir}")
+        return MultiGPUError(
+            f"multigpu.launch failed (launcher exit code {code}) before any rank reported; "
+            f"see the messages above and {output_dir}"
+        )
     cause = WorkerFailure.from_dict(root)
     others = [WorkerFailure.from_dict(f) for f in (attempt or {}).get("failures", [])[1:]]
     raised = original_exception(error_path(output_dir / "results", cause.rank), cause.rank)

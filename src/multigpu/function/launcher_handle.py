@@ -39,8 +39,14 @@ class LauncherProcess:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "multigpu.function.launcher", str(os.getpid()), str(reply_write)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=[reply_write], start_new_session=True, env=dict(os.environ), cwd=os.getcwd())
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=[reply_write],
+                start_new_session=True,
+                env=dict(os.environ),
+                cwd=os.getcwd(),
+            )
         except BaseException:
             os.close(reply_read)
             raise
@@ -48,8 +54,10 @@ class LauncherProcess:
             os.close(reply_write)
         self.reply = reply_read
         assert self.process.stdout is not None and self.process.stderr is not None
-        self.streams = {pipe.fileno(): (name, codecs.getincrementaldecoder("utf-8")("replace"))
-                        for pipe, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr"))}
+        self.streams = {
+            pipe.fileno(): (name, codecs.getincrementaldecoder("utf-8")("replace"))
+            for pipe, name in ((self.process.stdout, "stdout"), (self.process.stderr, "stderr"))
+        }
         for fd in self.streams:
             os.set_blocking(fd, False)
         self.open = set(self.streams)

@@ -58,10 +58,19 @@ class MultiGPUManager:
     slots and the backend is gloo.
     """
 
-    def __init__(self, train_func: Callable[..., Any], gpu_ids: str, rdzv_endpoint: str = "localhost:0",
-                 base_rank: int = 0, world_size: int = 0, start_time: datetime | None = None, *,
-                 device: str = "auto", timeout: float | None = None,
-                 grace_period: float = SupervisionConfig.grace_period) -> None:
+    def __init__(
+        self,
+        train_func: Callable[..., Any],
+        gpu_ids: str,
+        rdzv_endpoint: str = "localhost:0",
+        base_rank: int = 0,
+        world_size: int = 0,
+        start_time: datetime | None = None,
+        *,
+        device: str = "auto",
+        timeout: float | None = None,
+        grace_period: float = SupervisionConfig.grace_period,
+    ) -> None:
         if not callable(train_func):
             raise ValueError(f"train_func must be callable, got {train_func!r}")
         if device not in ("auto", "cuda", "cpu"):
@@ -70,8 +79,9 @@ class MultiGPUManager:
         self._device: Device = "cpu" if device == "cpu" else "cuda"
         self._gpu_ids = requested if device == "cpu" else get_gpu_ids(gpu_ids)
         self._endpoint = parse_endpoint(rdzv_endpoint)
-        self._world_size = fm.check_layout(self._endpoint, rdzv_endpoint, base_rank, world_size,
-                                           len(requested))
+        self._world_size = fm.check_layout(
+            self._endpoint, rdzv_endpoint, base_rank, world_size, len(requested)
+        )
         self._train_func, self._base_rank = train_func, base_rank
         self._start_time, self._timeout, self._grace_period = start_time, timeout, grace_period
         self._state = "new"  # -> running -> finalized, or -> failed (setup raised; finalize is a no-op)
@@ -133,8 +143,9 @@ class MultiGPUManager:
             raise self._delivery.error
         crash = self._children.crash if self._children is not None else None
         if crash is not None:
-            raise MultiGPUError(f"multigpu's supervisor thread crashed, so the children's outcome is "
-                                f"unknown: {crash!r}") from crash
+            raise MultiGPUError(
+                f"multigpu's supervisor thread crashed, so the children's outcome is unknown: {crash!r}"
+            ) from crash
         if teardown is not None:
             raise teardown
 
@@ -145,14 +156,22 @@ class MultiGPUManager:
         guard_parent(int(launcher) if launcher else os.getppid())
 
     @staticmethod
-    def initialize_multigpu_train(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int],
-                                  world_size: int) -> bool:
+    def initialize_multigpu_train(
+        rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int
+    ) -> bool:
         """Set this process's rank environment, pick its device, and init the default process group."""
         return join_group(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
 
     @staticmethod
-    def run_child_process(train_func: Callable[..., Any], output_path: str, rdzv_endpoint: str, rank: int,
-                          local_rank: int, gpu_ids: list[int], world_size: int) -> None:
+    def run_child_process(
+        train_func: Callable[..., Any],
+        output_path: str,
+        rdzv_endpoint: str,
+        rank: int,
+        local_rank: int,
+        gpu_ids: list[int],
+        world_size: int,
+    ) -> None:
         """What each spawned rank runs: fix its argv the OTX way, join the group, call ``train_func``."""
         MultiGPUManager.check_parent_processes_alive()
         run_child(train_func, output_path, rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
@@ -162,14 +181,20 @@ class MultiGPUManager:
     def _start(self, prepared: fm.Prepared, undo: contextlib.ExitStack) -> None:
         timeout = dist_timeout_s(self._start_time, self._timeout)
         layout = fm.Layout(self._device, self._gpu_ids, self._endpoint, self._base_rank, self._world_size)
-        config = fm.function_config(prepared.output_dir / fm.PAYLOAD_DIR / "payload.pkl", prepared.output_dir,
-                                    layout, self._grace_period, timeout)
+        config = fm.function_config(
+            prepared.output_dir / fm.PAYLOAD_DIR / "payload.pkl",
+            prepared.output_dir,
+            layout,
+            self._grace_period,
+            timeout,
+        )
         sock = bind_store_socket(self._endpoint) if self._base_rank == 0 else None
         if sock is not None:
             undo.callback(sock.close)
         # This process is a rank too: torch imported as the user's environment says, before the store
         # (whose import_torch_quietly, for the CLI's launcher, then leaves c10's log level alone).
         import torch.distributed  # noqa: F401
+
         self._rdzv = rdzv = rendezvous(config, sock, say_on_stderr)  # no console writer here
         undo.callback(setattr, self, "_rdzv", None)
         if rdzv.one_node:  # this process is rank 0 and serves the store
@@ -178,10 +203,21 @@ class MultiGPUManager:
             undo.callback(setattr, self, "_store", None)
         endpoint = format_endpoint(rdzv.master_addr, rdzv.master_port)
         out = prepared.output_dir
-        fm.write_inputs(prepared, child_entry, (MultiGPUManager.run_child_process, self._train_func,
-                                                   str(out), endpoint, self._gpu_ids, self._world_size))
-        specs = build_specs(config, AttemptContext(rdzv.run_id, out, 0, rdzv.master_addr, rdzv.master_port),
-                            os.environ)
+        fm.write_inputs(
+            prepared,
+            child_entry,
+            (
+                MultiGPUManager.run_child_process,
+                self._train_func,
+                str(out),
+                endpoint,
+                self._gpu_ids,
+                self._world_size,
+            ),
+        )
+        specs = build_specs(
+            config, AttemptContext(rdzv.run_id, out, 0, rdzv.master_addr, rdzv.master_port), os.environ
+        )
         self._delivery = FailureDelivery(on_deliver=lambda: abort_collectives(fm.GROUP_SOCKETS))
         self._delivery.arm()
         undo.callback(self._delivery.disarm)
@@ -193,8 +229,9 @@ class MultiGPUManager:
         self._children.start(specs, undo)
         atexit.register(self._close_at_exit)
         undo.callback(atexit.unregister, self._close_at_exit)
-        group = join_group(endpoint, self._base_rank, 0, self._gpu_ids, self._world_size,
-                           failed=lambda: self._delivery.error)
+        group = join_group(
+            endpoint, self._base_rank, 0, self._gpu_ids, self._world_size, failed=lambda: self._delivery.error
+        )
         if group:
             undo.callback(_destroy_group)
             undo.callback(self._children.stop)  # runs first: no group teardown while children run
@@ -215,8 +252,10 @@ class MultiGPUManager:
         assert self._children is not None
         if not self._children.join(bound):
             self._children.stop()
-            raise MultiGPUError(f"child processes were still running {bound:g}s after rank "
-                                f"{self._base_rank} finished; they were stopped")
+            raise MultiGPUError(
+                f"child processes were still running {bound:g}s after rank "
+                f"{self._base_rank} finished; they were stopped"
+            )
         job = self._rdzv.job if self._rdzv is not None else None
         if job is not None and self._delivery.error is None and self._children.crash is None:
             mark_done(job)

@@ -37,8 +37,12 @@ GROUP_SOCKETS = GroupSockets()
 """The connections of the process group this process created as rank 0 (cut to abort gloo)."""
 
 
-def dist_timeout_s(start_time: datetime | None, explicit: float | None = None,
-                   env: Mapping[str, str] | None = None, now: datetime | None = None) -> float:
+def dist_timeout_s(
+    start_time: datetime | None,
+    explicit: float | None = None,
+    env: Mapping[str, str] | None = None,
+    now: datetime | None = None,
+) -> float:
     """Peers are waited for longer the longer the run has already gone; a user's value always wins."""
     env = os.environ if env is None else env
     if explicit is not None:
@@ -54,16 +58,20 @@ def dist_timeout_s(start_time: datetime | None, explicit: float | None = None,
 def check_layout(endpoint: Endpoint, text: str, base_rank: Any, world_size: Any, local: int) -> int:
     """The constructor's checks of the job's shape; the world size (0: the local count)."""
     if endpoint.port == 0 and not endpoint.is_loopback:
-        raise ValueError(f"rdzv_endpoint {text!r}: port 0 is only allowed on a loopback host; "
-                         "give the port the other nodes will connect to")
+        raise ValueError(
+            f"rdzv_endpoint {text!r}: port 0 is only allowed on a loopback host; "
+            "give the port the other nodes will connect to"
+        )
     if not isinstance(base_rank, int) or base_rank < 0:
         raise ValueError(f"base_rank must be an integer >= 0, got {base_rank!r}")
     if not isinstance(world_size, int) or world_size < 0:
         raise ValueError(f"world_size must be an integer >= 0 (0: the local count), got {world_size!r}")
     world = world_size or local
     if base_rank + local > world:
-        raise ValueError(f"base_rank {base_rank} + {local} local worker(s) exceeds world_size {world}; "
-                         "raise world_size or lower base_rank")
+        raise ValueError(
+            f"base_rank {base_rank} + {local} local worker(s) exceeds world_size {world}; "
+            "raise world_size or lower base_rank"
+        )
     if world > local and endpoint.port == 0:
         raise ValueError("a multi-node job needs a fixed rdzv_endpoint port")
     return world
@@ -131,8 +139,10 @@ def _pickled(obj: Any, what: str) -> bytes:
             return bytes(cloudpickle.dumps(obj))
         return pickle.dumps(obj)
     except Exception as exc:
-        raise MultiGPUError(f"{what} cannot be sent to the child processes: {exc} (use a module-level "
-                            "function, picklable with everything it refers to)") from None
+        raise MultiGPUError(
+            f"{what} cannot be sent to the child processes: {exc} (use a module-level "
+            "function, picklable with everything it refers to)"
+        ) from None
 
 
 def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any, ...]) -> Path:
@@ -146,8 +156,9 @@ def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any,
     with os.fdopen(create_new(payload, 0o600), "wb") as f:
         f.write(data)
     if prepared.hyper_parameters:
-        (prepared.output_dir / HPO_FILE).write_text(json.dumps(prepared.hyper_parameters, indent=2,
-                                                               default=str))
+        (prepared.output_dir / HPO_FILE).write_text(
+            json.dumps(prepared.hyper_parameters, indent=2, default=str)
+        )
     return payload
 
 
@@ -162,14 +173,22 @@ class Layout:
     world_size: int
 
 
-def function_config(payload: Path, output_dir: Path, layout: Layout, grace_period: float,
-                    timeout: float) -> RunConfig:
+def function_config(
+    payload: Path, output_dir: Path, layout: Layout, grace_period: float, timeout: float
+) -> RunConfig:
     """The run as ``multigpu run`` would see it: the same rendezvous and spec builder take it from here."""
     device, gpu_ids = layout.device, layout.gpu_ids
     return RunConfig(
-        target=str(payload), function=True, first_local_rank=1, device=device, nproc=len(gpu_ids),
-        gpus=tuple(gpu_ids) if device == "cuda" else (), base_rank=layout.base_rank,
-        world_size=layout.world_size, rdzv=RendezvousConfig(endpoint=layout.endpoint),
+        target=str(payload),
+        function=True,
+        first_local_rank=1,
+        device=device,
+        nproc=len(gpu_ids),
+        gpus=tuple(gpu_ids) if device == "cuda" else (),
+        base_rank=layout.base_rank,
+        world_size=layout.world_size,
+        rdzv=RendezvousConfig(endpoint=layout.endpoint),
         supervision=SupervisionConfig(grace_period=grace_period),
         output=OutputConfig(dir=output_dir, status="off"),
-        extra_env={TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(timeout))})
+        extra_env={TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(timeout))},
+    )

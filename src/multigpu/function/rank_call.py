@@ -71,9 +71,11 @@ def call_in_rank(blob: bytes, results: str) -> None:
         value = fn(*args, **kwargs)
         data = dumps_value(value)
         if len(data) > RESULT_LIMIT_BYTES:
-            raise ValueError(f"rank {rank}'s return value is {len(data)} bytes pickled, over "
-                             f"multigpu.launch's limit of {RESULT_LIMIT_BYTES} bytes; write it to a file "
-                             "and return the path")
+            raise ValueError(
+                f"rank {rank}'s return value is {len(data)} bytes pickled, over "
+                f"multigpu.launch's limit of {RESULT_LIMIT_BYTES} bytes; write it to a file "
+                "and return the path"
+            )
     except BaseException as exc:
         _keep_exception(exc, error_path(results, rank))
         raise

@@ -41,8 +41,9 @@ Legitimately, the phase takes milliseconds: every peer is past the count and cre
 POLL_S = 0.02
 
 
-def wait_for_every_rank(store: Any, key: str, world_size: int, timeout: float,
-                        failed: Callable[[], BaseException | None]) -> None:
+def wait_for_every_rank(
+    store: Any, key: str, world_size: int, timeout: float, failed: Callable[[], BaseException | None]
+) -> None:
     """Count this rank in under ``key`` and wait, in Python, until all ``world_size`` ranks are.
 
     The wait ends with ``failed()``'s error as soon as it returns one (a child died before joining),
@@ -64,8 +65,9 @@ def become_rank_environ(run_id: str, out: Path, device: Device, timeout: float) 
     """The job's keys in this process's environment; returns what to restore."""
     saved = {key: os.environ.get(key) for key in (*CONTRACT_KEYS, TIMEOUT_ENV)}
     os.environ.setdefault(TIMEOUT_ENV, str(timeout))
-    os.environ.update({RUN_ID_ENV: run_id, "TORCHELASTIC_RUN_ID": run_id, OUTPUT_DIR_ENV: str(out),
-                       DEVICE_ENV: device})
+    os.environ.update(
+        {RUN_ID_ENV: run_id, "TORCHELASTIC_RUN_ID": run_id, OUTPUT_DIR_ENV: str(out), DEVICE_ENV: device}
+    )
     return saved
 
 
@@ -78,8 +80,14 @@ def restore_environ(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int,
-               failed: Callable[[], BaseException | None] | None = None) -> bool:
+def join_group(
+    rdzv_endpoint: str,
+    rank: int,
+    local_rank: int,
+    gpu_ids: list[int],
+    world_size: int,
+    failed: Callable[[], BaseException | None] | None = None,
+) -> bool:
     """Set this process's rank environment, pick its device, and init the default process group.
 
     Every rank first counts itself in through the store (``wait_for_every_rank``). The caller (it
@@ -94,9 +102,13 @@ def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int
 
     device = device_named(os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu"))
     placement = RankPlacement.on_node(rank, local_rank, world_size, len(gpu_ids))
-    job = JobContext(master_addr=endpoint.bind_host, master_port=endpoint.port, device=device,
-                     run_id=os.environ.get("TORCHELASTIC_RUN_ID", "multigpu"),
-                     output_dir=os.environ.get(OUTPUT_DIR_ENV))
+    job = JobContext(
+        master_addr=endpoint.bind_host,
+        master_port=endpoint.port,
+        device=device,
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "multigpu"),
+        output_dir=os.environ.get(OUTPUT_DIR_ENV),
+    )
     os.environ.update(rank_env(placement, job))  # the one place: this process becomes the rank
     if device == "cuda":
         torch.cuda.set_device(gpu_ids[local_rank])
@@ -107,10 +119,17 @@ def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int
     try:
         with GROUP_SOCKETS.recording(store_port=endpoint.port):
             store = connect_store(endpoint.bind_host, endpoint.port, timeout.total_seconds())
-            wait_for_every_rank(store, f"multigpu/joined/{job.run_id}", world_size, timeout.total_seconds(),
-                                failed or (lambda: None))
-            dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=CONNECT_TIMEOUT_S) if bounded else timeout)
+            wait_for_every_rank(
+                store,
+                f"multigpu/joined/{job.run_id}",
+                world_size,
+                timeout.total_seconds(),
+                failed or (lambda: None),
+            )
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo",
+                timeout=timedelta(seconds=CONNECT_TIMEOUT_S) if bounded else timeout,
+            )
         if bounded:  # the connect phase is over: collectives and the store get the full timeout again
             dist.distributed_c10d._set_pg_timeout(timeout)
             dist.distributed_c10d._get_default_store().set_timeout(timeout)
@@ -124,8 +143,15 @@ def join_group(rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int
     return True
 
 
-def run_child(train_func: Callable[..., Any], output_path: str, rdzv_endpoint: str, rank: int,
-              local_rank: int, gpu_ids: list[int], world_size: int) -> None:
+def run_child(
+    train_func: Callable[..., Any],
+    output_path: str,
+    rdzv_endpoint: str,
+    rank: int,
+    local_rank: int,
+    gpu_ids: list[int],
+    world_size: int,
+) -> None:
     """What each spawned rank runs: fix its argv the OTX way, join the group, call ``train_func``."""
     sys.argv = remove_option(sys.argv, "--gpus")
     sys.argv = remove_option(sys.argv, "--enable-hpo", takes_value=False)
@@ -139,8 +165,21 @@ def run_child(train_func: Callable[..., Any], output_path: str, rdzv_endpoint: s
         dist.destroy_process_group()
 
 
-def child_entry(run_child_process: Callable[..., None], train_func: Callable[..., Any], output_path: str,
-                rdzv_endpoint: str, gpu_ids: list[int], world_size: int) -> None:
+def child_entry(
+    run_child_process: Callable[..., None],
+    train_func: Callable[..., Any],
+    output_path: str,
+    rdzv_endpoint: str,
+    gpu_ids: list[int],
+    world_size: int,
+) -> None:
     """The payload's call: one payload for every child, each reading its own rank from its environment."""
-    run_child_process(train_func, output_path, rdzv_endpoint, int(os.environ["RANK"]),
-                      int(os.environ["LOCAL_RANK"]), gpu_ids, world_size)
+    run_child_process(
+        train_func,
+        output_path,
+        rdzv_endpoint,
+        int(os.environ["RANK"]),
+        int(os.environ["LOCAL_RANK"]),
+        gpu_ids,
+        world_size,
+    )

@@ -64,8 +64,14 @@ class SpawnContext:
         return True
 
 
-def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn") -> SpawnContext | None:
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
+) -> SpawnContext | None:
     """``torch.multiprocessing.spawn``, ranks forked from the warm template."""
     gpus = len(visible_gpus())
     device = "cuda" if 0 < nprocs <= gpus else "cpu"
@@ -100,8 +106,17 @@ def as_torch_error(exc: BaseException) -> BaseException:
             message = f"\n\n-- Process {root.rank} terminated with the following error:\n{root.traceback}"
             return ProcessRaisedException(message, root.rank, root.pid or 0)
         if root.signal:
-            return ProcessExitedException(f"process {root.rank} terminated with signal {root.signal}",
-                                          root.rank, root.pid or 0, root.exit_code or 0, root.signal)
-        return ProcessExitedException(f"process {root.rank} terminated with exit code {root.exit_code}",
-                                      root.rank, root.pid or 0, root.exit_code or 0)
+            return ProcessExitedException(
+                f"process {root.rank} terminated with signal {root.signal}",
+                root.rank,
+                root.pid or 0,
+                root.exit_code or 0,
+                root.signal,
+            )
+        return ProcessExitedException(
+            f"process {root.rank} terminated with exit code {root.exit_code}",
+            root.rank,
+            root.pid or 0,
+            root.exit_code or 0,
+        )
     return exc

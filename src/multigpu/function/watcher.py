@@ -37,9 +37,12 @@ class ChildWatcher:
         """What broke the watcher thread itself: the children's outcome is then unknown."""
 
     def start(self, specs: list[WorkerSpec], undo: contextlib.ExitStack) -> None:
-        self.supervisor = Supervisor(specs, sink=PrefixedConsole(),
-                                     options=SupervisorOptions(grace_period=self.grace_period),
-                                     hooks=Hooks(on_failing=self._child_failing))
+        self.supervisor = Supervisor(
+            specs,
+            sink=PrefixedConsole(),
+            options=SupervisorOptions(grace_period=self.grace_period),
+            hooks=Hooks(on_failing=self._child_failing),
+        )
         undo.callback(self.stop)
         self.supervisor.start()
         if self.job is not None:
@@ -93,8 +96,11 @@ class ChildWatcher:
             self._watch_children()
         except BaseException as exc:  # kept: finalize() must not read this as success
             self.crash = exc
-            print(f"multigpu: the supervisor thread crashed: {exc!r}; finalize() will raise",
-                  file=sys.stderr, flush=True)
+            print(
+                f"multigpu: the supervisor thread crashed: {exc!r}; finalize() will raise",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _watch_children(self) -> None:
         supervisor = self.supervisor

@@ -86,13 +86,21 @@ def open_payload(path: str) -> BinaryIO:
     this user; a payload that fails the check is refused, naming what is wrong."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     st = os.fstat(fd)
-    wrong = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
-             else f"belongs to uid {st.st_uid}, not this user's {os.geteuid()}" if st.st_uid != os.geteuid()
-             else f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0600" if st.st_mode & 0o077 else None)
+    wrong = (
+        "is not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"belongs to uid {st.st_uid}, not this user's {os.geteuid()}"
+        if st.st_uid != os.geteuid()
+        else f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+        if st.st_mode & 0o077
+        else None
+    )
     if wrong is not None:
         os.close(fd)
-        raise PermissionError(f"multigpu: refusing the function-mode payload {path}: it {wrong}; it is "
-                              f"not the file the caller wrote")
+        raise PermissionError(
+            f"multigpu: refusing the function-mode payload {path}: it {wrong}; it is "
+            f"not the file the caller wrote"
+        )
     return os.fdopen(fd, "rb")
 
 

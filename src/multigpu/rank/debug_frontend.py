@@ -42,8 +42,11 @@ def guard(frontend: Any, token: str) -> None:
     def guarded(self: Any, req: Any) -> None:
         query = req.get_query_arg("token")
         if not admitted(token, query, req.headers.get("Cookie", "")):
-            req.send_error(403, "this debug page wants the run's token: open the address its launcher "
-                                "printed (it ends in ?token=...)")
+            req.send_error(
+                403,
+                "this debug page wants the run's token: open the address its launcher "
+                "printed (it ends in ?token=...)",
+            )
             return
         req.multigpu_set_cookie = query is not None
         handle(self, req)
@@ -78,8 +81,14 @@ def main(argv: list[str]) -> None:
             super().server_bind()
 
     _frontend._IPv6HTTPServer = BoundServer  # type: ignore[misc]
-    _frontend.main(port=port, dump_dir=None, dump_interval=60.0, handlers=default_handlers(),
-                   enabled_dumps=set(), fetch_timeout=10.0)
+    _frontend.main(
+        port=port,
+        dump_dir=None,
+        dump_interval=60.0,
+        handlers=default_handlers(),
+        enabled_dumps=set(),
+        fetch_timeout=10.0,
+    )
 
 
 if __name__ == "__main__":

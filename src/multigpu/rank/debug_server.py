@@ -44,8 +44,12 @@ def start_if_asked() -> None:
     try:
         _start(*asked)
     except Exception as exc:
-        print(f"multigpu: rank {os.environ.get('RANK', '?')}: the debug server did not start: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(
+            f"multigpu: rank {os.environ.get('RANK', '?')}: the debug server did not start: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def url_host(host: str) -> str:
@@ -80,14 +84,14 @@ class _TokenProxy(BaseHTTPRequestHandler):
 
     def _forward(self, method: str) -> None:
         prefix = f"/{self.token}/"
-        if not hmac.compare_digest(self.path[:len(prefix)].encode(), prefix.encode()):
+        if not hmac.compare_digest(self.path[: len(prefix)].encode(), prefix.encode()):
             self.send_error(403, "this debug server wants the run's token (printed by its launcher)")
             return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         conn = _UnixHTTPConnection(self.target, timeout=60)
         try:
-            conn.request(method, "/" + self.path[len(prefix):], body=body)
+            conn.request(method, "/" + self.path[len(prefix) :], body=body)
             reply = conn.getresponse()
             data = reply.read()
         except OSError as exc:
@@ -129,10 +133,15 @@ def _start(host: str, port: int, token: str) -> None:
     server = _WorkerServer(target)
     proxy = serve_with_token(host, token, target)
     _KEEP.extend([server, proxy])
-    store = PrefixStore("debug_server", TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                 is_master=False))
+    store = PrefixStore(
+        "debug_server", TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    )
     rank = int(os.environ["RANK"])
     store.set(f"rank{rank}", f"http://{url_host(host)}:{proxy.server_address[1]}/{token}")
     if rank == 0:
-        _KEEP.append(subprocess.Popen([sys.executable, "-m", "multigpu.rank.debug_frontend", host, str(port),
-                                       str(os.getpid())], stdin=subprocess.DEVNULL))
+        _KEEP.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "multigpu.rank.debug_frontend", host, str(port), str(os.getpid())],
+                stdin=subprocess.DEVNULL,
+            )
+        )

@@ -27,8 +27,9 @@ def finish_like_exit() -> None:
         shutdown()
     else:
         current = threading.current_thread()
-        while waiting := [t for t in threading.enumerate()
-                          if t is not current and not t.daemon and t.is_alive()]:
+        while waiting := [
+            t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()
+        ]:
             for thread in waiting:
                 thread.join()
     atexit._run_exitfuncs()

@@ -99,8 +99,9 @@ def guard_parent(expected_parent: int | None) -> None:
     if pidfd is not None and os.environ.pop(SENTINEL_ENV, None) is None:
         start_sentinel(pidfd)  # no node sentinel watches this rank (function mode): its own
     set_child_subreaper()
-    threading.Thread(target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(pidfd, expected_parent), name="multigpu-parent-watch", daemon=True
+    ).start()
 
 
 _guarded = False

@@ -115,8 +115,11 @@ def should_stop(step: int) -> bool:
     try:
         return _agree(state, step)
     except Exception as exc:  # the store is gone: the job is ending anyway; save what this rank can
-        print(f"multigpu: cannot agree on a stop step through the store ({exc}); stopping at step "
-              f"{step}", file=sys.stderr, flush=True)
+        print(
+            f"multigpu: cannot agree on a stop step through the store ({exc}); stopping at step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
         state.stop = step
         return True
 
@@ -145,8 +148,13 @@ def _store(state: _State) -> Any:
     if state.store is None:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-        state.store = TCPStore(state.env["MASTER_ADDR"], int(state.env["MASTER_PORT"]), None, False,
-                               timedelta(seconds=STORE_TIMEOUT_S))
+        state.store = TCPStore(
+            state.env["MASTER_ADDR"],
+            int(state.env["MASTER_PORT"]),
+            None,
+            False,
+            timedelta(seconds=STORE_TIMEOUT_S),
+        )
     return state.store
 
 

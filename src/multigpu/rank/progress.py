@@ -110,8 +110,9 @@ def watch_collectives(every_s: float = COLLECTIVES_EVERY_S, poll_s: float = ENTR
     """Start the thread that beats ``C<n>;`` whenever the number of collectives entered changed, and the
     world group's entry times. Started by ``attach``, after the bootstrap blocked the dump signal, so
     the thread inherits the block."""
-    threading.Thread(target=_watch_collectives, args=(every_s, poll_s), name="multigpu-collectives",
-                     daemon=True).start()
+    threading.Thread(
+        target=_watch_collectives, args=(every_s, poll_s), name="multigpu-collectives", daemon=True
+    ).start()
 
 
 def _watch_collectives(every_s: float, poll_s: float) -> None:

@@ -57,8 +57,11 @@ def format_report(result: RunResult, workers: list[Worker], *, attempt: int = 0)
             lines.append(_indent(fold_own_frames(dump)))
     failed = {f.rank for f in result.failures}
     ctrl_c = result.status is RunStatus.INTERRUPTED and result.signal == signal.SIGINT
-    lines += [line for w in workers if w.rank not in failed
-              and (line := (ctrl_c and interrupted_line(w)) or other_rank_line(w))]
+    lines += [
+        line
+        for w in workers
+        if w.rank not in failed and (line := (ctrl_c and interrupted_line(w)) or other_rank_line(w))
+    ]
     return "\n".join(lines)
 
 
@@ -81,8 +84,11 @@ def interrupted_line(w: Worker) -> str | None:
     if text is None:
         return None
     where = innermost_user_frame(text)
-    return f"rank {w.rank} interrupted in {where}" if where else \
-        f"rank {w.rank} interrupted while starting, before its script ran"
+    return (
+        f"rank {w.rank} interrupted in {where}"
+        if where
+        else f"rank {w.rank} interrupted while starting, before its script ran"
+    )
 
 
 def last_interrupt_traceback(lines: Iterable[str]) -> str | None:
@@ -91,7 +97,7 @@ def last_interrupt_traceback(lines: Iterable[str]) -> str | None:
     heads = [i for i, line in enumerate(lines) if line.rstrip() == "Traceback (most recent call last):"]
     if not heads:
         return None
-    block = lines[heads[-1]:]
+    block = lines[heads[-1] :]
     ends = [line for line in block[1:] if line[:1] not in ("", " ", "\t")]
     return "\n".join(block) if ends and ends[0].startswith("KeyboardInterrupt") else None
 
@@ -151,6 +157,8 @@ def plain_summary(workers: list[Worker]) -> str:
     for w in workers:
         end = w.exit_text
         took = (w.end_time or time.time()) - (w.start_time or time.time())
-        rows.append(f"  rank {w.rank:<3} pid {w.pid!s:<8} {w.spec.device:<8} {w.state.value:<10} "
-                    f"{end:<10} {took:6.1f}s")
+        rows.append(
+            f"  rank {w.rank:<3} pid {w.pid!s:<8} {w.spec.device:<8} {w.state.value:<10} "
+            f"{end:<10} {took:6.1f}s"
+        )
     return "\n".join(["multigpu: summary", *rows])

@@ -128,12 +128,16 @@ def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
     without the sticky bit (the one-line refusal names ``path``, the folder asked for)."""
     st = os.stat(folder)
     if st.st_uid not in owners:
-        raise UsageError(f"output folder {path}: {folder} belongs to user {_user_name(st.st_uid)}, who "
-                         f"could redirect what this run writes; give the run a folder of your own")
+        raise UsageError(
+            f"output folder {path}: {folder} belongs to user {_user_name(st.st_uid)}, who "
+            f"could redirect what this run writes; give the run a folder of your own"
+        )
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise UsageError(f"output folder {path}: {folder} is writable by every user (and has no sticky "
-                         f"bit), who could redirect what this run writes; give the run a folder of "
-                         f"your own, or 'chmod o-w {folder}'")
+        raise UsageError(
+            f"output folder {path}: {folder} is writable by every user (and has no sticky "
+            f"bit), who could redirect what this run writes; give the run a folder of "
+            f"your own, or 'chmod o-w {folder}'"
+        )
 
 
 def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None:
@@ -167,8 +171,10 @@ def _lock(path: Path, lock: Path) -> int:
     except OSError:
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another run"
         os.close(fd)
-        raise UsageError(f"output folder {path} is in use by {holder}; give this run its own "
-                         f"--output (or wait for that run to end)") from None
+        raise UsageError(
+            f"output folder {path} is in use by {holder}; give this run its own "
+            f"--output (or wait for that run to end)"
+        ) from None
     return fd
 
 
@@ -185,5 +191,7 @@ def raise_open_file_limit(nproc: int) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     need = FDS_BASE + FDS_PER_RANK * nproc
     if soft < need:
-        raise UsageError(f"{nproc} rank(s) need about {need} open files in the launcher, but the limit "
-                         f"is {soft} (hard limit {hard}); raise it, e.g. 'ulimit -n {need}'")
+        raise UsageError(
+            f"{nproc} rank(s) need about {need} open files in the launcher, but the limit "
+            f"is {soft} (hard limit {hard}); raise it, e.g. 'ulimit -n {need}'"
+        )

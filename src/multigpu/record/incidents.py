@@ -18,9 +18,12 @@ from multigpu.contract.errors import FailureKind
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus
 
-PHASES = (("failed_time", "detected_time", "detect"), ("detected_time", "stopped_time", "stop"),
-          ("stopped_time", "next_attempt_time", "meet again"),
-          ("next_attempt_time", "next_first_step_time", "first step"))
+PHASES = (
+    ("failed_time", "detected_time", "detect"),
+    ("detected_time", "stopped_time", "stop"),
+    ("stopped_time", "next_attempt_time", "meet again"),
+    ("next_attempt_time", "next_first_step_time", "first step"),
+)
 """(from, to, the column's name): the intervals ``multigpu report`` shows."""
 
 
@@ -38,11 +41,22 @@ def incident(attempt: int, result: RunResult, now: float) -> dict[str, Any] | No
     detected = result.detected_time or now
     failed = root.time if root is not None and root.time else detected
     # An elastic round that ended for a node joining or leaving failed nothing: its own kind.
-    kind = "membership change" if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE else \
-        result.status.value
-    return {"attempt": attempt, "kind": kind, "rank": root.rank if root else None,
-            "what": what, "failed_time": min(failed, detected), "detected_time": detected,
-            "stopped_time": now, "next_attempt_time": None, "next_first_step_time": None}
+    kind = (
+        "membership change"
+        if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE
+        else result.status.value
+    )
+    return {
+        "attempt": attempt,
+        "kind": kind,
+        "rank": root.rank if root else None,
+        "what": what,
+        "failed_time": min(failed, detected),
+        "detected_time": detected,
+        "stopped_time": now,
+        "next_attempt_time": None,
+        "next_first_step_time": None,
+    }
 
 
 def next_attempt_began(incidents: list[dict[str, Any]], now: float) -> None:

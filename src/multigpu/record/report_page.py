@@ -16,8 +16,15 @@ from typing import Any
 from multigpu.contract.errors import UsageError
 from multigpu.record.incidents import PHASES, phase_seconds
 
-COLOURS = {"succeeded": "#2e7d32", "failed": "#c62828", "stopped": "#9e9e9e", "running": "#1565c0",
-           "hung": "#ef6c00", "interrupted": "#6a1b9a", "launcher lost": "#616161"}
+COLOURS = {
+    "succeeded": "#2e7d32",
+    "failed": "#c62828",
+    "stopped": "#9e9e9e",
+    "running": "#1565c0",
+    "hung": "#ef6c00",
+    "interrupted": "#6a1b9a",
+    "launcher lost": "#616161",
+}
 
 
 def find_run(arg: str | None) -> Path:
@@ -39,8 +46,10 @@ def seconds_text(value: float | None) -> str:
 
 def table(data: dict[str, Any]) -> list[str]:
     items = data.get("incidents") or []
-    lines = [f"run {data['run_id']}: {data['status']}, {len(data['attempts'])} attempt(s), "
-             f"{len(items)} incident(s)"]
+    lines = [
+        f"run {data['run_id']}: {data['status']}, {len(data['attempts'])} attempt(s), "
+        f"{len(items)} incident(s)"
+    ]
     if not items:
         return lines
     head = ["attempt", *(name for _, _, name in PHASES), "what"]
@@ -56,8 +65,12 @@ def timeline_svg(data: dict[str, Any]) -> str:
     a red line at each incident's failure and a dashed one where the next attempt began."""
     ranks = sorted({int(r) for a in data["attempts"] for r in a["ranks"]})
     starts = [r["start_time"] for a in data["attempts"] for r in a["ranks"].values() if r.get("start_time")]
-    ends = [r.get("end_time") or data.get("end_time") or r["start_time"]
-            for a in data["attempts"] for r in a["ranks"].values() if r.get("start_time")]
+    ends = [
+        r.get("end_time") or data.get("end_time") or r["start_time"]
+        for a in data["attempts"]
+        for r in a["ranks"].values()
+        if r.get("start_time")
+    ]
     if not ranks or not starts:
         return "<p>No rank started.</p>"
     t0, t1 = min(starts), max(max(ends), min(starts) + 0.001)
@@ -75,46 +88,64 @@ def timeline_svg(data: dict[str, Any]) -> str:
                 continue
             end = r.get("end_time") or data.get("end_time") or t1
             colour = COLOURS.get(r.get("state", ""), "#607d8b")
-            parts.append(f'<rect class="life" x="{x(r["start_time"]):.1f}" y="{i * row + 6}" '
-                         f'width="{max(x(end) - x(r["start_time"]), 2):.1f}" height="{row - 10}" '
-                         f'fill="{colour}"><title>attempt {attempt["attempt"]}: rank {rank} '
-                         f'{html.escape(r.get("state", ""))}</title></rect>')
+            parts.append(
+                f'<rect class="life" x="{x(r["start_time"]):.1f}" y="{i * row + 6}" '
+                f'width="{max(x(end) - x(r["start_time"]), 2):.1f}" height="{row - 10}" '
+                f'fill="{colour}"><title>attempt {attempt["attempt"]}: rank {rank} '
+                f"{html.escape(r.get('state', ''))}</title></rect>"
+            )
             parts.extend(_straggling(attempt, rank, end, i * row, x))
     bottom = row * len(ranks) + 10
     for item in data.get("incidents") or []:
-        parts.append(f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
-                     f'x2="{x(item["failed_time"]):.1f}" y2="{bottom}" stroke="#b71c1c" stroke-width="2"/>')
+        parts.append(
+            f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
+            f'x2="{x(item["failed_time"]):.1f}" y2="{bottom}" stroke="#b71c1c" stroke-width="2"/>'
+        )
         if item.get("next_attempt_time"):
-            parts.append(f'<line class="restart" x1="{x(item["next_attempt_time"]):.1f}" y1="0" '
-                         f'x2="{x(item["next_attempt_time"]):.1f}" y2="{bottom}" stroke="#0d47a1" '
-                         f'stroke-dasharray="4 3"/>')
-    parts.append(f'<text x="{left}" y="{bottom + 24}" font-size="12">0 s</text>'
-                 f'<text x="{width - 70}" y="{bottom + 24}" font-size="12">{t1 - t0:.1f} s</text></svg>')
+            parts.append(
+                f'<line class="restart" x1="{x(item["next_attempt_time"]):.1f}" y1="0" '
+                f'x2="{x(item["next_attempt_time"]):.1f}" y2="{bottom}" stroke="#0d47a1" '
+                f'stroke-dasharray="4 3"/>'
+            )
+    parts.append(
+        f'<text x="{left}" y="{bottom + 24}" font-size="12">0 s</text>'
+        f'<text x="{width - 70}" y="{bottom + 24}" font-size="12">{t1 - t0:.1f} s</text></svg>'
+    )
     return "".join(parts)
 
 
-def _straggling(attempt: dict[str, Any], rank: int, end: float, top: float,
-                x: Callable[[float], float]) -> list[str]:
+def _straggling(
+    attempt: dict[str, Any], rank: int, end: float, top: float, x: Callable[[float], float]
+) -> list[str]:
     """An orange band inside the rank's bar while it was a straggler (``progress.straggling``)."""
     progress = (attempt.get("progress") or {}).get(str(rank)) or {}
     bands = []
     for span in progress.get("straggling") or []:
         until = span.get("end_time") or end
         title = html.escape(progress.get("straggler") or f"rank {rank} was a straggler")
-        bands.append(f'<rect class="straggler" x="{x(span["start_time"]):.1f}" y="{top + 10}" '
-                     f'width="{max(x(until) - x(span["start_time"]), 2):.1f}" height="10" '
-                     f'fill="#ff9800"><title>{title}</title></rect>')
+        bands.append(
+            f'<rect class="straggler" x="{x(span["start_time"]):.1f}" y="{top + 10}" '
+            f'width="{max(x(until) - x(span["start_time"]), 2):.1f}" height="10" '
+            f'fill="#ff9800"><title>{title}</title></rect>'
+        )
     return bands
 
 
 def page(data: dict[str, Any]) -> str:
     head = "".join(f"<th>{name}</th>" for name in ("attempt", *(n for _, _, n in PHASES), "what"))
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in
-                         (str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"])) + "</tr>"
-        for i in data.get("incidents") or [])
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(c)}</td>"
+            for c in (str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"])
+        )
+        + "</tr>"
+        for i in data.get("incidents") or []
+    )
     run = html.escape(data["run_id"])
     style = "body{font-family:sans-serif;margin:20px}td,th{padding:2px 10px;text-align:left}"
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>multigpu run {run}</title>"
-            f"<style>{style}</style></head><body><h1>run {run}: {html.escape(data['status'])}</h1>"
-            f"{timeline_svg(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>multigpu run {run}</title>"
+        f"<style>{style}</style></head><body><h1>run {run}: {html.escape(data['status'])}</h1>"
+        f"{timeline_svg(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n"
+    )

@@ -64,8 +64,11 @@ def with_utc_times(data: Any) -> Any:
     out: dict[str, Any] = {}
     for key, value in data.items():
         out[key] = with_utc_times(value)
-        if (key == "time" or key.endswith("_time")) and isinstance(value, (int, float)) \
-                and not isinstance(value, bool):
+        if (
+            (key == "time" or key.endswith("_time"))
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        ):
             stamp = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
             out[f"{key}_utc"] = stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     return out
@@ -78,7 +81,9 @@ def _config_dict(config: RunConfig) -> dict[str, Any]:
     data["output"].update(
         log_ranks=sorted(out.log_ranks) if out.log_ranks is not None else None,
         local_ranks_filter=sorted(out.local_ranks_filter) if out.local_ranks_filter is not None else None,
-        redirects=out.redirects.text, tee=out.tee.text)
+        redirects=out.redirects.text,
+        tee=out.tee.text,
+    )
     data["rdzv"]["endpoint"] = str(config.rdzv.endpoint) if config.rdzv.endpoint else None
     data.pop("extra_env", None)
     return data
@@ -102,8 +107,15 @@ RunEnd = Literal["succeeded", "failed", "interrupted", "preempted"]
 class RunRecord:
     """Listens to the supervisor and rewrites run.json on every state change."""
 
-    def __init__(self, path: Path, config: RunConfig, run_id: str, devices: list[str],
-                 command: list[str] | None = None, notify: Callable[[str], None] = say_on_stderr) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: RunConfig,
+        run_id: str,
+        devices: list[str],
+        command: list[str] | None = None,
+        notify: Callable[[str], None] = say_on_stderr,
+    ) -> None:
         self.path = path
         self._notify = notify
         """Where the one line of a record that cannot be updated goes (the run's console)."""
@@ -129,22 +141,38 @@ class RunRecord:
         self._created = True
 
     @classmethod
-    def create(cls, path: Path, config: RunConfig, run_id: str, devices: list[str], *,
-               notify: Callable[[str], None] = say_on_stderr) -> RunRecord:
+    def create(
+        cls,
+        path: Path,
+        config: RunConfig,
+        run_id: str,
+        devices: list[str],
+        *,
+        notify: Callable[[str], None] = say_on_stderr,
+    ) -> RunRecord:
         """A new record, or one line (exit 2) when its folder cannot take it: before any worker runs."""
         try:
             return cls(path, config, run_id, devices, notify=notify)
         except OSError as exc:
-            raise UsageError(f"output folder {path.parent}: cannot write {path.name}: "
-                             f"{exc.strerror or exc}") from None
+            raise UsageError(
+                f"output folder {path.parent}: cannot write {path.name}: {exc.strerror or exc}"
+            ) from None
 
     def begin_attempt(self, attempt: int, master_addr: str, master_port: int) -> None:
         incidents.next_attempt_began(self.data["incidents"], time.time())
         self.data["status"] = "running"
         self.data["config"]["rdzv"]["endpoint"] = f"{master_addr}:{master_port}"  # the port bound
-        self.data["attempts"].append({"attempt": attempt, "master_addr": master_addr,
-                                      "master_port": master_port, "status": "running", "ranks": {},
-                                      "root_cause": None, "failures": []})
+        self.data["attempts"].append(
+            {
+                "attempt": attempt,
+                "master_addr": master_addr,
+                "master_port": master_port,
+                "status": "running",
+                "ranks": {},
+                "root_cause": None,
+                "failures": [],
+            }
+        )
         self.write()
 
     def on_workers_change(self, workers: Sequence[Worker]) -> None:
@@ -220,8 +248,10 @@ class RunRecord:
                 raise  # the first write, before any worker: the caller turns it into one line
             if self._write_error is None:
                 self._write_error = exc.strerror or str(exc)
-                self._notify(f"cannot update {self.path}: {self._write_error}; it stays as last written "
-                             f"until a write succeeds")
+                self._notify(
+                    f"cannot update {self.path}: {self._write_error}; it stays as last written "
+                    f"until a write succeeds"
+                )
             return
         self._write_error = None
 
@@ -260,8 +290,13 @@ def launcher_identity() -> dict[str, Any]:
     """What tells this launcher apart from any later process: its pid, the pid's start time (a reused
     pid has another), the host and the boot it runs in, and its user. Runs in the launcher."""
     started = start_time_of(os.getpid())
-    return {"pid": os.getpid(), "start_time": started if started is not None else time.time(),
-            "host": socket.gethostname(), "boot_id": boot_id(), "uid": os.getuid()}
+    return {
+        "pid": os.getpid(),
+        "start_time": started if started is not None else time.time(),
+        "host": socket.gethostname(),
+        "boot_id": boot_id(),
+        "uid": os.getuid(),
+    }
 
 
 @dataclass(frozen=True)
@@ -273,22 +308,30 @@ class LauncherFate:
     line: str
 
 
-def launcher_fate(data: dict[str, Any], host: str, boot: str | None,
-                  started: Callable[[int], float | None] = start_time_of) -> LauncherFate:
+def launcher_fate(
+    data: dict[str, Any], host: str, boot: str | None, started: Callable[[int], float | None] = start_time_of
+) -> LauncherFate:
     """Whether the launcher of an unfinished record is still running, judged from this host."""
     launcher = data.get("launcher")
     if not isinstance(launcher, dict):
-        return LauncherFate("unknown", "its run.json does not name its launcher (an older multigpu wrote "
-                                       "it): cannot tell whether it is still running")
+        return LauncherFate(
+            "unknown",
+            "its run.json does not name its launcher (an older multigpu wrote "
+            "it): cannot tell whether it is still running",
+        )
     pid, where = launcher["pid"], launcher["host"]
     if where != host or launcher.get("boot_id") != boot:
         other = f"on {where}" if where != host else f"on {where} in an earlier boot"
-        return LauncherFate("unknown", f"its launcher (pid {pid}) runs {other}, and this is {host}: cannot "
-                                       "tell whether it is still running; ask there")
+        return LauncherFate(
+            "unknown",
+            f"its launcher (pid {pid}) runs {other}, and this is {host}: cannot "
+            "tell whether it is still running; ask there",
+        )
     now = started(pid)
     if now is None or abs(now - float(launcher["start_time"])) > SAME_START_S:
-        return LauncherFate("gone", f"{LOST}: pid {pid} on {where} is gone (its run.json still says "
-                                    f"{data.get('status')})")
+        return LauncherFate(
+            "gone", f"{LOST}: pid {pid} on {where} is gone (its run.json still says {data.get('status')})"
+        )
     return LauncherFate("alive", f"its launcher, pid {pid} on {where}, is running")
 
 

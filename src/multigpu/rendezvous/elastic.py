@@ -56,8 +56,14 @@ class ElasticSettings:
     is_host: bool | None = None
 
 
-_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
-            "keep_alive_interval", "read_timeout")
+_SECONDS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "read_timeout",
+)
 OTHER_SECONDS = ("timeout", "heartbeat")
 """Keys torchrun's other rendezvous backends read as seconds: checked, not used by c10d."""
 TRUTHY, FALSY = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -73,8 +79,9 @@ def settings_from(conf: Mapping[str, str]) -> ElasticSettings:
             if key in _SECONDS:
                 values[key] = number
     if "keep_alive_max_attempt" in conf:
-        values["keep_alive_max_attempt"] = integer(conf["keep_alive_max_attempt"],
-                                                   "--rdzv-conf keep_alive_max_attempt", 1)
+        values["keep_alive_max_attempt"] = integer(
+            conf["keep_alive_max_attempt"], "--rdzv-conf keep_alive_max_attempt", 1
+        )
     if "is_host" in conf:
         flag = conf["is_host"].strip().lower()
         if flag not in TRUTHY + FALSY:
@@ -169,9 +176,16 @@ class ElasticJobStore(JobStore):
 class ElasticRendezvous:
     """torch's dynamic rendezvous for this node, and the rank layout of each round."""
 
-
-    def __init__(self, config: RunConfig, store: Any, run_id: str, settings: ElasticSettings, *,
-                 hosted: bool, notify: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        store: Any,
+        run_id: str,
+        settings: ElasticSettings,
+        *,
+        hosted: bool,
+        notify: Callable[[str], None],
+    ) -> None:
         """``notify``: where a node waiting for its round says so (the run's console)."""
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
@@ -188,11 +202,19 @@ class ElasticRendezvous:
             join=timedelta(seconds=settings.join_timeout),
             last_call=timedelta(seconds=settings.last_call_timeout),
             close=timedelta(seconds=settings.close_timeout),
-            heartbeat=timedelta(seconds=settings.heartbeat_timeout))
+            heartbeat=timedelta(seconds=settings.heartbeat_timeout),
+        )
         self.handler = handler_class().from_backend(
-            run_id, store, self.backend, config.rdzv.min_nodes, config.rdzv.max_nodes, local_addr=self.addr,
-            timeout=timeout, keep_alive_interval=settings.keep_alive_interval,
-            keep_alive_max_attempt=settings.keep_alive_max_attempt)
+            run_id,
+            store,
+            self.backend,
+            config.rdzv.min_nodes,
+            config.rdzv.max_nodes,
+            local_addr=self.addr,
+            timeout=timeout,
+            keep_alive_interval=settings.keep_alive_interval,
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        )
         self.restarts_key = f"multigpu/{run_id}/restart_count"  # the job's, under its run id
         store.compare_set(self.restarts_key, "", "0")
         # The launcher that serves the store evicts; with the store elsewhere (``multigpu store``,
@@ -209,8 +231,9 @@ class ElasticRendezvous:
             return self._layout(info)
         except RuntimeError as exc:  # a store call timed out: a node of the round vanished meanwhile
             within = f"read_timeout={self.settings.read_timeout:g}s"
-            raise RendezvousError(f"the nodes of the new round did not all report within {within} "
-                                  f"({type(exc).__name__})") from None
+            raise RendezvousError(
+                f"the nodes of the new round did not all report within {within} ({type(exc).__name__})"
+            ) from None
 
     def _next_rendezvous(self) -> Any:
         from torch.distributed.elastic.rendezvous import api
@@ -221,17 +244,25 @@ class ElasticRendezvous:
             with wait:
                 return self.handler.next_rendezvous()
         except KeyboardInterrupt:
-            raise Interrupted(f"interrupted (SIGINT) while waiting for a rendezvous round at {where} "
-                              f"({wait.last or 'no node joined yet'}); no rank of it was started") from None
+            raise Interrupted(
+                f"interrupted (SIGINT) while waiting for a rendezvous round at {where} "
+                f"({wait.last or 'no node joined yet'}); no rank of it was started"
+            ) from None
         except api.RendezvousTimeoutError:
-            raise RendezvousError(f"fewer than {self.config.rdzv.min_nodes} node(s) joined the rendezvous at "
-                                  f"{where} within join_timeout={self.settings.join_timeout:g}s") from None
+            raise RendezvousError(
+                f"fewer than {self.config.rdzv.min_nodes} node(s) joined the rendezvous at "
+                f"{where} within join_timeout={self.settings.join_timeout:g}s"
+            ) from None
         except (api.RendezvousClosedError, api.RendezvousGracefulExitError):
-            raise RendezvousError(f"the job at {where} has already ended (its rendezvous is closed); "
-                                  "start a new one with another --rdzv-id") from None
+            raise RendezvousError(
+                f"the job at {where} has already ended (its rendezvous is closed); "
+                "start a new one with another --rdzv-id"
+            ) from None
         except (api.RendezvousError, RuntimeError, ValueError) as exc:
-            raise RendezvousError(f"the rendezvous at {where} failed ({type(exc).__name__}); the launcher "
-                                  "that serves it may be gone") from None
+            raise RendezvousError(
+                f"the rendezvous at {where} failed ({type(exc).__name__}); the launcher "
+                "that serves it may be gone"
+            ) from None
 
     def _layout(self, info: Any) -> Round:
         """Consecutive ranks by node rank, as torchrun lays them out; every rank claimed (the round's
@@ -246,8 +277,9 @@ class ElasticRendezvous:
         rstore.wait(keys, timedelta(seconds=self.settings.read_timeout))
         nprocs = [int(rstore.get(f"multigpu/nproc/{g}")) for g in range(group_world)]
         base_rank, world_size = sum(nprocs[:group_rank]), sum(nprocs)
-        job = ElasticJobStore(rstore, self, node=group_rank, base_rank=base_rank, nproc=self.config.nproc,
-                              world_size=world_size)
+        job = ElasticJobStore(
+            rstore, self, node=group_rank, base_rank=base_rank, nproc=self.config.nproc, world_size=world_size
+        )
         job.run_id = self.run_id
         # The launcher that serves the store watches the round; if it is not in it, group rank 0 does,
         # and every other node watches that one's counter (its death is not the store's).
@@ -260,8 +292,16 @@ class ElasticRendezvous:
         job.publish_fingerprint(fingerprint(self.config.target, self.config.target_args, self.config.device))
         job.join(self.settings.read_timeout)
         store_info = info.bootstrap_store_info
-        return Round(group_rank, group_world, base_rank, world_size, store_info.master_addr,
-                     store_info.master_port, int(rstore.get("multigpu/restart_count")), job)
+        return Round(
+            group_rank,
+            group_world,
+            base_rank,
+            world_size,
+            store_info.master_addr,
+            store_info.master_port,
+            int(rstore.get("multigpu/restart_count")),
+            job,
+        )
 
     def num_nodes_waiting(self) -> int:
         return int(self.handler.num_nodes_waiting())
@@ -294,8 +334,14 @@ class RoundWait:
     every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
     torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
 
-    def __init__(self, backend: Any, config: RunConfig, timeout_s: float,
-                 notify: Callable[[str], None] = say_on_stderr, first_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        config: RunConfig,
+        timeout_s: float,
+        notify: Callable[[str], None] = say_on_stderr,
+        first_s: float = 2.0,
+    ) -> None:
         self.backend, self.config, self.timeout_s, self._notify = backend, config, timeout_s, notify
         self.first_s = first_s
         self.last: str | None = None
@@ -339,8 +385,10 @@ def round_wait_line(joined: list[str], config: RunConfig, left_s: float) -> str:
     nodes = f"{low}:{high} nodes; joined: {', '.join(joined) or 'none'}"
     if not more:
         return f"the round has its {low} node(s); waiting for more up to last_call_timeout ({nodes})"
-    return (f"waiting for {more} more node(s) for the round ({nodes}); {duration_text(left_s)} left "
-            "(join_timeout)")
+    return (
+        f"waiting for {more} more node(s) for the round ({nodes}); {duration_text(left_s)} left "
+        "(join_timeout)"
+    )
 
 
 def node_id() -> str:

@@ -65,9 +65,18 @@ class Liveness:
     never beat (a torchrun among us) are left to torch's rule.
     """
 
-    def __init__(self, store: Any, backend: Any, run_id: str, me: Any, *, evicts: bool = True,
-                 beat_s: float = BEAT_S, lost_after_s: float = EVICT_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Any,
+        backend: Any,
+        run_id: str,
+        me: Any,
+        *,
+        evicts: bool = True,
+        beat_s: float = BEAT_S,
+        lost_after_s: float = EVICT_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store, self.backend, self.run_id = store, backend, run_id
         self.me, self.evicts = me, evicts
         self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
@@ -95,8 +104,9 @@ class Liveness:
 
     def _counts(self, nodes: list[Any]) -> dict[Any, int]:
         """The beat counters of the nodes that have one (a key seen once stays), in one read."""
-        beating = [node for node in nodes
-                   if self.key(node) in self._seen or self.store.check([self.key(node)])]
+        beating = [
+            node for node in nodes if self.key(node) in self._seen or self.store.check([self.key(node)])
+        ]
         values = self.store.multi_get([self.key(node) for node in beating]) if beating else []
         return {node: int(value) for node, value in zip(beating, values, strict=True)}
 

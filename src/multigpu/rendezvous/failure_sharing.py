@@ -50,8 +50,9 @@ def failure_from_record(record: dict[str, Any]) -> WorkerFailure:
     return WorkerFailure.from_dict(record)
 
 
-def node_lost(node: int, why: str, kind: FailureKind = FailureKind.NODE_LOST,
-              at: float | None = None) -> WorkerFailure:
+def node_lost(
+    node: int, why: str, kind: FailureKind = FailureKind.NODE_LOST, at: float | None = None
+) -> WorkerFailure:
     """A failure of node ``node`` (lost, refused, stopped: ``kind``), ``at`` when it was seen."""
     return WorkerFailure.launcher_named(Subject.NODE, kind, why, node=node, at=at)
 
@@ -73,8 +74,9 @@ def store_lost(why: str = STORE_HOST_ENDED, host: int | None = 0) -> WorkerFailu
     """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone;
     ``why`` completes "node 0, the store's host, ...". The one record of a lost store, however it was
     learned (a failed call: ``StoreLostError``; a call that never returned: the deadman)."""
-    return WorkerFailure.launcher_named(Subject.STORE, FailureKind.STORE_LOST, why,
-                                        node=NO_NODE if host is None else host)
+    return WorkerFailure.launcher_named(
+        Subject.STORE, FailureKind.STORE_LOST, why, node=NO_NODE if host is None else host
+    )
 
 
 class FateMonitor:
@@ -83,10 +85,18 @@ class FateMonitor:
     loop, the waiter blocked on the wake key, and the deadman that notices a store call that never
     returns (a cut link has no time-out)."""
 
-    def __init__(self, job: JobStore, on_remote_failure: Callable[[WorkerFailure], None], *,
-                 beat_s: float = BEAT_S, watcher: bool | None = None, latency: Latency | None = None,
-                 clock: Callable[[], float] = time.monotonic, progress: JobProgress | None = None,
-                 notify: Callable[[str], None] = say_on_stderr) -> None:
+    def __init__(
+        self,
+        job: JobStore,
+        on_remote_failure: Callable[[WorkerFailure], None],
+        *,
+        beat_s: float = BEAT_S,
+        watcher: bool | None = None,
+        latency: Latency | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        progress: JobProgress | None = None,
+        notify: Callable[[str], None] = say_on_stderr,
+    ) -> None:
         self.job = job
         self._notify = notify
         """Where the one line of a lost store goes (the run's console in ``multigpu run``)."""
@@ -105,9 +115,14 @@ class FateMonitor:
         self._watch = BeatWatch(clock)
         self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
         self._in_call: float | None = None  # when the store call in flight began
-        self._threads = [threading.Thread(target=target, name=f"multigpu-fate-{name}", daemon=True)
-                         for name, target in (("beat", self._beat_loop), ("wait", self._wait_loop),
-                                              ("deadman", self._deadman))]
+        self._threads = [
+            threading.Thread(target=target, name=f"multigpu-fate-{name}", daemon=True)
+            for name, target in (
+                ("beat", self._beat_loop),
+                ("wait", self._wait_loop),
+                ("deadman", self._deadman),
+            )
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -170,9 +185,13 @@ class FateMonitor:
             began, allowed = self._in_call, self.latency.threshold()
             if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
-            self._fire(store_lost(f"stopped answering for {now - began:.1f}s (allowed {allowed:.1f}s from "
-                                  "its measured latency; its launcher, or the network, is down)",
-                                  host=self.job.store_host))
+            self._fire(
+                store_lost(
+                    f"stopped answering for {now - began:.1f}s (allowed {allowed:.1f}s from "
+                    "its measured latency; its launcher, or the network, is down)",
+                    host=self.job.store_host,
+                )
+            )
             return
 
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
@@ -223,8 +242,11 @@ class FateMonitor:
         if self.watcher:
             change = self._timed(self.job.membership_change, measure=False)  # mostly no call at all
             if change is not None:  # published, so a peer whose ranks fail first restarts too
-                return self._publish(WorkerFailure.launcher_named(
-                    Subject.JOB, FailureKind.MEMBERSHIP_CHANGE, change, node=NO_NODE))
+                return self._publish(
+                    WorkerFailure.launcher_named(
+                        Subject.JOB, FailureKind.MEMBERSHIP_CHANGE, change, node=NO_NODE
+                    )
+                )
         if not self._watched:
             return False
         watched = list(self._watched)
@@ -235,8 +257,10 @@ class FateMonitor:
         base, seconds = silent
         node = self._watched[base]
         launcher = self._timed(lambda: self.job.launcher_of(base), measure=False)
-        why = (f"its launcher{f' ({launcher})' if launcher else ''} stopped beating for {seconds:.1f}s "
-               "(killed, or its network is down)")
+        why = (
+            f"its launcher{f' ({launcher})' if launcher else ''} stopped beating for {seconds:.1f}s "
+            "(killed, or its network is down)"
+        )
         return self._publish(node_lost(node, why, at=time.time() - seconds))
 
     def _share_progress(self) -> None:
@@ -354,8 +378,9 @@ def finish_job(job: JobStore | None, hosts_store: bool) -> None:
         leave_job(job)
 
 
-def serve_until_all_done(job: JobStore, poll_s: float = 0.2,
-                         notify: Callable[[str], None] = say_on_stderr) -> None:
+def serve_until_all_done(
+    job: JobStore, poll_s: float = 0.2, notify: Callable[[str], None] = say_on_stderr
+) -> None:
     """The store's host keeps serving until every node is done or the job died, and watches the nodes
     still running meanwhile (it is the watcher now, whoever watched during the attempt)."""
     lost: list[WorkerFailure] = []

@@ -26,9 +26,17 @@ from pathlib import Path
 
 from multigpu._version import __version__
 
-BREAKING = {"multigpu": "multigpu", "python": "Python", "torch": "torch", "cuda": "torch's CUDA build",
-            "nccl": "NCCL", "target": "the target", "sha256": "the target's SHA-256", "args": "its arguments",
-            "device": "the device kind"}
+BREAKING = {
+    "multigpu": "multigpu",
+    "python": "Python",
+    "torch": "torch",
+    "cuda": "torch's CUDA build",
+    "nccl": "NCCL",
+    "target": "the target",
+    "sha256": "the target's SHA-256",
+    "args": "its arguments",
+    "device": "the device kind",
+}
 SOFT = {"python_patch": "Python release"}
 
 
@@ -78,10 +86,18 @@ def torch_cuda() -> str:
 
 def fingerprint(target: str, args: tuple[str, ...], device: str) -> dict[str, str]:
     python = platform.python_version()
-    return {"multigpu": __version__, "python": python.rsplit(".", 1)[0], "python_patch": python,
-            "torch": installed("torch"), "cuda": torch_cuda(), "nccl": installed(*NCCL_PACKAGES),
-            "target": Path(target).name, "sha256": target_sha256(target), "args": json.dumps(list(args)),
-            "device": device}
+    return {
+        "multigpu": __version__,
+        "python": python.rsplit(".", 1)[0],
+        "python_patch": python,
+        "torch": installed("torch"),
+        "cuda": torch_cuda(),
+        "nccl": installed(*NCCL_PACKAGES),
+        "target": Path(target).name,
+        "sha256": target_sha256(target),
+        "args": json.dumps(list(args)),
+        "device": device,
+    }
 
 
 def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], list[str]]:
@@ -93,6 +109,8 @@ def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], lis
             values = {node: p.get(key, "?") for node, p in sorted(prints.items())}
             if len(set(values.values())) > 1:
                 shown = {n: v[:12] if key == "sha256" else v for n, v in values.items()}
-                out.append(f"{name} differs: " + ", ".join(f"node {n} {v or '(unreadable)'}"
-                                                          for n, v in shown.items()))
+                out.append(
+                    f"{name} differs: "
+                    + ", ".join(f"node {n} {v or '(unreadable)'}" for n, v in shown.items())
+                )
     return breaking, soft

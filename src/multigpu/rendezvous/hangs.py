@@ -32,8 +32,12 @@ class StoreHangs:
     def declare(self, notice: str) -> None:
         failure = WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, notice, node=self.job.node)
         record = failure_record(failure)
-        threading.Thread(target=_quietly, args=(lambda: self.job.publish_abort(record),),
-                         name="multigpu-hang-notice", daemon=True).start()
+        threading.Thread(
+            target=_quietly,
+            args=(lambda: self.job.publish_abort(record),),
+            name="multigpu-hang-notice",
+            daemon=True,
+        ).start()
 
     def exchange(self, mine: list[RankState], notice: WorkerFailure) -> Exchange:
         return Exchange(self.job, mine, notice)
@@ -47,8 +51,9 @@ def _quietly(call: Any) -> None:
 class Exchange:
     """One node's part in the verdict, on a daemon thread: publish, gather (bounded), settle."""
 
-    def __init__(self, job: JobStore, mine: list[RankState], notice: WorkerFailure,
-                 gather_s: float = GATHER_S) -> None:
+    def __init__(
+        self, job: JobStore, mine: list[RankState], notice: WorkerFailure, gather_s: float = GATHER_S
+    ) -> None:
         self.job, self.mine, self.notice, self.gather_s = job, mine, notice, gather_s
         self._answer: tuple[list[RankState], dict[str, Any]] | None = None
         self._done = threading.Event()

@@ -65,8 +65,9 @@ class JobStore:
 
     def for_attempt(self, attempt: int) -> JobStore:
         """This node in a later attempt of the same job: fresh rank claims, beats and abort record."""
-        job = JobStore(self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
-                       world_size=self.world_size)
+        job = JobStore(
+            self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc, world_size=self.world_size
+        )
         job.run_id, job.scope = self.run_id, (f"attempt_{attempt}",)
         job.waiter_store = self.waiter_store
         return job
@@ -78,8 +79,13 @@ class JobStore:
         lookup there would freeze every thread of the launcher, the beats included)."""
         if self.waiter_store is None:
             self.waiter_store = self.store.clone()
-        job = JobStore(self.waiter_store, node=self.node, base_rank=self.base_rank, nproc=self.nproc,
-                       world_size=self.world_size)
+        job = JobStore(
+            self.waiter_store,
+            node=self.node,
+            base_rank=self.base_rank,
+            nproc=self.nproc,
+            world_size=self.world_size,
+        )
         job.run_id, job.scope = self.run_id, self.scope
         return job
 
@@ -89,25 +95,32 @@ class JobStore:
             assert wanted is not None
             current = self.store.compare_set(self.RUN_ID_KEY, "", wanted).decode()
             if current != wanted:
-                raise RendezvousError(f"another job (run id {current!r}) already uses this rendezvous "
-                                      "store; pick another --rdzv-endpoint")
+                raise RendezvousError(
+                    f"another job (run id {current!r}) already uses this rendezvous "
+                    "store; pick another --rdzv-endpoint"
+                )
             self.run_id = wanted
             return wanted
         self.store.wait([self.RUN_ID_KEY])
         current = str(self.store.get(self.RUN_ID_KEY).decode())
         if wanted is not None and wanted != current:
-            raise RendezvousError(f"run id {wanted!r} does not match the live job's run id {current!r} "
-                                  "at this endpoint; refusing to join it")
+            raise RendezvousError(
+                f"run id {wanted!r} does not match the live job's run id {current!r} "
+                "at this endpoint; refusing to join it"
+            )
         self.run_id = current
         return current
 
-    def join(self, timeout_s: float, poll_s: float = 0.1,
-             on_wait: Callable[[float], None] | None = None) -> None:
+    def join(
+        self, timeout_s: float, poll_s: float = 0.1, on_wait: Callable[[float], None] | None = None
+    ) -> None:
         """Claim this node's ranks, check the world size, and wait until every rank is claimed;
         ``on_wait`` hears the seconds left at each poll that still waits (it may say so, or raise)."""
         # The token makes every launcher distinct: the same command started twice is refused too.
-        me = (f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
-              f"{socket.gethostname()} pid {os.getpid()})")
+        me = (
+            f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
+            f"{socket.gethostname()} pid {os.getpid()})"
+        )
         world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
         if world != str(self.world_size):
             self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
@@ -151,7 +164,7 @@ class JobStore:
         return {int(base): int(node) for base, node in pairs}
 
     def launcher_of(self, base_rank: int) -> str | None:
-        """"host H, pid N" of the launcher that claimed ``base_rank`` (its claim names both), or None."""
+        """ "host H, pid N" of the launcher that claimed ``base_rank`` (its claim names both), or None."""
         import re
 
         if not self.store.check([self.key("rank", base_rank)]):
@@ -220,8 +233,9 @@ class JobStore:
         """Block until our wake key is set (the store's server answers when it is)."""
         self.store.wait([self.key("wake", self.base_rank)], WAKE_WAIT)
 
-    def _wait_for_all(self, timeout_s: float, poll_s: float,
-                      on_wait: Callable[[float], None] | None = None) -> None:
+    def _wait_for_all(
+        self, timeout_s: float, poll_s: float, on_wait: Callable[[float], None] | None = None
+    ) -> None:
         keys = [self.key("rank", r) for r in range(self.world_size)]
         deadline = time.monotonic() + timeout_s
         while True:
@@ -232,9 +246,11 @@ class JobStore:
                 on_wait(deadline - time.monotonic())
             if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-                raise RendezvousError(f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "
-                                      "check that every node started with the same --rdzv-endpoint and "
-                                      "--world-size")
+                raise RendezvousError(
+                    f"ranks {_ranges(missing)} never joined within {timeout_s:g}s; "
+                    "check that every node started with the same --rdzv-endpoint and "
+                    "--world-size"
+                )
             time.sleep(poll_s)
 
     def _refuse_alone_if_formed(self, me: str) -> None:
@@ -243,8 +259,10 @@ class JobStore:
         if not self.store.check([self.key("rank", r) for r in range(self.world_size)]):
             return
         owner = self.store.get(self.key("rank", self.base_rank)).decode()
-        raise RendezvousError(f"inconsistent layout: rank {self.base_rank} is claimed by both {owner} and "
-                              f"{me}; the job already formed without this launcher and goes on")
+        raise RendezvousError(
+            f"inconsistent layout: rank {self.base_rank} is claimed by both {owner} and "
+            f"{me}; the job already formed without this launcher and goes on"
+        )
 
     def _refuse(self, reason: str) -> None:
         """An inconsistent layout fails the whole job, so every node reports the same clear error."""

@@ -27,8 +27,14 @@ FIRST_BEAT_GRACE_S = 5.0
 class Latency:
     """Recent round trips to the store, and the loss threshold they give. Thread-safe."""
 
-    def __init__(self, *, floor_s: float = LOSS_FLOOR_S, factor: float = LOSS_FACTOR,
-                 cap_s: float = LOSS_CAP_S, window: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        floor_s: float = LOSS_FLOOR_S,
+        factor: float = LOSS_FACTOR,
+        cap_s: float = LOSS_CAP_S,
+        window: int = 256,
+    ) -> None:
         self.floor_s, self.factor, self.cap_s = floor_s, factor, cap_s
         self._samples: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()

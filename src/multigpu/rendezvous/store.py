@@ -54,20 +54,27 @@ def bind_store_socket(endpoint: Endpoint) -> socket.socket:
     return sock
 
 
-def serve_store(listen_fd: int, host: str, port: int, world_size: int | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+def serve_store(
+    listen_fd: int, host: str, port: int, world_size: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Any:
     """Serve a c10d TCPStore on an already-listening descriptor. Imports torch: call it late."""
     import_torch_quietly()
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     return TCPStore(
-        host, port, world_size, True, timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=listen_fd,
+        host,
+        port,
+        world_size,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 
-def serve_store_on(sock: socket.socket, host: str, world_size: int | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+def serve_store_on(
+    sock: socket.socket, host: str, world_size: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Any:
     """Serve the store on ``sock``, which the store then owns (and closes): the socket object lets go."""
     store = serve_store(sock.fileno(), host, sock.getsockname()[1], world_size, timeout_s)
     sock.detach()
@@ -192,6 +199,7 @@ class GuardedStore:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._guarded(name, lambda: attr(*args, **kwargs))
+
         return call
 
     def _guarded(self, name: str, call: Callable[[], Any]) -> Any:
@@ -202,8 +210,9 @@ class GuardedStore:
             if _is_network_error(exc):
                 raise StoreLostError(self.host) from None
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RendezvousError(f"the job's rendezvous store failed ({type(exc).__name__}: "
-                                  f"{first[:200]})") from None
+            raise RendezvousError(
+                f"the job's rendezvous store failed ({type(exc).__name__}: {first[:200]})"
+            ) from None
 
 
 def guarded(store: Any, host: str = "node 0, the store's host") -> Any:

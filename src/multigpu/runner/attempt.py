@@ -77,8 +77,15 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
     return RunResult(result.status, [verdict, *result.failures], result.signal, result.detected_time)
 
 
-def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: RunRecord,
-         job: JobStore | None, monitor: FateMonitor | None = None, warned: bool = False) -> RunResult:
+def _end(
+    supervisor: Supervisor,
+    result: RunResult,
+    config: RunConfig,
+    record: RunRecord,
+    job: JobStore | None,
+    monitor: FateMonitor | None = None,
+    warned: bool = False,
+) -> RunResult:
     """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
     say = supervisor.hooks.notify  # the run's console (``run_attempt``)
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
@@ -90,10 +97,15 @@ def _end(supervisor: Supervisor, result: RunResult, config: RunConfig, record: R
             told = None
             if job is not None:
                 share_interrupt(job, sig)  # before our ranks go: the other nodes stop theirs at once
-        heard = (f"{signal_name(sig)} received" if told is None
-                 else f"node {told.node}'s launcher received {signal_name(sig)}")
-        say(f"{heard}: stopping every rank (grace {config.supervision.grace_period:g}s; Ctrl-C again to "
-            "kill now)")
+        heard = (
+            f"{signal_name(sig)} received"
+            if told is None
+            else f"node {told.node}'s launcher received {signal_name(sig)}"
+        )
+        say(
+            f"{heard}: stopping every rank (grace {config.supervision.grace_period:g}s; Ctrl-C again to "
+            "kill now)"
+        )
         supervisor.close(sig=sig)
     else:
         supervisor.close(dump_stacks=result.status is RunStatus.FAILED and not _membership_change(result))
@@ -139,10 +151,19 @@ def open_control(record: RunRecord) -> Iterator[ControlSocket | None]:
             control.close()
 
 
-def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, reaper: bool,
-                attempt: int, job: JobStore | None = None, preempt: PreemptWatch | None = None,
-                spawner: Spawner | None = None, *, console: Console,
-                timer: TimerKills | None = None) -> tuple[RunResult, list[Worker]]:
+def run_attempt(
+    config: RunConfig,
+    specs: list[WorkerSpec],
+    record: RunRecord,
+    reaper: bool,
+    attempt: int,
+    job: JobStore | None = None,
+    preempt: PreemptWatch | None = None,
+    spawner: Spawner | None = None,
+    *,
+    console: Console,
+    timer: TimerKills | None = None,
+) -> tuple[RunResult, list[Worker]]:
     """One attempt on this node, from its ranks' start to their end; its result and its ranks' records.
     ``console``: the run's, which every line of the attempt goes through; ``timer``: the kills of the
     attempt's file timer, where the node hosts one."""
@@ -156,29 +177,49 @@ def run_attempt(config: RunConfig, specs: list[WorkerSpec], record: RunRecord, r
         options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
         sentinel = node_sentinel()
         control = stack.enter_context(open_control(record))
-        hooks = Hooks(listener=record, tick=live.refresh if live else None, notify=console.say,
-                      console=console, control=control,
-                      guard=sentinel.watch if sentinel is not None else None,
-                      job_hang=StoreHangs(job) if job is not None else None, timer=timer)
-        supervisor = Supervisor(specs, sink=live or ranks, options=options, hooks=hooks, spawner=spawner,
-                                progress=progress_book(config, record.path.parent, specs, console.say))
+        hooks = Hooks(
+            listener=record,
+            tick=live.refresh if live else None,
+            notify=console.say,
+            console=console,
+            control=control,
+            guard=sentinel.watch if sentinel is not None else None,
+            job_hang=StoreHangs(job) if job is not None else None,
+            timer=timer,
+        )
+        supervisor = Supervisor(
+            specs,
+            sink=live or ranks,
+            options=options,
+            hooks=hooks,
+            spawner=spawner,
+            progress=progress_book(config, record.path.parent, specs, console.say),
+        )
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers
             stack.enter_context(live)
-        stack.enter_context(capture_signals(preempt.attach(stack, supervisor) if preempt is not None
-                                            else supervisor.request_signal))
+        stack.enter_context(
+            capture_signals(
+                preempt.attach(stack, supervisor) if preempt is not None else supervisor.request_signal
+            )
+        )
         supervisor.start()
         monitor = None
         if job is not None:
-            monitor = FateMonitor(job, _on_remote(supervisor, job), progress=JobProgress(supervisor.progress),
-                                  notify=console.say)
+            monitor = FateMonitor(
+                job,
+                _on_remote(supervisor, job),
+                progress=JobProgress(supervisor.progress),
+                notify=console.say,
+            )
             monitor.start()
             stack.callback(monitor.stop)
         result = supervisor.wait()
         assert result is not None
-        result = _end(supervisor, result, config, record, job, monitor,
-                      warned=preempt is not None and preempt.warned)
+        result = _end(
+            supervisor, result, config, record, job, monitor, warned=preempt is not None and preempt.warned
+        )
     if live is not None:
         from multigpu.runner.live_view import print_summary_table
 

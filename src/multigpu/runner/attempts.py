@@ -58,8 +58,9 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     return code
 
 
-def _launch(config: RunConfig, base_env: Mapping[str, str] | None,
-            console: Console) -> tuple[int, RunRecord | None]:
+def _launch(
+    config: RunConfig, base_env: Mapping[str, str] | None, console: Console
+) -> tuple[int, RunRecord | None]:
     base_env = dict(os.environ if base_env is None else base_env)
     raise_open_file_limit(config.nproc)
     if config.output.run_id is not None:
@@ -73,15 +74,17 @@ def _launch(config: RunConfig, base_env: Mapping[str, str] | None,
     run: Run | None = None
     record: RunRecord | None = None
     try:
-        output_dir = allocation_dir((config.output.dir or Path("multigpu_runs") / members.run_id).resolve(),
-                                    base_env)
+        output_dir = allocation_dir(
+            (config.output.dir or Path("multigpu_runs") / members.run_id).resolve(), base_env
+        )
         folder = claim_output(output_dir, members.run_id, members.claim)
         if members.job is not None:  # what torch said of a failed store call: a log, not the console
             notes = members.record_name.replace("run", "store", 1).replace(".json", ".log")
             STORE_NOTES.attach(output_dir / notes)
         try:
-            record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices,
-                                      notify=console.say)
+            record = RunRecord.create(
+                output_dir / members.record_name, config, members.run_id, devices, notify=console.say
+            )
             for line in members.opening(output_dir):
                 console.say(line)
             run = Run(config, members, record, output_dir, base_env, cvd, console=console)
@@ -136,10 +139,17 @@ def run_attempts(run: Run) -> int:
     resumed, previous = int(base_env[RESUMED_ENV]), base_env.get(PREVIOUS_OUTPUT_ENV)
     record.data.update(resumed=resumed, previous_output=previous)
     if resumed:
-        say(f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
-            f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)")
-    run.watch = PreemptWatch(requeue.warning_names(config), grace=config.preemption.grace,
-                             job=run.members.job, notify=say) if config.preemption.signals else None
+        say(
+            f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
+            f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)"
+        )
+    run.watch = (
+        PreemptWatch(
+            requeue.warning_names(config), grace=config.preemption.grace, job=run.members.job, notify=say
+        )
+        if config.preemption.signals
+        else None
+    )
     policy = CrashLoopPolicy(run.members.failures)
     try:
         while True:
@@ -152,8 +162,9 @@ def run_attempts(run: Run) -> int:
         record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", 1)))
         run.over = run.over or isinstance(exc, RendezvousError)  # a refused or failed rendezvous: over
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
-            raise Interrupted("interrupted (SIGINT); every rank it started has stopped, nothing is "
-                              "left running") from None
+            raise Interrupted(
+                "interrupted (SIGINT); every rank it started has stopped, nothing is left running"
+            ) from None
         raise
     finally:
         if run.watch is not None:
@@ -163,8 +174,9 @@ def run_attempts(run: Run) -> int:
 def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
     """One attempt, from its meeting to its recorded result."""
     record = run.record
-    context = AttemptContext(run.members.run_id, run.output_dir, meeting.attempt, meeting.master_addr,
-                             meeting.master_port, run.cvd)
+    context = AttemptContext(
+        run.members.run_id, run.output_dir, meeting.attempt, meeting.master_addr, meeting.master_port, run.cvd
+    )
     with file_timer.hosted(run.base_env, run.members.run_id) as timer:  # torchrun's, per attempt
         base = run.base_env if timer is None else {**run.base_env, file_timer.TIMER_FILE_ENV: timer.path}
         specs = build_specs(meeting.config, context, base)
@@ -172,15 +184,25 @@ def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
             if spec.error_file is not None:
                 spec.error_file.unlink(missing_ok=True)
         record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
-        result, workers = run_attempt(meeting.config, specs, record, run.reaper, meeting.attempt, meeting.job,
-                                      run.watch, run.members.spawner, console=run.console,
-                                      timer=timer.kills if timer is not None else None)
+        result, workers = run_attempt(
+            meeting.config,
+            specs,
+            record,
+            run.reaper,
+            meeting.attempt,
+            meeting.job,
+            run.watch,
+            run.members.spawner,
+            console=run.console,
+            timer=timer.kills if timer is not None else None,
+        )
     record.end_attempt(result)
     return result, workers
 
 
-def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker],
-             policy: CrashLoopPolicy) -> int | None:
+def _verdict(
+    run: Run, meeting: Meeting, result: RunResult, workers: list[Worker], policy: CrashLoopPolicy
+) -> int | None:
     """After an attempt: None to meet again, else the run's exit code (its record finished).
 
     torchrun's rules: a node waiting to join ends the round without counting as a restart; a failed
@@ -200,8 +222,16 @@ def _verdict(run: Run, meeting: Meeting, result: RunResult, workers: list[Worker
         say(format_report(result, workers, attempt=meeting.attempt))
     if watch is not None and warned and not _interrupted_by_user(result):
         run.over = True
-        return finish_preempted(meeting.config, meeting.job, run.record, watch, result, run.base_env,
-                                leads=members.serves_store or meeting.job is None, notify=say)
+        return finish_preempted(
+            meeting.config,
+            meeting.job,
+            run.record,
+            watch,
+            result,
+            run.base_env,
+            leads=members.serves_store or meeting.job is None,
+            notify=say,
+        )
     if result.status is RunStatus.INTERRUPTED:
         return _finish(run, exit_code(result), over=False)  # this node leaves; an elastic job goes on
     if meeting.attempt >= config.supervision.max_restarts or not members.can_meet_again(result):

@@ -117,5 +117,7 @@ class CrashLoopPolicy:
         previous = self._memory.recall(attempt - 1) if attempt > 0 else None
         if not text or text != previous or root_cause is None:
             return None
-        return (f"crash loop: rank {root_cause.rank} failed with {text} on two attempts in a row; "
-                f"not restarting (exit {EXIT_CRASH_LOOP}: do not requeue until the cause is fixed)")
+        return (
+            f"crash loop: rank {root_cause.rank} failed with {text} on two attempts in a row; "
+            f"not restarting (exit {EXIT_CRASH_LOOP}: do not requeue until the cause is fixed)"
+        )

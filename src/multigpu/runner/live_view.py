@@ -30,8 +30,9 @@ def _rss_mib(pid: int | None) -> str:
         return "-"
 
 
-def status_table(workers: list[Worker], title: str = "multigpu", live: bool = True,
-                 bars: dict[int, str] | None = None) -> Any:
+def status_table(
+    workers: list[Worker], title: str = "multigpu", live: bool = True, bars: dict[int, str] | None = None
+) -> Any:
     from rich.table import Table
     from rich.text import Text
 
@@ -47,15 +48,25 @@ def status_table(workers: list[Worker], title: str = "multigpu", live: bool = Tr
     if bars:
         columns.append("progress")
     for col in columns:
-        table.add_column(col, justify="right" if col in ("rank", "pid") else "left",
-                         no_wrap=col in ("progress", STEP_COLUMN), overflow="ellipsis")
+        table.add_column(
+            col,
+            justify="right" if col in ("rank", "pid") else "left",
+            no_wrap=col in ("progress", STEP_COLUMN),
+            overflow="ellipsis",
+        )
     for w in workers:
         took = (w.end_time or time.time()) - (w.start_time or time.time())
         p = w.progress
         quiet = f"{now - p.last_progress:.0f}s" if w.alive and p is not None else "-"
-        cells: list[Any] = [str(w.rank), str(w.pid or "-"), w.spec.device,
-                 Text(w.state.value, style=_STATE_STYLE[w.state]), f"{took:.1f}s", quiet,
-                 _rss_mib(w.pid) if (live and w.alive) else "-"]
+        cells: list[Any] = [
+            str(w.rank),
+            str(w.pid or "-"),
+            w.spec.device,
+            Text(w.state.value, style=_STATE_STYLE[w.state]),
+            f"{took:.1f}s",
+            quiet,
+            _rss_mib(w.pid) if (live and w.alive) else "-",
+        ]
         if steps:
             cells.insert(6, step_cell(p))
         if late:
@@ -112,8 +123,14 @@ class LiveStatus:
         self._prefixed = console
         self.bars: dict[int, str] = {}
         self.console = Console(file=WriterFile(writer, 2), force_terminal=True)  # type: ignore[arg-type]
-        self._live = Live(status_table(self.workers, title), console=self.console, auto_refresh=False,
-                          transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._live = Live(
+            status_table(self.workers, title),
+            console=self.console,
+            auto_refresh=False,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
 
     def __enter__(self) -> LiveStatus:
         self._live.start()

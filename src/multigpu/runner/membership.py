@@ -57,11 +57,18 @@ def debug_server_lines(config: RunConfig, rank0_here: bool | None) -> list[str]:
         return []
     host, _, token = asked
     address = f"http://{config.start.debug_server}/?token={token}"
-    lines = ([f"debug server (torch's, rank 0's node): {address}"] if rank0_here else
-             [f"debug server (torch's): {address} if rank 0 runs on this node"] if rank0_here is None else [])
+    lines = (
+        [f"debug server (torch's, rank 0's node): {address}"]
+        if rank0_here
+        else [f"debug server (torch's): {address} if rank 0 runs on this node"]
+        if rank0_here is None
+        else []
+    )
     if not is_loopback_host(host):
-        lines.append(f"warning: the debug server listens on {host}, not loopback: every host that "
-                     f"reaches it can try, and its token crosses the network unencrypted (HTTP)")
+        lines.append(
+            f"warning: the debug server listens on {host}, not loopback: every host that "
+            f"reaches it can try, and its token crosses the network unencrypted (HTTP)"
+        )
     return lines
 
 
@@ -133,10 +140,15 @@ class StaticMembership:
 
     def opening(self, output_dir: Path) -> list[str]:
         config, rdzv = self.config, self.rdzv
-        what = f"{config.nproc} GPU worker(s) {list(config.gpus)}" if config.device == "cuda" \
+        what = (
+            f"{config.nproc} GPU worker(s) {list(config.gpus)}"
+            if config.device == "cuda"
             else f"{config.nproc} CPU worker(s)"
-        lines = [f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
-                 f"output in {output_dir}"]
+        )
+        lines = [
+            f"run {rdzv.run_id}: {what}, rendezvous {rdzv.master_addr}:{rdzv.master_port}; "
+            f"output in {output_dir}"
+        ]
         return lines + debug_server_lines(config, rank0_here=config.base_rank == 0)
 
     def meet(self) -> Meeting:
@@ -145,8 +157,9 @@ class StaticMembership:
         attempt, self._worker_store = self._next, None
         job, port = self.rdzv.job, self.rdzv.master_port
         if job is not None and attempt > 0:
-            job, port, self._worker_store = meet_again(self.config, job, self.rdzv.master_addr, attempt,
-                                                       self._notify)
+            job, port, self._worker_store = meet_again(
+                self.config, job, self.rdzv.master_addr, attempt, self._notify
+            )
         return Meeting(attempt, self.config, self.rdzv.master_addr, port, job)
 
     def can_meet_again(self, result: RunResult) -> bool:

@@ -46,9 +46,16 @@ class _Target(Protocol):
 class PreemptWatch:
     """Whether, when and how the warning came; see the module docstring."""
 
-    def __init__(self, signals: Iterable[int], *, grace: float | None = None, job: JobStore | None = None,
-                 notify: Callable[[str], None] = say_on_stderr, poll_s: float = POLL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        signals: Iterable[int],
+        *,
+        grace: float | None = None,
+        job: JobStore | None = None,
+        notify: Callable[[str], None] = say_on_stderr,
+        poll_s: float = POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.signals = frozenset(signals)
         self.grace, self.job, self.poll_s = grace, job, poll_s
         self._notify, self._clock = notify, clock
@@ -82,13 +89,15 @@ class PreemptWatch:
 
     def attach(self, stack: ExitStack, target: _Target) -> Callable[[int], None]:
         """Watch for one attempt: the thread runs until ``stack`` closes; returns the signal handler."""
+
         def handler(signum: int) -> None:
             self.note(signum)
             target.request_signal(signum)
 
         self._closing = False
-        self._thread = threading.Thread(target=self._run, args=(target,), name="multigpu-preempt",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(target,), name="multigpu-preempt", daemon=True
+        )
         self._thread.start()
         stack.callback(self._stop_thread)
         if self.warned:  # warned between attempts: this attempt's ranks hear it too
@@ -122,8 +131,10 @@ class PreemptWatch:
             if self.warned:
                 self._on_warning()
                 if not stopped and self._grace_over():
-                    self._notify(f"the ranks are still running {self.grace:g}s after the warning "
-                                 "(--preempt-grace): stopping them")
+                    self._notify(
+                        f"the ranks are still running {self.grace:g}s after the warning "
+                        "(--preempt-grace): stopping them"
+                    )
                     target.request_stop()
                     stopped = True
             elif self.job is not None and self._clock() >= next_poll:
@@ -145,14 +156,19 @@ class PreemptWatch:
         if not self._announced:
             self._announced = True
             where = "" if self.source == "signal" else " (from another node, through the store)"
-            self._notify(f"{signal_name(self.signum or 0)}: preemption warning{where}; every rank has it "
-                         "(multigpu.preempted(), multigpu.should_stop(step)); waiting for the ranks to "
-                         "save and exit")
+            self._notify(
+                f"{signal_name(self.signum or 0)}: preemption warning{where}; every rank has it "
+                "(multigpu.preempted(), multigpu.should_stop(step)); waiting for the ranks to "
+                "save and exit"
+            )
         if self.job is not None and not self._published and self.source == "signal":
             self._published = True
             with contextlib.suppress(Exception):  # a lost store: the other nodes got SLURM's signal too
-                self.job.store.compare_set(self.key(), "", json.dumps(
-                    {"signal": self.signum, "node": self.job.node, "time": self.time}))
+                self.job.store.compare_set(
+                    self.key(),
+                    "",
+                    json.dumps({"signal": self.signum, "node": self.job.node, "time": self.time}),
+                )
 
     def _poll_store(self, target: _Target) -> None:
         assert self.job is not None
@@ -168,18 +184,30 @@ class PreemptWatch:
             target.request_signal(self.signum)
 
 
-def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord, watch: PreemptWatch,
-                     result: RunResult, env: Mapping[str, str], *, leads: bool,
-                     notify: Callable[[str], None]) -> int:
+def finish_preempted(
+    config: RunConfig,
+    job: JobStore | None,
+    record: RunRecord,
+    watch: PreemptWatch,
+    result: RunResult,
+    env: Mapping[str, str],
+    *,
+    leads: bool,
+    notify: Callable[[str], None],
+) -> int:
     """After a warning: wait for the other nodes (the leader), finish the record, then requeue the job.
 
     ``leads``: this node serves the job's store (node 0 of a static job, the store's host of an elastic
     one; a job of one node leads itself). Every node says it is done only once its record says
     "preempted": the leader requeues the moment all are done, and SLURM then ends every node's
     launcher, wherever it is. ``notify``: the run's console."""
-    info: dict[str, Any] = {"signal": signal_name(watch.signum or 0), "time": watch.time,
-                            "source": watch.source, "ranks": result.status.value,
-                            "requeue": config.preemption.requeue}
+    info: dict[str, Any] = {
+        "signal": signal_name(watch.signum or 0),
+        "time": watch.time,
+        "source": watch.source,
+        "ranks": result.status.value,
+        "requeue": config.preemption.requeue,
+    }
     record.data["preemption"] = info
     if result.status is RunStatus.SUCCEEDED and job is not None:
         if not leads:
@@ -191,8 +219,13 @@ def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord,
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
     if not config.preemption.requeue or not leads:
         leader = "the store's host" if is_elastic(config) else "node 0"
-        reason = (f"{leader} requeues the job" if config.preemption.requeue else "not requeued (--no-requeue)"
-                  if requeue.under_slurm(env) else "not requeued (not a SLURM job)")
+        reason = (
+            f"{leader} requeues the job"
+            if config.preemption.requeue
+            else "not requeued (--no-requeue)"
+            if requeue.under_slurm(env)
+            else "not requeued (not a SLURM job)"
+        )
         notify(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
         _record_preempted(record)
         return EXIT_PREEMPTED
@@ -204,8 +237,10 @@ def finish_preempted(config: RunConfig, job: JobStore | None, record: RunRecord,
         notify(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
         record.finish("failed", EXIT_FAILED)
         return EXIT_FAILED
-    notify(f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
-           f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}")
+    notify(
+        f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
+        f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}"
+    )
     record.write()
     return EXIT_PREEMPTED
 

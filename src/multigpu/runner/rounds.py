@@ -70,10 +70,12 @@ class ElasticMembership:
     def opening(self, output_dir: Path) -> list[str]:
         config = self.config
         role = "serves" if self.serves_store else "joins"
-        return [f"run {self.run_id}: elastic job of {config.rdzv.min_nodes}:{config.rdzv.max_nodes} node(s), "
-                f"{config.nproc} worker(s) here; this launcher {role} the rendezvous at "
-                f"{config.rdzv.endpoint}; output in {output_dir}",
-                *debug_server_lines(config, rank0_here=None)]
+        return [
+            f"run {self.run_id}: elastic job of {config.rdzv.min_nodes}:{config.rdzv.max_nodes} node(s), "
+            f"{config.nproc} worker(s) here; this launcher {role} the rendezvous at "
+            f"{config.rdzv.endpoint}; output in {output_dir}",
+            *debug_server_lines(config, rank0_here=None),
+        ]
 
     def meet(self) -> Meeting:
         """Join the next round (torch's rules); its layout, as this node's attempt."""
@@ -82,15 +84,22 @@ class ElasticMembership:
         self.last_round = rnd.job
         check_fingerprints(rnd.job, self.config.rdzv.allow_mismatch, self._notify)  # every node refuses
         last = rnd.base_rank + self.config.nproc - 1
-        self._notify(f"node {rnd.group_rank} of {rnd.group_world_size}: ranks {rnd.base_rank}..{last} of "
-                     f"{rnd.world_size}, restart count {rnd.restart_count}")
+        self._notify(
+            f"node {rnd.group_rank} of {rnd.group_world_size}: ranks {rnd.base_rank}..{last} of "
+            f"{rnd.world_size}, restart count {rnd.restart_count}"
+        )
         return Meeting(rnd.restart_count, self._round_config(rnd), rnd.master_addr, rnd.master_port, rnd.job)
 
     def _round_config(self, rnd: Round) -> RunConfig:
         config = self.config
-        return dataclasses.replace(config, base_rank=rnd.base_rank, world_size=rnd.world_size,
-                                   node_rank=rnd.group_rank, nnodes=rnd.group_world_size,
-                                   output=dataclasses.replace(config.output, run_id=self.run_id))
+        return dataclasses.replace(
+            config,
+            base_rank=rnd.base_rank,
+            world_size=rnd.world_size,
+            node_rank=rnd.group_rank,
+            nnodes=rnd.group_world_size,
+            output=dataclasses.replace(config.output, run_id=self.run_id),
+        )
 
     def can_meet_again(self, result: RunResult) -> bool:
         """Whenever the store is left: a lost node is what a new round is for."""
@@ -98,8 +107,10 @@ class ElasticMembership:
 
     def restart(self, meeting: Meeting) -> str:
         count = self.rdzv.count_restart(meeting.attempt)
-        return (f"restarting every node: restart {count} of {self.config.supervision.max_restarts}, "
-                "through a new rendezvous round")
+        return (
+            f"restarting every node: restart {count} of {self.config.supervision.max_restarts}, "
+            "through a new rendezvous round"
+        )
 
     def leave(self, *, over: bool) -> None:
         """When the job is over for every node (a refusal, its end), the store's host outlives the

@@ -26,8 +26,15 @@ from multigpu.supervisor.states import WorkerSpec
 
 
 def worker_argv(config: RunConfig, python: str = sys.executable) -> list[str]:
-    mode: RankMode = ("function" if config.function else "exec" if config.start.run_mode == "exec"
-            else "module" if config.module else "script")
+    mode: RankMode = (
+        "function"
+        if config.function
+        else "exec"
+        if config.start.run_mode == "exec"
+        else "module"
+        if config.module
+        else "script"
+    )
     return [python, "-m", "multigpu.rank", mode, config.target, *config.target_args]
 
 
@@ -50,18 +57,28 @@ def error_record(logs: Path, rank: int) -> Path:
     return logs / f"error_rank_{rank}.json"
 
 
-def _rank_envs(config: RunConfig, job: JobContext, base: Mapping[str, str],
-               logs: Path) -> dict[int, dict[str, str]]:
+def _rank_envs(
+    config: RunConfig, job: JobContext, base: Mapping[str, str], logs: Path
+) -> dict[int, dict[str, str]]:
     """Each local rank's environment by the torchrun contract, before torchrun's options apply."""
     envs = {}
     for local_rank in range(config.first_local_rank, config.nproc):
         rank = config.base_rank + local_rank
-        placement = RankPlacement(rank=rank, local_rank=local_rank, world_size=config.resolved_world_size,
-                                  local_world_size=config.nproc, group_rank=config.group_rank,
-                                  group_world_size=config.group_world_size)
-        envs[local_rank] = build_worker_env(base, placement, job, error_file=str(error_record(logs, rank)),
-                                            fr_dump_prefix=None if config.start.run_mode == "exec"
-                                            else str(logs / "fr_trace_rank_"))
+        placement = RankPlacement(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=config.resolved_world_size,
+            local_world_size=config.nproc,
+            group_rank=config.group_rank,
+            group_world_size=config.group_world_size,
+        )
+        envs[local_rank] = build_worker_env(
+            base,
+            placement,
+            job,
+            error_file=str(error_record(logs, rank)),
+            fr_dump_prefix=None if config.start.run_mode == "exec" else str(logs / "fr_trace_rank_"),
+        )
     return envs
 
 
@@ -71,9 +88,15 @@ def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[st
     master_addr, master_port = context.master_addr, context.master_port
     cuda_visible_devices, launcher_pid = context.cuda_visible_devices, context.launcher_pid
     job = JobContext(
-        master_addr=master_addr, master_port=master_port, run_id=run_id, device=config.device,
-        restart_count=attempt, max_restarts=config.supervision.max_restarts, output_dir=str(output_dir),
-        cuda_visible_devices=cuda_visible_devices, cpu_count=usable_cpu_count(),
+        master_addr=master_addr,
+        master_port=master_port,
+        run_id=run_id,
+        device=config.device,
+        restart_count=attempt,
+        max_restarts=config.supervision.max_restarts,
+        output_dir=str(output_dir),
+        cuda_visible_devices=cuda_visible_devices,
+        cpu_count=usable_cpu_count(),
         launcher_pid=launcher_pid,
     )
     logs = output_dir / "logs" / f"attempt_{attempt}"
@@ -91,16 +114,26 @@ def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[st
         rank = config.base_rank + local_rank
         files = rank_logs[local_rank]
         error_file = files.error_file or error_record(logs, rank)
-        env = extras.apply_to_env(env, config, local_rank, affinity[local_rank], cuda_visible_devices,
-                                  error_file)
+        env = extras.apply_to_env(
+            env, config, local_rank, affinity[local_rank], cuda_visible_devices, error_file
+        )
         # A failing rank says so before it exits: function mode's caller raises at once, and the
         # launcher keeps the consequences (the peers' "Connection closed") off the console.
         env[ANNOUNCE_ENV] = "1"
         device = f"cuda:{config.gpus[local_rank]}" if config.device == "cuda" else "cpu"
-        specs.append(WorkerSpec(rank=rank, local_rank=local_rank, argv=argv, env=env, device=device,
-                                node=config.group_rank, log_path=logs / f"rank_{rank}.log",
-                                error_file=error_file,
-                                stream_files=files.stream_files, console_streams=files.console_streams,
-                                line_copies=extras.line_copies(config, local_rank, rank, files, attempt_dir,
-                                                               env)))
+        specs.append(
+            WorkerSpec(
+                rank=rank,
+                local_rank=local_rank,
+                argv=argv,
+                env=env,
+                device=device,
+                node=config.group_rank,
+                log_path=logs / f"rank_{rank}.log",
+                error_file=error_file,
+                stream_files=files.stream_files,
+                console_streams=files.console_streams,
+                line_copies=extras.line_copies(config, local_rank, rank, files, attempt_dir, env),
+            )
+        )
     return specs

@@ -51,8 +51,9 @@ def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[
     endpoint = config.rdzv.endpoint or LOOPBACK
     if not config.multi_node:
         assert sock is not None
-        return Rendezvous(endpoint.bind_host, sock.getsockname()[1], config.output.run_id or new_run_id(),
-                          one_node=True)
+        return Rendezvous(
+            endpoint.bind_host, sock.getsockname()[1], config.output.run_id or new_run_id(), one_node=True
+        )
     if sock is not None:  # base rank 0: this launcher serves the store for the whole job
         port = sock.getsockname()[1]
         store = serve_store_on(sock, endpoint.bind_host, timeout_s=config.rdzv.timeout)
@@ -60,8 +61,13 @@ def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[
         port = endpoint.port
         left = wait_for_store_host(config, endpoint.host, port, notify)
         store = connect_store(endpoint.host, port, left)
-    job = JobStore(store, node=config.group_rank, base_rank=config.base_rank, nproc=config.nproc,
-                   world_size=config.resolved_world_size)
+    job = JobStore(
+        store,
+        node=config.group_rank,
+        base_rank=config.base_rank,
+        nproc=config.nproc,
+        world_size=config.resolved_world_size,
+    )
     try:
         run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
         notify(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
@@ -83,13 +89,16 @@ def check_fingerprints(job: JobStore, allow: bool, notify: Callable[[str], None]
         return
     text = "; ".join(breaking)
     if not allow:
-        raise RendezvousError(f"the nodes would run different things: {text}; every node refuses the "
-                              f"job (--allow-mismatch runs it anyway)")
+        raise RendezvousError(
+            f"the nodes would run different things: {text}; every node refuses the "
+            f"job (--allow-mismatch runs it anyway)"
+        )
     notify(f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)")
 
 
-def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None],
-                 base_env: Mapping[str, str]) -> NodeSpawner:
+def node_spawner(
+    config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None], base_env: Mapping[str, str]
+) -> NodeSpawner:
     """This node's spawner, started before the rendezvous so the template imports torch meanwhile; on
     one node it also serves the job's store (not rank 0's bootstrap), so the store outlives rank 0."""
     store = None
@@ -102,8 +111,9 @@ def node_spawner(config: RunConfig, sock: socket.socket | None, notify: Callable
     return spawner
 
 
-def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int,
-               notify: Callable[[str], None]) -> tuple[JobStore, int, Any]:
+def meet_again(
+    config: RunConfig, job: JobStore, master_addr: str, attempt: int, notify: Callable[[str], None]
+) -> tuple[JobStore, int, Any]:
     """Every node of a multi-node job meets again for a restart, with fresh fate-sharing keys and a
     fresh store for the workers (torch's workers add no per-attempt prefix: the last attempt's keys
     would mislead gloo's rendezvous). Node 0 serves that store; (job, its port, the store)."""
@@ -124,8 +134,10 @@ def node_list(nodes: list[int]) -> str:
 
 def wait_line(node: int, joined: list[int], missing: list[int], left_s: float) -> str:
     """``node 1: waiting for node(s) 0 (joined: 1); 9m58s left (--rdzv-timeout)``."""
-    return (f"node {node}: waiting for node(s) {node_list(missing)} (joined: {node_list(joined)}); "
-            f"{duration_text(left_s)} left (--rdzv-timeout)")
+    return (
+        f"node {node}: waiting for node(s) {node_list(missing)} (joined: {node_list(joined)}); "
+        f"{duration_text(left_s)} left (--rdzv-timeout)"
+    )
 
 
 FIRST_LINE_S = 1.0
@@ -137,8 +149,13 @@ class JoinWait:
     said once the wait lasts ``FIRST_LINE_S``, then every ``WAIT_LINE_EVERY_S``; a time-out or a Ctrl-C
     names the missing nodes in one line. Runs in the launcher, on the thread that joins."""
 
-    def __init__(self, config: RunConfig, job: JobStore, clock: Callable[[], float] = time.monotonic,
-                 notify: Callable[[str], None] = say_on_stderr) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        job: JobStore,
+        clock: Callable[[], float] = time.monotonic,
+        notify: Callable[[str], None] = say_on_stderr,
+    ) -> None:
         self.config, self.job, self._clock, self._notify = config, job, clock, notify
         self._next = clock() + FIRST_LINE_S
 
@@ -147,9 +164,11 @@ class JoinWait:
             self.job.join(self.config.rdzv.timeout, on_wait=self)
         except KeyboardInterrupt:
             joined, missing = self.nodes()
-            raise Interrupted(f"node {self.config.group_rank}: interrupted (SIGINT) while waiting for "
-                              f"node(s) {node_list(missing)} to join (joined: {node_list(joined)}); "
-                              "no rank was started") from None
+            raise Interrupted(
+                f"node {self.config.group_rank}: interrupted (SIGINT) while waiting for "
+                f"node(s) {node_list(missing)} to join (joined: {node_list(joined)}); "
+                "no rank was started"
+            ) from None
 
     def nodes(self) -> tuple[list[int], list[int]]:
         """(joined, missing) node indices, from the job's member list."""
@@ -161,9 +180,11 @@ class JoinWait:
         now = self._clock()
         if left_s <= 0:
             _, missing = self.nodes()
-            raise RendezvousError(f"node(s) {node_list(missing)} never joined within "
-                                  f"{self.config.rdzv.timeout:g}s (--rdzv-timeout); check that every node "
-                                  "started with the same --rdzv-endpoint and --world-size")
+            raise RendezvousError(
+                f"node(s) {node_list(missing)} never joined within "
+                f"{self.config.rdzv.timeout:g}s (--rdzv-timeout); check that every node "
+                "started with the same --rdzv-endpoint and --world-size"
+            )
         if now < self._next:
             return
         self._next = now + WAIT_LINE_EVERY_S
@@ -171,8 +192,14 @@ class JoinWait:
         self._notify(wait_line(self.config.group_rank, joined, missing, left_s))
 
 
-def wait_for_store_host(config: RunConfig, host: str, port: int, notify: Callable[[str], None],
-                        clock: Callable[[], float] = time.monotonic, poll_s: float = 0.5) -> float:
+def wait_for_store_host(
+    config: RunConfig,
+    host: str,
+    port: int,
+    notify: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+    poll_s: float = 0.5,
+) -> float:
     """Wait until the store's port answers, saying so every ``WAIT_LINE_EVERY_S``, and return the
     seconds left for the rest of the rendezvous. A plain TCP connect, closed at once: torch's store
     client would retry in C++, where neither a line nor a Ctrl-C gets through until it gives up."""
@@ -183,14 +210,19 @@ def wait_for_store_host(config: RunConfig, host: str, port: int, notify: Callabl
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=poll_s):
                 return max(deadline - clock(), 1.0)
             if clock() >= deadline:
-                raise RendezvousError(f"{where} never answered within {config.rdzv.timeout:g}s "
-                                      "(--rdzv-timeout); check that it runs multigpu with the same "
-                                      "--rdzv-endpoint and that the port is reachable")
+                raise RendezvousError(
+                    f"{where} never answered within {config.rdzv.timeout:g}s "
+                    "(--rdzv-timeout); check that it runs multigpu with the same "
+                    "--rdzv-endpoint and that the port is reachable"
+                )
             if clock() >= due:
                 due = clock() + WAIT_LINE_EVERY_S
-                notify(f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
-                       "left (--rdzv-timeout)")
+                notify(
+                    f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
+                    "left (--rdzv-timeout)"
+                )
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        raise Interrupted(f"node {config.group_rank}: interrupted (SIGINT) while waiting for {where}; "
-                          "no rank was started") from None
+        raise Interrupted(
+            f"node {config.group_rank}: interrupted (SIGINT) while waiting for {where}; no rank was started"
+        ) from None

@@ -35,8 +35,9 @@ class RankLogs:
     error_file: Path | None = None
 
 
-def torchrun_attempt_dir(config: RunConfig, run_id: str, output_dir: Path, attempt: int,
-                         launcher_pid: int) -> Path | None:
+def torchrun_attempt_dir(
+    config: RunConfig, run_id: str, output_dir: Path, attempt: int, launcher_pid: int
+) -> Path | None:
     """torchrun's ``<log_dir>/<run id>_<suffix>/attempt_<k>`` (DefaultLogsSpecs), or None without
     ``--log-dir``/``-r``/``-t``. The suffix is this launcher's pid, not mkdtemp's random one, so every
     attempt of one launcher finds the same directory. ``-r``/``-t`` without ``--log-dir`` write under
@@ -59,8 +60,14 @@ def default_rank_logs(config: RunConfig, local_rank: int, attempt_dir: Path | No
     return RankLogs(files, BOTH - (redirected - teed), rank_dir / "error.json")
 
 
-def line_copies(config: RunConfig, local_rank: int, rank: int, files: RankLogs, attempt_dir: Path | None,
-                env: Mapping[str, str]) -> tuple[LineCopy, ...]:
+def line_copies(
+    config: RunConfig,
+    local_rank: int,
+    rank: int,
+    files: RankLogs,
+    attempt_dir: Path | None,
+    env: Mapping[str, str],
+) -> tuple[LineCopy, ...]:
     """``--duplicate-std{out,err}-filters``: torchrun copies matching lines of the *teed* streams (those
     both in a file and on the console, of the ranks ``--local-ranks-filter`` keeps) to
     ``attempt_<k>/filtered_std{out,err}.log``, each after the rank's log-line header."""
@@ -69,45 +76,82 @@ def line_copies(config: RunConfig, local_rank: int, rank: int, files: RankLogs, 
     keep = config.output.local_ranks_filter
     shown = keep is None or local_rank in keep
     template = env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-    header = (string.Template(template).safe_substitute(role_name=config.start.role, rank=str(rank),
-                                                        local_rank=str(local_rank))
-              if template else f"[{config.start.role}{local_rank}]:")
+    header = (
+        string.Template(template).safe_substitute(
+            role_name=config.start.role, rank=str(rank), local_rank=str(local_rank)
+        )
+        if template
+        else f"[{config.start.role}{local_rank}]:"
+    )
     copies = []
-    for name, needles in (("stdout", config.output.duplicate_stdout_filters),
-                          ("stderr", config.output.duplicate_stderr_filters)):
+    for name, needles in (
+        ("stdout", config.output.duplicate_stdout_filters),
+        ("stderr", config.output.duplicate_stderr_filters),
+    ):
         if needles:  # the file exists even when no rank's stream is teed, as under torchrun
             teed = shown and name in files.stream_files and name in files.console_streams
-            copies.append(LineCopy(name, attempt_dir / f"filtered_{name}.log",
-                                   tuple(n.encode() for n in needles) if teed else (), header.encode()))
+            copies.append(
+                LineCopy(
+                    name,
+                    attempt_dir / f"filtered_{name}.log",
+                    tuple(n.encode() for n in needles) if teed else (),
+                    header.encode(),
+                )
+            )
     return tuple(copies)
 
 
 @functools.lru_cache(maxsize=4)
-def _plugin(name: str, log_dir: str | None, redirects: str, tee: str,
-            ranks: frozenset[int] | None, run_id: str, launcher_pid: int) -> Any:
+def _plugin(
+    name: str,
+    log_dir: str | None,
+    redirects: str,
+    tee: str,
+    ranks: frozenset[int] | None,
+    run_id: str,
+    launcher_pid: int,
+) -> Any:
     """One ``torchrun.logs_specs`` instance per launcher and run, as torchrun keeps one for the job
     (its run directory is made once, on the first attempt)."""
     from torch.distributed.elastic.multiprocessing.api import Std
 
     (entry,) = metadata.entry_points(group="torchrun.logs_specs", name=name)
-    return entry.load()(log_dir=log_dir, redirects=Std.from_str(redirects), tee=Std.from_str(tee),
-                        local_ranks_filter=set(ranks) if ranks is not None else None)
+    return entry.load()(
+        log_dir=log_dir,
+        redirects=Std.from_str(redirects),
+        tee=Std.from_str(tee),
+        local_ranks_filter=set(ranks) if ranks is not None else None,
+    )
 
 
-def plugin_rank_logs(config: RunConfig, run_id: str, launcher_pid: int,
-                     envs: dict[int, dict[str, str]]) -> list[RankLogs]:
+def plugin_rank_logs(
+    config: RunConfig, run_id: str, launcher_pid: int, envs: dict[int, dict[str, str]]
+) -> list[RankLogs]:
     """``--logs-specs NAME``: the plugin's ``reify`` decides every path, as under torchrun."""
     assert config.output.logs_specs is not None
     log_dir = str(config.output.log_dir) if config.output.log_dir is not None else None
-    spec = _plugin(config.output.logs_specs, log_dir, config.output.redirects.text, config.output.tee.text,
-                   config.output.local_ranks_filter, run_id, launcher_pid)
+    spec = _plugin(
+        config.output.logs_specs,
+        log_dir,
+        config.output.redirects.text,
+        config.output.tee.text,
+        config.output.local_ranks_filter,
+        run_id,
+        launcher_pid,
+    )
     dest = spec.reify(envs)
     answer = []
     for rank in sorted(envs):
-        files = {name: Path(path) for name, path in (("stdout", dest.stdouts.get(rank)),
-                                                     ("stderr", dest.stderrs.get(rank))) if path}
-        hidden = {name for name, teed in (("stdout", dest.tee_stdouts), ("stderr", dest.tee_stderrs))
-                  if name in files and rank not in teed}
+        files = {
+            name: Path(path)
+            for name, path in (("stdout", dest.stdouts.get(rank)), ("stderr", dest.stderrs.get(rank)))
+            if path
+        }
+        hidden = {
+            name
+            for name, teed in (("stdout", dest.tee_stdouts), ("stderr", dest.tee_stderrs))
+            if name in files and rank not in teed
+        }
         error = dest.error_files.get(rank)
         answer.append(RankLogs(files, BOTH - hidden, Path(error) if error and error != os.devnull else None))
     return answer
@@ -122,13 +166,21 @@ def rank_affinity(config: RunConfig, base_env: Mapping[str, str]) -> list[list[i
         return numa.cpu_rank_cpus(config.nproc, allowed)
     visible = {g.index: g.ordinal for g in visible_gpus(base_env)}
     bus = numa.gpu_bus_ids()
-    ids = [bus[int(o)] if o.isdigit() and int(o) < len(bus) else "" for o in
-           (visible.get(i, "") for i in config.gpus)]
+    ids = [
+        bus[int(o)] if o.isdigit() and int(o) < len(bus) else ""
+        for o in (visible.get(i, "") for i in config.gpus)
+    ]
     return numa.gpu_rank_cpus(config.start.numa_binding, ids, allowed)
 
 
-def apply_to_env(env: dict[str, str], config: RunConfig, local_rank: int, cpus: list[int] | None,
-                 cuda_visible_devices: str | None, error_file: Path) -> dict[str, str]:
+def apply_to_env(
+    env: dict[str, str],
+    config: RunConfig,
+    local_rank: int,
+    cpus: list[int] | None,
+    cuda_visible_devices: str | None,
+    error_file: Path,
+) -> dict[str, str]:
     """torchrun's per-option changes to one worker's environment."""
     env["ROLE_NAME"] = config.start.role
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.start.signals_to_handle  # torchrun: its launcher's

@@ -80,8 +80,9 @@ class ControlSocket:
             conn.settimeout(REFUSE_WAIT_S)
             with contextlib.suppress(OSError):
                 conn.recv(64)  # read first: a close with the request unread resets the connection
-                conn.sendall(f"refused: run {run_id_of(self.name)} belongs to user "
-                             f"{user_name(os.getuid())}\n".encode())
+                conn.sendall(
+                    f"refused: run {run_id_of(self.name)} belongs to user {user_name(os.getuid())}\n".encode()
+                )
             conn.close()
             return None
         conn.settimeout(CLIENT_WAIT_S)
@@ -96,8 +97,13 @@ class ControlSocket:
         self.sock.close()
 
 
-def answer(control: ControlSocket, workers: Sequence[Worker], dump: Callable[[list[Worker]], object],
-           progress: ProgressBook, now: float) -> None:
+def answer(
+    control: ControlSocket,
+    workers: Sequence[Worker],
+    dump: Callable[[list[Worker]], object],
+    progress: ProgressBook,
+    now: float,
+) -> None:
     """Answer one client on the supervisor's loop: ``stacks``, every live rank's Python stacks asked
     for now (``dump``); ``status``, one line per rank."""
     asked = control.accept()
@@ -108,8 +114,12 @@ def answer(control: ControlSocket, workers: Sequence[Worker], dump: Callable[[li
         if request == "stacks":
             live = [w for w in workers if w.alive]
             dump(live)
-            text = "".join(f"rank {w.rank} (pid {w.pid}):\n" + _user_threads(w.dumps.stacks) + "\n\n"
-                           for w in live) or "no rank is running\n"
+            text = (
+                "".join(
+                    f"rank {w.rank} (pid {w.pid}):\n" + _user_threads(w.dumps.stacks) + "\n\n" for w in live
+                )
+                or "no rank is running\n"
+            )
         else:
             text = "".join(status_line(w, progress, now) + "\n" for w in workers)
         with contextlib.suppress(OSError):
@@ -138,8 +148,10 @@ def ask(name: str, request: str, owner: int, timeout: float = 30.0) -> str:
         sock.connect("\0" + name)
         server = peer_uid(sock)
         if server not in (owner, 0):
-            raise PermissionError(f"the socket {name} is held by user {user_name(server)}, not by the "
-                                  f"run's user {user_name(owner)}: it is not the run's launcher")
+            raise PermissionError(
+                f"the socket {name} is held by user {user_name(server)}, not by the "
+                f"run's user {user_name(owner)}: it is not the run's launcher"
+            )
         sock.sendall(request.encode() + b"\n")
         chunks: list[bytes] = []
         while True:

@@ -56,8 +56,14 @@ def waiting_in(frames: Sequence[Frame]) -> str | None:
 
 def where(frames: Sequence[Frame]) -> Frame | None:
     """The innermost frame of the user's own code (the top frame where there is none)."""
-    return next((f for f in frames if not library_file(f.path) and not own_file(f.path)
-                 and not f.path.startswith("<")), frames[0] if frames else None)
+    return next(
+        (
+            f
+            for f in frames
+            if not library_file(f.path) and not own_file(f.path) and not f.path.startswith("<")
+        ),
+        frames[0] if frames else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ def find_culprits(dumps: Mapping[int, Sequence[str]]) -> Culprits | None:
     each = "; ".join(f"rank {r} is in {where(stacks[r])}" for r in outside)
     who = "rank" if len(outside) == 1 else "ranks"
     they = f"rank {waiting[0]} waits" if len(waiting) == 1 else f"ranks {', '.join(map(str, waiting))} wait"
-    line = (f"{who} {', '.join(map(str, outside))} never reached the {' / '.join(names)} that {they} in: "
-            f"{each}")
+    line = (
+        f"{who} {', '.join(map(str, outside))} never reached the {' / '.join(names)} that {they} in: {each}"
+    )
     return Culprits(outside, line)

@@ -75,9 +75,17 @@ def outside_stop(worker: Worker, rc: int) -> bool:
     return rc < 0 and -rc in STOP_SIGNALS and not worker.finished and worker.own_record() is None
 
 
-def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: WorkerOutput,
-           notify: Callable[[str], None], first_failure: float | None = None,
-           timer: TimerKills | None = None) -> WorkerFailure | None:
+def settle(
+    worker: Worker,
+    rc: int,
+    *,
+    ending: bool,
+    interrupted: bool,
+    output: WorkerOutput,
+    notify: Callable[[str], None],
+    first_failure: float | None = None,
+    timer: TimerKills | None = None,
+) -> WorkerFailure | None:
     """Move ``worker`` to its final state from its exit status; its failure when the exit counts as one.
 
     ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
@@ -90,9 +98,11 @@ def settle(worker: Worker, rc: int, *, ending: bool, interrupted: bool, output: 
     if rc != 0 and worker.finished:
         how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
         worker.ending.late_death = how
-        notify(f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had finished "
-               f"(an exit-time crash, e.g. in torch's C++ teardown); its work is done, so it counts as a "
-               f"success")
+        notify(
+            f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had finished "
+            f"(an exit-time crash, e.g. in torch's C++ teardown); its work is done, so it counts as a "
+            f"success"
+        )
         rc = 0
     if rc == 0:
         worker.to(WorkerState.SUCCEEDED)
@@ -115,8 +125,9 @@ def _consequence(record: WorkerFailure | None, first_failure: float | None) -> b
     return record.saw_a_peer_die and record.time > first_failure
 
 
-def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput,
-               timer: TimerKills | None = None) -> WorkerFailure:
+def failure_of(
+    worker: Worker, rc: int, ending: bool, output: WorkerOutput, timer: TimerKills | None = None
+) -> WorkerFailure:
     # Read what the pipes hold now, so the tail and the traceback are complete; not a moment more: a
     # DataLoader-style child may keep them open long after the rank itself has gone.
     output.drain(output.of(worker))
@@ -126,8 +137,9 @@ def failure_of(worker: Worker, rc: int, ending: bool, output: WorkerOutput,
     failure = worker.ended_with(rc, record)
     kill = timer.of(worker.pid, -rc) if timer is not None and worker.pid is not None and rc < 0 else None
     if kill is not None:  # the file timer's signal, whatever else a SIGKILL might have been
-        failure = dataclasses.replace(failure, error_type=FailureKind.TIMER_EXPIRED, message=kill.message,
-                                      killed_by=kill.killer)
+        failure = dataclasses.replace(
+            failure, error_type=FailureKind.TIMER_EXPIRED, message=kill.message, killed_by=kill.killer
+        )
     killed_by = who_killed(worker, rc) if kill is None else None
     if killed_by is not None:
         failure = dataclasses.replace(failure, killed_by=killed_by)

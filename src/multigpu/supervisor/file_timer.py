@@ -153,8 +153,13 @@ def _server_class() -> Any:
 
     class HostedFileTimerServer(FileTimerServer):  # type: ignore[misc]
         def __init__(self, path: str, run_id: str, kills: TimerKills) -> None:
-            super().__init__(file_path=path, run_id=run_id, max_interval=MAX_INTERVAL_S, daemon=True,
-                             log_event=self._on_event)
+            super().__init__(
+                file_path=path,
+                run_id=run_id,
+                max_interval=MAX_INTERVAL_S,
+                daemon=True,
+                log_event=self._on_event,
+            )
             self._kills = kills
             self._arrived: dict[tuple[int, str], float] = {}
 

@@ -38,7 +38,7 @@ def read_dumps(prefix: str | Path, newer_than: float = 0.0) -> dict[int, dict[st
     except OSError:
         return dumps
     for name in names:
-        rank = name[len(prefix.name):]
+        rank = name[len(prefix.name) :]
         if not name.startswith(prefix.name) or not rank.isdigit():
             continue
         path = prefix.parent / name
@@ -127,15 +127,31 @@ def missing_ranks(dumps: dict[int, dict[str, Any]], expected: set[int] | None = 
         for seq, ranks in sorted(behind.items()):
             entered = sorted(r for r, last in g.last.items() if last >= seq)
             verb = "is" if len(ranks) == 1 else "are"
-            findings.append((seq, Finding(ranks, f"{_ranks_text(ranks)} {verb} missing from collective "
-                                                 f"#{seq} ({g.ops.get(seq, '?')}) {where}; "
-                                                 f"{_ranks_text(entered)} entered it")))
+            findings.append(
+                (
+                    seq,
+                    Finding(
+                        ranks,
+                        f"{_ranks_text(ranks)} {verb} missing from collective "
+                        f"#{seq} ({g.ops.get(seq, '?')}) {where}; "
+                        f"{_ranks_text(entered)} entered it",
+                    ),
+                )
+            )
         here = g.members & set(dumps)
         stuck = [r for r in here if g.completed.get(r, top) < top == g.last.get(r)]
         if not behind and stuck and len(stuck) == len(here):
             who = "every rank" if g.members <= here else "every rank that wrote a dump"  # other nodes
-            findings.append((top, Finding([], f"{who} entered collective #{top} "
-                                              f"({g.ops.get(top, '?')}) {where}, and none completed it")))
+            findings.append(
+                (
+                    top,
+                    Finding(
+                        [],
+                        f"{who} entered collective #{top} "
+                        f"({g.ops.get(top, '?')}) {where}, and none completed it",
+                    ),
+                )
+            )
     silent = sorted(expected - set(dumps))
     result = [f for _, f in sorted(findings, key=lambda item: item[0])]
     if silent and dumps:

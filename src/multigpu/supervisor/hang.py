@@ -94,9 +94,16 @@ class Hang:
 class ProgressBook:
     """Every rank's progress for one attempt; see the module docstring for the rules."""
 
-    def __init__(self, policy: HangPolicy, ranks: Iterable[int], *, store: Path | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 notify: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        policy: HangPolicy,
+        ranks: Iterable[int],
+        *,
+        store: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
         self.policy = policy
         self._clock = clock
         self._wall_offset = wall() - clock()
@@ -117,8 +124,9 @@ class ProgressBook:
 
     # ---- feeding -----------------------------------------------------------------------------------
 
-    def started(self, rank: int, now: float | None = None, pid: int | None = None,
-                node: int = 0) -> RankProgress:
+    def started(
+        self, rank: int, now: float | None = None, pid: int | None = None, node: int = 0
+    ) -> RankProgress:
         """The rank's process started: its progress starts afresh (its record, for ``Worker.progress``)."""
         now = self._clock() if now is None else now
         self.ranks[rank] = progress = RankProgress(rank, now, now, pid=pid, node=node)
@@ -208,8 +216,10 @@ class ProgressBook:
 
     def _explain(self, what: str, slowest: float) -> str:
         p = self.policy
-        return (f"learned: {p.factor:g} x slowest {what} {slowest:.3g}s, floor {p.floor:g}s, "
-                f"ceiling {p.ceiling:g}s")
+        return (
+            f"learned: {p.factor:g} x slowest {what} {slowest:.3g}s, floor {p.floor:g}s, "
+            f"ceiling {p.ceiling:g}s"
+        )
 
     def check(self, running: list[int], now: float | None = None) -> Hang | None:
         """A ``Hang`` when a rank that reports steps is past its timeout, or when no rank at all has
@@ -229,8 +239,9 @@ class ProgressBook:
         if late:
             # A rank that reports no steps and has been quiet at least as long is as suspect.
             since = min(quiet[r] for r, _ in late)
-            suspects = {r for r, _ in late} | {r for r in running
-                                                if not self.ranks[r].reports_steps and quiet[r] >= since}
+            suspects = {r for r, _ in late} | {
+                r for r in running if not self.ranks[r].reports_steps and quiet[r] >= since
+            }
             return self._hang(running, quiet, late[0][1], suspects)
         silent = now - max(self.last_finish, self.job_at, *(self.ranks[r].last_progress for r in running))
         if silent >= ceiling:
@@ -238,14 +249,25 @@ class ProgressBook:
             return self._hang(running, quiet, Timeout(ceiling, why), set(running), silent)
         return None
 
-    def _hang(self, running: list[int], quiet: dict[int, float], limit: Timeout, late: set[int],
-              silent: float | None = None) -> Hang:
+    def _hang(
+        self,
+        running: list[int],
+        quiet: dict[int, float],
+        limit: Timeout,
+        late: set[int],
+        silent: float | None = None,
+    ) -> Hang:
         culprits = self.order(running, late)
         first = culprits[0]
         p = self.ranks[first]
         window = min(TIE_S, 0.05 * quiet[first])
-        tied = [r for r in culprits if r in late and self.ranks[r].step == p.step
-                and self.ranks[r].last_progress - p.last_progress <= window]
+        tied = [
+            r
+            for r in culprits
+            if r in late
+            and self.ranks[r].step == p.step
+            and self.ranks[r].last_progress - p.last_progress <= window
+        ]
         where = f"at step {p.step}" if p.step is not None else "before any step"
         if p.section is not None:
             where += f" in section {p.section!r}"
@@ -254,8 +276,9 @@ class ProgressBook:
         others = [r for r in culprits if r not in tied]
         rest = "; ".join(f"rank {r} {self._at(r)}, {quiet[r]:.1f}s ago" for r in others[:4])
         why = limit.why if limit.why.startswith("no rank") else f"timeout {limit.seconds:.3g}s, {limit.why}"
-        line = (f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} "
-                f"({why})" + (f"; {rest}" if rest else ""))
+        line = f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} ({why})" + (
+            f"; {rest}" if rest else ""
+        )
         notice = self._notice(running, quiet[first] if silent is None else silent, limit)
         return Hang(tied + others, line, quiet, notice)
 
@@ -264,8 +287,11 @@ class ProgressBook:
         rank here reached, before the stacks say who holds the job up."""
         steps = [s for r in running if (s := self.ranks[r].step) is not None]
         since = f" since step {max(steps)}" if steps else ""
-        why = f"--hang-timeout {limit.seconds:g}s" if limit.why.startswith(("no rank", "--hang")) \
+        why = (
+            f"--hang-timeout {limit.seconds:g}s"
+            if limit.why.startswith(("no rank", "--hang"))
             else f"timeout {limit.seconds:.3g}s, {limit.why}"
+        )
         return f"no progress for {silent:.1f}s{since} ({why})"
 
     def shortest_timeout(self) -> float | None:
@@ -280,27 +306,37 @@ class ProgressBook:
     def order(self, ranks: Iterable[int], late: set[int] | None = None) -> list[int]:
         """Who stopped first: the ranks past their timeout (``late``), then the lowest step (no step
         at all lowest), then the earliest last progress."""
+
         def key(r: int) -> tuple[bool, float, float]:
             p = self.ranks[r]
-            return (late is not None and r not in late, -math.inf if p.step is None else p.step,
-                    p.last_progress)
+            return (
+                late is not None and r not in late,
+                -math.inf if p.step is None else p.step,
+                p.last_progress,
+            )
+
         return sorted(ranks, key=key)
 
     # ---- stragglers, persistence, stats -------------------------------------------------------------
 
     def _check_stragglers(self, running: list[int], now: float) -> None:
         """Steps and sections (``stragglers.py``) and collective entry times (``lateness.py``)."""
-        if now - self._straggler_at < STRAGGLER_EVERY_S or len(running) < 2 \
-                or self.policy.straggler_threshold <= 0:
+        if (
+            now - self._straggler_at < STRAGGLER_EVERY_S
+            or len(running) < 2
+            or self.policy.straggler_threshold <= 0
+        ):
             return
         self._straggler_at = now
-        for rank, line in find_stragglers(self.ranks, self.policy.straggler_window,
-                                                 self.policy.straggler_ratio).items():
+        for rank, line in find_stragglers(
+            self.ranks, self.policy.straggler_window, self.policy.straggler_ratio
+        ).items():
             if rank not in self.stragglers:
                 self.stragglers[rank] = line
                 self._notify(line)
-        for rank, line in self.lateness.check(self.ranks, [r for r in running if not self.ranks[r].finished],
-                                              now + self._wall_offset):
+        for rank, line in self.lateness.check(
+            self.ranks, [r for r in running if not self.ranks[r].finished], now + self._wall_offset
+        ):
             if self.lateness.straggling(rank) is not None:
                 self.stragglers[rank] = line
             self._notify(line)
@@ -329,8 +365,9 @@ class ProgressBook:
         return out
 
 
-def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
-                  wall_now: float) -> list[WorkerFailure]:
+def hang_failures(
+    hang: Hang, running: list[Worker], flight: list[Finding], wall_now: float
+) -> list[WorkerFailure]:
     """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
     cause); its message is the report's first line: the flight recorder's findings when there are
     any (which rank is missing from which collective; those ranks go first), then the ranks whose
@@ -348,20 +385,34 @@ def hang_failures(hang: Hang, running: list[Worker], flight: list[Finding],
     for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
         quiet = hang.quiet.get(w.rank, 0.0)
         message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
-        failures.append(dataclasses.replace(
-            w.ended_with(None), error_type=FailureKind.HANG, message=message,
-            traceback="\n".join(w.dumps.stacks) or None,
-            time=base + order.get(w.rank, len(order)) * 1e-3))  # sorted later: keeps the culprits' order
+        failures.append(
+            dataclasses.replace(
+                w.ended_with(None),
+                error_type=FailureKind.HANG,
+                message=message,
+                traceback="\n".join(w.dumps.stacks) or None,
+                time=base + order.get(w.rank, len(order)) * 1e-3,
+            )
+        )  # sorted later: keeps the culprits' order
     return failures
 
 
-def progress_book(config: RunConfig, output_dir: Path, specs: Iterable[WorkerSpec],
-                  notify: Callable[[str], None] | None = None) -> ProgressBook:
+def progress_book(
+    config: RunConfig,
+    output_dir: Path,
+    specs: Iterable[WorkerSpec],
+    notify: Callable[[str], None] | None = None,
+) -> ProgressBook:
     """The book for one attempt of a run: its policy from the command line, its learned numbers in
     the output folder (shared by every attempt and every requeue that writes there)."""
     from multigpu.console.writer import say_on_stderr
 
-    policy = HangPolicy(ceiling=config.hang.timeout, factor=config.hang.factor, floor=config.hang.floor,
-                        straggler_threshold=config.hang.straggler_threshold)
-    return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE,
-                        notify=notify or say_on_stderr)
+    policy = HangPolicy(
+        ceiling=config.hang.timeout,
+        factor=config.hang.factor,
+        floor=config.hang.floor,
+        straggler_threshold=config.hang.straggler_threshold,
+    )
+    return ProgressBook(
+        policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE, notify=notify or say_on_stderr
+    )

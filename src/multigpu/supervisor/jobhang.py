@@ -88,10 +88,18 @@ def rank_states(workers: Sequence[Worker], book: ProgressBook, now: float) -> li
     states = []
     for w in workers:
         p = book.ranks.get(w.rank)
-        states.append(RankState(w.rank, w.spec.local_rank, w.spec.node, w.pid, w.alive,
-                                p.step if p is not None else None,
-                                round(now - p.last_progress, 3) if p is not None else 0.0,
-                                list(w.dumps.stacks) if w.alive else []))
+        states.append(
+            RankState(
+                w.rank,
+                w.spec.local_rank,
+                w.spec.node,
+                w.pid,
+                w.alive,
+                p.step if p is not None else None,
+                round(now - p.last_progress, 3) if p is not None else 0.0,
+                list(w.dumps.stacks) if w.alive else [],
+            )
+        )
     return states
 
 
@@ -112,16 +120,19 @@ def decide(states: Sequence[RankState], notice: WorkerFailure) -> dict[str, Any]
     elif by_progress:
         first = by_progress[0]
         at = "before any step" if first.step is None else f"at step {first.step}"
-        line = (f"rank {first.rank} stopped progressing first ({at}, last progress {first.quiet:.1f}s ago; "
-                f"no stack shows a rank outside a collective the others wait in); {notice_line}")
+        line = (
+            f"rank {first.rank} stopped progressing first ({at}, last progress {first.quiet:.1f}s ago; "
+            f"no stack shows a rank outside a collective the others wait in); {notice_line}"
+        )
     else:
         line = notice_line
     since = max((s.quiet for s in running), default=0.0)
     return {"culprits": culprits, "line": line, "time": (notice.time or time.time()) - since}
 
 
-def job_failures(verdict: dict[str, Any], states: Sequence[RankState],
-                 workers: Sequence[Worker]) -> list[WorkerFailure]:
+def job_failures(
+    verdict: dict[str, Any], states: Sequence[RankState], workers: Sequence[Worker]
+) -> list[WorkerFailure]:
     """One ``Hang`` failure per running rank of the job, the verdict's first culprit first (the
     report's root cause, with the verdict as its message); each carries its rank's stacks. The same
     on every node, from the same verdict and states."""
@@ -132,8 +143,11 @@ def job_failures(verdict: dict[str, Any], states: Sequence[RankState],
     failures = []
     for i, s in enumerate(running):
         own = local.get(s.rank)
-        failure = own.ended_with(None) if own is not None else WorkerFailure(s.rank, s.local_rank, s.pid,
-                                                                            node=s.node)
+        failure = (
+            own.ended_with(None)
+            if own is not None
+            else WorkerFailure(s.rank, s.local_rank, s.pid, node=s.node)
+        )
         failure.error_type, failure.pid = FailureKind.HANG, s.pid
         failure.traceback = "\n".join(s.dump) or None
         failure.message = str(verdict.get("line")) if i == 0 else f"no progress for {s.quiet:.1f}s"
@@ -161,9 +175,15 @@ class HangExchange(Protocol):
         """Publish this node's rank states, gather every node's, settle the verdict."""
 
 
-def gather_verdict(exchange: HangExchange, notice: WorkerFailure, workers: Sequence[Worker],
-                   book: ProgressBook, turn: Callable[[float], None], clock: Callable[[], float],
-                   stopped: Callable[[], bool] = lambda: False) -> list[WorkerFailure]:
+def gather_verdict(
+    exchange: HangExchange,
+    notice: WorkerFailure,
+    workers: Sequence[Worker],
+    book: ProgressBook,
+    turn: Callable[[float], None],
+    clock: Callable[[], float],
+    stopped: Callable[[], bool] = lambda: False,
+) -> list[WorkerFailure]:
     """After this node's stacks are read: share them, wait for the others' while the loop runs on
     (bounded; a stop request, Ctrl-C, ends the wait), and make the job's failures from the verdict
     that stands (this node's own states and verdict when the store cannot answer)."""

@@ -91,7 +91,7 @@ def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = No
         others = [times for q, times in entries.items() if q != r]
         each = [mine[k] - statistics.median(t[k] for t in others) for k in window]
         late[r] = statistics.median(each)
-        halves[r] = abs(statistics.median(each[:len(each) // 2]) - statistics.median(each[len(each) // 2:]))
+        halves[r] = abs(statistics.median(each[: len(each) // 2]) - statistics.median(each[len(each) // 2 :]))
     if step is None:
         step = step_from_entries([statistics.median(t[k] for t in entries.values()) for k in window])
     if step is None or max(halves.values()) > step or max(map(abs, late.values())) > ALIGNED * step:
@@ -110,8 +110,13 @@ class Straggle:
     end: float | None = None
 
     def record(self) -> dict[str, Any]:
-        return {"start_time": self.start, "end_time": self.end, "late_s": rounded(self.late_s),
-                "late_share": rounded(self.share), "collectives": self.count}
+        return {
+            "start_time": self.start,
+            "end_time": self.end,
+            "late_s": rounded(self.late_s),
+            "late_share": rounded(self.share),
+            "collectives": self.count,
+        }
 
 
 @dataclass
@@ -130,8 +135,9 @@ class LatenessWatch:
         if len(times) > KEEP:
             del times[next(iter(times))]
 
-    def check(self, ranks: Mapping[int, RankProgress], running: list[int],
-              wall: float) -> list[tuple[int, str]]:
+    def check(
+        self, ranks: Mapping[int, RankProgress], running: list[int], wall: float
+    ) -> list[tuple[int, str]]:
         """Judge the running ranks' latest collectives; the lines to say (rank, line): a straggler
         found, or one no longer."""
         here = {r: self.entries[r] for r in running if r in self.entries}
@@ -147,15 +153,25 @@ class LatenessWatch:
             if open_span is None and late >= STRAGGLER_MIN_GAP_S and share > self.threshold:
                 self.straggles.setdefault(r, []).append(Straggle(wall, late, share, found.count))
                 ranks[r].straggling = True
-                lines.append((r, f"{_who(ranks[r])} is a straggler: it enters collectives {_ms(late)} "
-                             f"({share:.0%}) after the others, over the last {found.count}; the job runs "
-                             f"at the pace of its slowest rank"))
+                lines.append(
+                    (
+                        r,
+                        f"{_who(ranks[r])} is a straggler: it enters collectives {_ms(late)} "
+                        f"({share:.0%}) after the others, over the last {found.count}; the job runs "
+                        f"at the pace of its slowest rank",
+                    )
+                )
             elif open_span is not None and (late < STRAGGLER_MIN_GAP_S / 2 or share < self.threshold / 2):
                 open_span.end = wall
                 ranks[r].straggling = False
-                lines.append((r, f"{_who(ranks[r])} is no longer a straggler: it enters collectives "
-                             f"{_ms(late)} ({share:.0%}) after the others, over the last {found.count} "
-                             f"(it was one for {wall - open_span.start:.0f}s)"))
+                lines.append(
+                    (
+                        r,
+                        f"{_who(ranks[r])} is no longer a straggler: it enters collectives "
+                        f"{_ms(late)} ({share:.0%}) after the others, over the last {found.count} "
+                        f"(it was one for {wall - open_span.start:.0f}s)",
+                    )
+                )
             elif open_span is not None:
                 open_span.late_s, open_span.share = max(open_span.late_s, late), max(open_span.share, share)
         return lines

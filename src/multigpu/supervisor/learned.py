@@ -36,8 +36,11 @@ class Learned:
             return cls()
 
     def save(self, path: Path) -> None:
-        data = {"slowest_step_s": self.slowest_step, "sections_s": self.sections,
-                "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        data = {
+            "slowest_step_s": self.slowest_step,
+            "sections_s": self.sections,
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(data, indent=2) + "\n")

@@ -46,17 +46,27 @@ from multigpu.supervisor.stop_requests import StopRequests
 class Supervisor:
     """Owns a set of worker processes from start to reaped; see the module docstring."""
 
-    def __init__(self, specs: Sequence[WorkerSpec], *, sink: OutputSink | None = None,
-                 options: SupervisorOptions | None = None, hooks: Hooks | None = None,
-                 progress: ProgressBook | None = None, spawner: Spawner | None = None) -> None:
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        *,
+        sink: OutputSink | None = None,
+        options: SupervisorOptions | None = None,
+        hooks: Hooks | None = None,
+        progress: ProgressBook | None = None,
+        spawner: Spawner | None = None,
+    ) -> None:
         self.options = options = options or SupervisorOptions()
         self.hooks = hooks = hooks or Hooks()
         self._spawner: Spawner = spawner or PopenSpawner()
         self.workers = [Worker(spec) for spec in specs]
         self._clock, self._notify = options.clock, hooks.notify
-        self.progress = progress or ProgressBook(HangPolicy(ceiling=options.hang_timeout),
-                                                 (w.rank for w in self.workers), clock=self._clock,
-                                                 notify=self._notify)
+        self.progress = progress or ProgressBook(
+            HangPolicy(ceiling=options.hang_timeout),
+            (w.rank for w in self.workers),
+            clock=self._clock,
+            notify=self._notify,
+        )
         self._output = WorkerOutput(sink, self._notify, self._clock, hooks.console)
         self._events = Events()
         self._stops = StopRequests(self._clock, self._events.wake)
@@ -118,8 +128,11 @@ class Supervisor:
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
                 return None
-            self.turn(_period(self.options, self.progress, self._output, self.workers, remaining,
-                              self._race.next_due()))
+            self.turn(
+                _period(
+                    self.options, self.progress, self._output, self.workers, remaining, self._race.next_due()
+                )
+            )
         return outcome
 
     def final_result(self, result: RunResult) -> RunResult:
@@ -184,9 +197,16 @@ class Supervisor:
             self._judge(p.worker, p.rc, stop)
 
     def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
-        failure = exits.settle(worker, rc, ending=self._closing or interrupted, interrupted=interrupted,
-                               output=self._output, notify=self._notify,
-                               first_failure=self._outcome.first_time(), timer=self.hooks.timer)
+        failure = exits.settle(
+            worker,
+            rc,
+            ending=self._closing or interrupted,
+            interrupted=interrupted,
+            output=self._output,
+            notify=self._notify,
+            first_failure=self._outcome.first_time(),
+            timer=self.hooks.timer,
+        )
         if failure is not None:
             self._outcome.failures.append(failure)
             mute_all_but(self.workers, worker)
@@ -220,12 +240,20 @@ class Supervisor:
         every node (``jobhang.py``). False for any other failure from outside, and once this node has
         an outcome of its own."""
         exchange, outcome = self.hooks.job_hang, self._outcome
-        if (notice.kind is not FailureKind.HANG or exchange is None or outcome.hung or self._closing
-                or outcome.failures):
+        if (
+            notice.kind is not FailureKind.HANG
+            or exchange is None
+            or outcome.hung
+            or self._closing
+            or outcome.failures
+        ):
             return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
-        outcome.failures.extend(jobhang.gather_verdict(exchange, notice, self.workers, self.progress,
-                                                     self.turn, self._clock, self._stops.seen))
+        outcome.failures.extend(
+            jobhang.gather_verdict(
+                exchange, notice, self.workers, self.progress, self.turn, self._clock, self._stops.seen
+            )
+        )
         return True
 
     def _collect_stacks(self, notice: str) -> float:
@@ -249,8 +277,9 @@ class Supervisor:
         request.finish()
         return request
 
-    def close(self, sig: int = signal.SIGTERM, grace_period: float | None = None,
-              dump_stacks: bool = False) -> None:
+    def close(
+        self, sig: int = signal.SIGTERM, grace_period: float | None = None, dump_stacks: bool = False
+    ) -> None:
         """Stop every group: ``sig``, one shared deadline, SIGKILL the rest, reap. Idempotent."""
         with self._lock:
             if self._closed:
@@ -298,8 +327,14 @@ class Supervisor:
         self.close()
 
 
-def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOutput,
-            workers: Sequence[Worker], remaining: float | None, race_due: float | None) -> float:
+def _period(
+    options: SupervisorOptions,
+    progress: ProgressBook,
+    output: WorkerOutput,
+    workers: Sequence[Worker],
+    remaining: float | None,
+    race_due: float | None,
+) -> float:
     """How long one turn may wait: the tick, a quarter of the shortest hang timeout, the next partial
     line due on the console, a short poll where no pidfd tells a rank's exit, or until a rank killed
     by an outside stop signal is judged (``race_due``)."""
@@ -314,4 +349,3 @@ def _period(options: SupervisorOptions, progress: ProgressBook, output: WorkerOu
         period = min(period, 0.05)
     period = period if remaining is None else max(0.0, min(period, remaining))
     return period if race_due is None else max(0.0, min(period, race_due - options.clock()))
-

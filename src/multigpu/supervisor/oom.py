@@ -110,13 +110,18 @@ class OomWatch:
         """For a rank that died of SIGKILL: what the kernel says, as the report words it, or None
         when nothing says it was the OOM killer."""
         rss = kernel_kill_rss(pid)
-        counted = (self.cgroup is not None and self.kills_at_start is not None
-                   and (self.cgroup.oom_kills() or 0) > self.kills_at_start)
+        counted = (
+            self.cgroup is not None
+            and self.kills_at_start is not None
+            and (self.cgroup.oom_kills() or 0) > self.kills_at_start
+        )
         if rss is None and not counted:
             return None
         limit = self.cgroup.limit() if self.cgroup is not None else None
-        parts = [f"resident {size(rss)}" if rss is not None else None,
-                 f"a {size(limit)} limit" if limit is not None else None]
+        parts = [
+            f"resident {size(rss)}" if rss is not None else None,
+            f"a {size(limit)} limit" if limit is not None else None,
+        ]
         detail = " of ".join(p for p in parts if p) if all(parts) else ", ".join(p for p in parts if p)
         return f"the kernel's OOM killer{f' ({detail})' if detail else ''}"
 

@@ -93,8 +93,9 @@ class LogFile:
 
     def _fail(self, exc: OSError) -> None:
         self.error = exc.strerror or str(exc)
-        self._notify(f"cannot write {self.path}: {self.error}; the rest of its output is lost "
-                     f"(the run goes on)")
+        self._notify(
+            f"cannot write {self.path}: {self.error}; the rest of its output is lost (the run goes on)"
+        )
 
     def close(self) -> None:
         if self._file is not None:
@@ -115,8 +116,18 @@ class LogFile:
 class Stream:
     """One pipe of one worker: the unfinished line, the files that take its bytes, its progress bar."""
 
-    __slots__ = ("cpp_stacks", "fd", "files", "interrupts", "name", "partial_due", "partial_shown", "pending",
-                 "pipe", "worker")
+    __slots__ = (
+        "cpp_stacks",
+        "fd",
+        "files",
+        "interrupts",
+        "name",
+        "partial_due",
+        "partial_shown",
+        "pending",
+        "pipe",
+        "worker",
+    )
 
     def __init__(self, worker: Worker, name: str, pipe: IO[bytes], files: list[LogFile]) -> None:
         self.worker, self.name, self.pipe = worker, name, pipe
@@ -135,8 +146,13 @@ class Stream:
 class WorkerOutput:
     """Every worker's output for one supervisor: opened before spawn, read by the loop, closed at the end."""
 
-    def __init__(self, sink: OutputSink | None, notify: Callable[[str], None],
-                 clock: Callable[[], float], console: Console | None = None) -> None:
+    def __init__(
+        self,
+        sink: OutputSink | None,
+        notify: Callable[[str], None],
+        clock: Callable[[], float],
+        console: Console | None = None,
+    ) -> None:
         self._sink = sink
         self._console = console or Console()
         self._notify = notify

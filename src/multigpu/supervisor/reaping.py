@@ -93,9 +93,11 @@ def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> lis
             w.ending.unkillable = True
             w.to(WorkerState.STOPPED)
             w.returncode = None
-            notify(f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
-                   f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
-                   f"leaving it behind")
+            notify(
+                f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
+                f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
+                f"leaving it behind"
+            )
         done.append(w)
     return done
 

@@ -21,8 +21,9 @@ PROGRESS_EVERY_S = 5.0
 class News:
     """The listener's side of the loop: changed ranks, progress snapshots, the periodic tick."""
 
-    def __init__(self, hooks: Hooks, progress: ProgressBook, clock: Callable[[], float],
-                 tick_period: float) -> None:
+    def __init__(
+        self, hooks: Hooks, progress: ProgressBook, clock: Callable[[], float], tick_period: float
+    ) -> None:
         self._hooks, self._progress, self._clock, self._tick_period = hooks, progress, clock, tick_period
         self._changed: dict[int, Worker] = {}
         self._published = float("-inf")

@@ -29,12 +29,15 @@ class NodeSentinel:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            argv = [sys.executable, "-m", "multigpu.rank.sentinel", str(theirs.fileno()),
-                    str(os.getpid())]
+            argv = [sys.executable, "-m", "multigpu.rank.sentinel", str(theirs.fileno()), str(os.getpid())]
             self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
         finally:
             theirs.close()
         self._channel = ours

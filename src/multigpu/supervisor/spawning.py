@@ -50,8 +50,14 @@ class PopenSpawner:
 
     def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
         return subprocess.Popen(
-            spec.argv, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds,
+            spec.argv,
+            env=env,
+            cwd=spec.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=pass_fds,
         )
 
     def spared(self) -> frozenset[int]:
@@ -80,8 +86,14 @@ def start_rank(spawner: Spawner, spec: WorkerSpec, guarded: bool = False) -> tup
     return process, hb_r
 
 
-def bring_up(worker: Worker, spawner: Spawner, output: WorkerOutput, events: Events, now: float,
-             guard: Callable[[int, int], bool] | None = None) -> None:
+def bring_up(
+    worker: Worker,
+    spawner: Spawner,
+    output: WorkerOutput,
+    events: Events,
+    now: float,
+    guard: Callable[[int, int], bool] | None = None,
+) -> None:
     """Start ``worker``'s rank and watch everything it gives the supervisor: its exit (a pidfd, where
     the kernel has them; else the loop polls), its heartbeat pipe and its output pipes. ``guard`` hands
     the rank to the node's sentinel."""

@@ -44,8 +44,11 @@ class DumpRequest:
         self.wall_start = time.time()
         self._activity = {w.rank: w.lines.last_at for w in self.targets}
         # Only a rank that has beaten has armed its dump thread; to any other FR_SIGNAL is fatal.
-        self._answering = [w for w in self.targets if FR_DUMP_ENV in w.spec.env and w.progress is not None
-                           and w.progress.beats]
+        self._answering = [
+            w
+            for w in self.targets
+            if FR_DUMP_ENV in w.spec.env and w.progress is not None and w.progress.beats
+        ]
         self.recording = [w for w in self._answering if w.spec.env[FR_DUMP_ENV]]
         self._quiet = [w for w in self.targets if w not in self._answering]
         for w in self.targets:

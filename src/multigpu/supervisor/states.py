@@ -83,8 +83,9 @@ class LineCopy:
     header: bytes
 
     def matching(self, lines: Iterable[bytes]) -> bytes:
-        return b"".join(self.header + line + b"\n" for line in lines
-                        if any(needle in line for needle in self.needles))
+        return b"".join(
+            self.header + line + b"\n" for line in lines if any(needle in line for needle in self.needles)
+        )
 
 
 WINDOW = 100
@@ -123,14 +124,24 @@ class RankProgress:
         """Per-rank step times for run.json; times are wall-clock (``wall_offset`` + clock)."""
         step_at = None if self.step_at is None else self.step_at + wall_offset
         first = None if self.first_step_at is None else self.first_step_at + wall_offset
-        data: dict[str, Any] = {"step": self.step, "last_step_time": step_at, "first_step_time": first,
-                                "last_progress_time": self.last_progress + wall_offset,
-                                "median_step_s": rounded(self.median_interval()),
-                                "slowest_step_s": rounded(max(self.intervals, default=None))}
+        data: dict[str, Any] = {
+            "step": self.step,
+            "last_step_time": step_at,
+            "first_step_time": first,
+            "last_progress_time": self.last_progress + wall_offset,
+            "median_step_s": rounded(self.median_interval()),
+            "slowest_step_s": rounded(max(self.intervals, default=None)),
+        }
         if self.section_times:
-            data["sections"] = {name: {"median_s": rounded(statistics.median(times)),
-                                       "slowest_s": rounded(max(times)), "count": len(times)}
-                                for name, times in self.section_times.items() if times}
+            data["sections"] = {
+                name: {
+                    "median_s": rounded(statistics.median(times)),
+                    "slowest_s": rounded(max(times)),
+                    "count": len(times),
+                }
+                for name, times in self.section_times.items()
+                if times
+            }
         return data
 
 
@@ -227,8 +238,9 @@ class Worker:
     def to(self, state: WorkerState) -> None:
         """Move to ``state``; ``IllegalMove`` where ``MOVES`` does not lead there."""
         if state not in MOVES[self.state]:
-            raise IllegalMove(f"rank {self.rank}: {self.state.value} -> {state.value} is not a move a "
-                              f"rank makes")
+            raise IllegalMove(
+                f"rank {self.rank}: {self.state.value} -> {state.value} is not a move a rank makes"
+            )
         self.state = state
 
     @property
@@ -270,14 +282,22 @@ class Worker:
             return None
         return record if fresh else None
 
-    def ended_with(self, returncode: int | None, record: WorkerFailure | None = None, *,
-                   with_tail: bool = True) -> WorkerFailure:
+    def ended_with(
+        self, returncode: int | None, record: WorkerFailure | None = None, *, with_tail: bool = True
+    ) -> WorkerFailure:
         """This rank's failure from its exit status and its record (``WorkerFailure.from_exit``), with
         the last lines it wrote unless another thread may be adding to them (``with_tail=False``)."""
         spec = self.spec
-        return WorkerFailure.from_exit(spec.rank, spec.local_rank, spec.node, self.pid, returncode, record,
-                                       log_path=str(spec.log_path) if spec.log_path else None,
-                                       log_tail=list(self.lines.tail) if with_tail else [])
+        return WorkerFailure.from_exit(
+            spec.rank,
+            spec.local_rank,
+            spec.node,
+            self.pid,
+            returncode,
+            record,
+            log_path=str(spec.log_path) if spec.log_path else None,
+            log_tail=list(self.lines.tail) if with_tail else [],
+        )
 
 
 @dataclass
@@ -296,8 +316,7 @@ class RunResult:
         the loss of the peer's whole node."""
         first = next(iter(self.failures), None)
         if first is not None and first.saw_a_peer_die:
-            own = next((f for f in self.failures if f.subject is Subject.RANK and not f.saw_a_peer_die),
-                       None)
+            own = next((f for f in self.failures if f.subject is Subject.RANK and not f.saw_a_peer_die), None)
             # else a lost node (or store), even when its silence was first seen after our rank failed
             return own or next((f for f in self.failures if f.subject is not Subject.RANK), first)
         return first

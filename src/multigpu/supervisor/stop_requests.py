@@ -71,8 +71,7 @@ class StopRequests:
 
 
 @contextlib.contextmanager
-def capture_signals(record: Callable[[int], None],
-                    signals: tuple[int, ...] = CAUGHT) -> Iterator[None]:
+def capture_signals(record: Callable[[int], None], signals: tuple[int, ...] = CAUGHT) -> Iterator[None]:
     previous: dict[int, Any] = {}
 
     def handler(signum: int, frame: FrameType | None) -> None:

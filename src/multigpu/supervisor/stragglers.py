@@ -35,6 +35,8 @@ def find_stragglers(ranks: dict[int, RankProgress], window: int, ratio: float) -
             others = statistics.median([m for q, m in medians.items() if q != r])
             if mine > ratio * others and mine - others >= STRAGGLER_MIN_GAP_S and r not in found:
                 factor = mine / others if others > 0 else math.inf
-                found[r] = (f"rank {r} is a straggler: its {what} takes {mine:.3g}s (median of the last "
-                            f"{window}) against {others:.3g}s on the other ranks ({factor:.1f}x)")
+                found[r] = (
+                    f"rank {r} is a straggler: its {what} takes {mine:.3g}s (median of the last "
+                    f"{window}) against {others:.3g}s on the other ranks ({factor:.1f}x)"
+                )
     return found

@@ -34,8 +34,13 @@ def all_gone(workers: Sequence[Worker]) -> bool:
     return not any(w.alive for w in workers) and not reaping.open_groups(workers)
 
 
-def kill_rest(workers: Sequence[Worker], why: str, options: SupervisorOptions,
-              spared: Callable[[], frozenset[int]], notify: Callable[[str], None]) -> list[Worker]:
+def kill_rest(
+    workers: Sequence[Worker],
+    why: str,
+    options: SupervisorOptions,
+    spared: Callable[[], frozenset[int]],
+    notify: Callable[[str], None],
+) -> list[Worker]:
     """SIGKILL for every group still open (the ranks still running named, ``why``), the escaped
     descendants ended, then every rank waited for (``reaping.reap_killed``): the ranks to reap.
 

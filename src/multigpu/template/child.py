@@ -38,8 +38,9 @@ from multigpu.template.pools import Pools
 REPARENT_WAIT_S = 5.0
 
 
-def become_rank(request: dict[str, Any], fds: list[int], control: socket.socket, middle: int,
-                pools: Pools) -> NoReturn:
+def become_rank(
+    request: dict[str, Any], fds: list[int], control: socket.socket, middle: int, pools: Pools
+) -> NoReturn:
     """Turn this fresh fork of ``middle`` into the rank ``request`` describes and run it; never returns.
 
     ``middle`` comes from the middle process itself: read here with ``getppid()`` it would already be
@@ -108,11 +109,18 @@ def reopen_std_streams() -> None:
     def stream(fd: int, old: Any, line_buffering: bool) -> io.TextIOWrapper:
         writing = fd != 0
         raw = io.FileIO(fd, "w" if writing else "r", closefd=False)
-        binary: Any = raw if (unbuffered and writing) else (
-            io.BufferedWriter(raw) if writing else io.BufferedReader(raw))
-        return io.TextIOWrapper(binary, encoding=getattr(old, "encoding", None),
-                                errors=getattr(old, "errors", None), line_buffering=line_buffering,
-                                write_through=unbuffered and writing)
+        binary: Any = (
+            raw
+            if (unbuffered and writing)
+            else (io.BufferedWriter(raw) if writing else io.BufferedReader(raw))
+        )
+        return io.TextIOWrapper(
+            binary,
+            encoding=getattr(old, "encoding", None),
+            errors=getattr(old, "errors", None),
+            line_buffering=line_buffering,
+            write_through=unbuffered and writing,
+        )
 
     for name, fd, line_buffering in (("stdin", 0, False), ("stdout", 1, os.isatty(1)), ("stderr", 2, True)):
         new = stream(fd, getattr(sys, f"__{name}__"), line_buffering)
@@ -152,8 +160,12 @@ def wait_for_launcher(middle: int) -> None:
     deadline = time.monotonic() + REPARENT_WAIT_S
     while os.getppid() == middle:
         if time.monotonic() >= deadline:
-            print(f"multigpu: the rank's middle process {middle} did not exit within {REPARENT_WAIT_S:g} s;"
-                  " starting anyway", file=sys.stderr, flush=True)
+            print(
+                f"multigpu: the rank's middle process {middle} did not exit within {REPARENT_WAIT_S:g} s;"
+                " starting anyway",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         time.sleep(0.0005)
 

@@ -35,8 +35,12 @@ def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
 def forkable(spec: WorkerSpec) -> bool:
     """A rank of ``python -m multigpu.rank script|module|function`` (not ``--no-python``)."""
     argv = spec.argv
-    return len(argv) >= 4 and argv[0] == sys.executable and argv[1:3] == ["-m", "multigpu.rank"] \
+    return (
+        len(argv) >= 4
+        and argv[0] == sys.executable
+        and argv[1:3] == ["-m", "multigpu.rank"]
         and argv[3] in FORKABLE_MODES
+    )
 
 
 class NodeSpawner:
@@ -46,9 +50,16 @@ class NodeSpawner:
     torch while the launcher meets its peers, so a launcher never stalls its own beats on it.
     """
 
-    def __init__(self, *, use_template: bool, store: StoreSocket | None, preload: Sequence[str] = (),
-                 notify: Callable[[str], None], why_not: str = "--no-template",
-                 python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        *,
+        use_template: bool,
+        store: StoreSocket | None,
+        preload: Sequence[str] = (),
+        notify: Callable[[str], None],
+        why_not: str = "--no-template",
+        python: str = sys.executable,
+    ) -> None:
         self._python = python
         self._use_template = use_template
         self._why_not = why_not
@@ -139,14 +150,16 @@ class NodeSpawner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            pid = self._template.fork(spec.argv, env, spec.cwd or os.getcwd(), [out_w, err_w, *pass_fds],
-                                      [1, 2, *pass_fds])
+            pid = self._template.fork(
+                spec.argv, env, spec.cwd or os.getcwd(), [out_w, err_w, *pass_fds], [1, 2, *pass_fds]
+            )
         except OSError as exc:
             os.close(out_r)
             os.close(err_r)
             self._forks = False  # it still hosts the store
-            self._notify(f"the worker template could not fork rank {spec.rank} ({exc}); plain "
-                         f"processes from here on")
+            self._notify(
+                f"the worker template could not fork rank {spec.rank} ({exc}); plain processes from here on"
+            )
             return self._plain.spawn(spec, env, pass_fds)
         finally:
             os.close(out_w)
@@ -164,8 +177,9 @@ class NodeSpawner:
         self._template = self._store_process = None
 
 
-def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None],
-                base_env: Mapping[str, str]) -> NodeSpawner:
+def spawner_for(
+    config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None], base_env: Mapping[str, str]
+) -> NodeSpawner:
     """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job or a
     ``multigpu.launch`` (function mode), started.
 
@@ -177,8 +191,9 @@ def spawner_for(config: RunConfig, store: StoreSocket | None, notify: Callable[[
     why = "--no-python" if config.start.run_mode == "exec" else "--no-template"
     if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
         use, why = False, "cannot adopt forked ranks: no child subreaper"
-    spawner = NodeSpawner(use_template=use, store=store, preload=config.supervision.preload, notify=notify,
-                          why_not=why)
+    spawner = NodeSpawner(
+        use_template=use, store=store, preload=config.supervision.preload, notify=notify, why_not=why
+    )
     env = {**base_env, **config.extra_env}
     env.setdefault("OMP_NUM_THREADS", str(omp_threads(usable_cpu_count(), config.nproc)))
     spawner.start(env)

@@ -50,12 +50,24 @@ class TemplateProcess:
     def __init__(self, env: Mapping[str, str], python: str = sys.executable) -> None:
         lift_open_file_limit()  # the template and its ranks inherit the launcher's raised limit
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [python, "-m", "multigpu.template", "--control-fd", str(theirs.fileno()),
-                "--launcher-pid", str(os.getpid())]
+        argv = [
+            python,
+            "-m",
+            "multigpu.template",
+            "--control-fd",
+            str(theirs.fileno()),
+            "--launcher-pid",
+            str(os.getpid()),
+        ]
         try:
-            self.process = subprocess.Popen(argv, env=held(env), stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, start_new_session=True,
-                                            pass_fds=[theirs.fileno()])
+            self.process = subprocess.Popen(
+                argv,
+                env=held(env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=[theirs.fileno()],
+            )
         except BaseException:
             ours.close()
             raise
@@ -69,8 +81,12 @@ class TemplateProcess:
     def configure(self, store: StoreSocket | None, preload: Sequence[str]) -> None:
         """Its first message: the store's socket to serve (if this node hosts the store) and the
         modules to import besides torch. The template reads it once its ``import torch`` is done."""
-        message = {"op": "configure", "preload": list(preload),
-                   "store_host": store.host if store else None, "store_port": store.port if store else None}
+        message = {
+            "op": "configure",
+            "preload": list(preload),
+            "store_host": store.host if store else None,
+            "store_port": store.port if store else None,
+        }
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: wait_ready says how
             send(self.control, message, [store.fd] if store is not None else [])
 

@@ -71,8 +71,9 @@ def configure(control: socket.socket) -> tuple[Store, Pools] | None:
         importlib.import_module(name)
     pools = Pools()
     gc.freeze()
-    store = Store(fds[0] if fds else None, message.get("store_host") or "127.0.0.1",
-                  int(message.get("store_port") or 0))
+    store = Store(
+        fds[0] if fds else None, message.get("store_host") or "127.0.0.1", int(message.get("store_port") or 0)
+    )
     store.renew()
     return store, pools
 
@@ -102,8 +103,9 @@ def serve_forever(listen_fd: int, host: str, port: int) -> None:
         signal.pause()
 
 
-def fork_rank(request: dict[str, Any], fds: list[int], control: socket.socket,
-              pools: Pools) -> dict[str, Any]:
+def fork_rank(
+    request: dict[str, Any], fds: list[int], control: socket.socket, pools: Pools
+) -> dict[str, Any]:
     """Fork the rank (twice: it ends up the launcher's child); the answer for the launcher."""
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         return {"error": "the template has threads; forking it would not be safe"}

@@ -60,8 +60,22 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
     job = write_script(tmp_path, "job.py", JOB)
     marker = tmp_path / "go"
     port = free_port()
-    launcher = start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
-                          "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
+    launcher = start_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--grace-period",
+            "1",
+            "--output",
+            str(tmp_path / "out"),
+            "--debug-server",
+            str(port),
+            str(job),
+            str(marker),
+        ],
+        cwd=tmp_path,
+    )
     first = []
     try:
         assert launcher.stderr is not None
@@ -76,14 +90,24 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
         sockets = [(pid, c) for pid in tree for c in psutil.Process(pid).net_connections("inet")]
         listening = [(pid, c.laddr.ip) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
         ports = sorted({c.laddr.port for _, c in sockets if c.status == psutil.CONN_LISTEN})
-        helpers = [c.pid for c in psutil.Process(launcher.pid).children(recursive=True)
-                   if "multigpu.rank.debug_frontend" in " ".join(c.cmdline())]
-        unix = [c.laddr for pid in tree for c in psutil.Process(pid).net_connections("unix")
-                if c.laddr.startswith("/tmp/multigpu-debug-")]
+        helpers = [
+            c.pid
+            for c in psutil.Process(launcher.pid).children(recursive=True)
+            if "multigpu.rank.debug_frontend" in " ".join(c.cmdline())
+        ]
+        unix = [
+            c.laddr
+            for pid in tree
+            for c in psutil.Process(pid).net_connections("unix")
+            if c.laddr.startswith("/tmp/multigpu-debug-")
+        ]
         modes = {Path(path).parent.stat().st_mode & 0o777 for path in unix}
-        anonymous = {p: status_without_token(f"http://127.0.0.1:{p}/"
-                                             f"{'stacks' if p == port else 'handler/dump_traceback'}")
-                     for p in ports}
+        anonymous = {
+            p: status_without_token(
+                f"http://127.0.0.1:{p}/{'stacks' if p == port else 'handler/dump_traceback'}"
+            )
+            for p in ports
+        }
         wrong = status_without_token(f"http://127.0.0.1:{port}/stacks?token=not-{token}")
     finally:
         marker.touch()
@@ -108,11 +132,15 @@ def test_without_the_extra_packages_the_option_is_one_line(tmp_path: Path) -> No
     hidden.mkdir()
     (hidden / "aiohttp.py").write_text("raise ImportError('hidden by the test')\n")
     job = write_script(tmp_path, "job.py", "print('never runs')\n")
-    res = run_cli(["run", "--cpu", "1", "--debug-server", "8000", str(job)], cwd=tmp_path,
-                  env={"PYTHONPATH": str(hidden)})
+    res = run_cli(
+        ["run", "--cpu", "1", "--debug-server", "8000", str(job)],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(hidden)},
+    )
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines()[0] == (
         "multigpu run: error: --debug-server needs aiohttp (torch's debug server imports it): "
-        "pip install 'multigpu[debug]'"), res.stderr
+        "pip install 'multigpu[debug]'"
+    ), res.stderr
     assert "Traceback" not in res.stderr
     assert "never runs" not in res.stdout

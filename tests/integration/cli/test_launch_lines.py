@@ -40,49 +40,103 @@ class Line:
 
 
 MATRIX = (
-    Line("ddp-tutorial", "pytorch/examples distributed/ddp-tutorial-series/README.md (Multi-GPU Torchrun)",
-         "--nnodes=1 --nproc_per_node={N} {SCRIPT} 20 5"),
-    Line("ddp-run-example", "pytorch/examples distributed/ddp-tutorial-series/run_example.sh",
-         "--nnodes=1 --nproc_per_node={N} --rdzv_id=101 --rdzv_endpoint=localhost:{PORT} {SCRIPT}"),
-    Line("modded-nanogpt", "KellerJordan/modded-nanogpt run.sh",
-         "--standalone --nproc_per_node={N} {SCRIPT} --input_bin data/fineweb10B/fineweb_train_*.bin "
-         "--model d12 --batch_size 32 --sequence_length 1024 --learning_rate 0.0015"),
-    Line("nanogpt-config", "AGI-Arena/MARS scripts/run_adamw_small_fw.sh (nanoGPT style)",
-         "--standalone --nproc_per_node={N} {SCRIPT} config/train_gpt2_small_adamw.py --batch_size=15 "
-         "--gradient_accumulation_steps=4"),
-    Line("torchtitan", "pytorch/torchtitan run_train.sh",
-         "--nproc_per_node={N} --rdzv_backend c10d --rdzv_endpoint=localhost:0 --local-ranks-filter 0 "
-         "--role rank --tee 3 -m {MODULE} --module llama3 --config llama3_debugmodel"),
-    Line("megatron", "NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh",
-         "--nproc_per_node {N} --nnodes 1 --master_addr localhost --master_port {PORT} {SCRIPT} "
-         "--num-layers 96 --hidden-size 12288 --micro-batch-size 1 --split 949,50,1"),
-    Line("timm", "huggingface/pytorch-image-models distributed_train.sh",
-         "--nproc_per_node={N} {SCRIPT} /data/imagenet --model resnet50 -b 64"),
-    Line("isc-demos", "StrongResearch/isc-demos tiny_training/run.sh",
-         "--nnodes=1 --nproc_per_node=1 --rdzv_id=100 --rdzv_backend=c10d --rdzv_endpoint=localhost:{PORT} "
-         "{SCRIPT}"),
-    Line("sngp-dashes", "pkage/sngp-segmentation local_mpl_ddp.sh",
-         "--rdzv-backend=c10d --rdzv-endpoint=localhost:0 --standalone --nnodes=1 --nproc-per-node={N} "
-         "{SCRIPT} --batch_size 4 --test_batch_size 4 --epochs 10 --warmup 10"),
-    Line("master-port-only", "JeMing-creater/ZTomorTrain run.sh",
-         "--nproc_per_node {N} --master_port {PORT} {SCRIPT}"),
-    Line("no-python", "torchrun --no-python ... python src/learn/train.py (RawByteClf training scripts)",
-         "--no-python --nnodes=1 --nproc_per_node={N} python {SCRIPT} --root=./output --task=clf"),
-    Line("lightning-two-nodes", "lightning.ai/docs/pytorch/latest/clouds/cluster_intermediate_2.html",
-         "--nproc_per_node={N} --nnodes=2 --node_rank {NODE} --master_addr 127.0.0.1 --master_port {PORT} "
-         "{SCRIPT} --arg1 --arg2", nodes=2),
-    Line("k8s-pet-env", "Kubeflow Trainer torch plugin: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, "
-         "PET_MASTER_ADDR, PET_MASTER_PORT; the pod runs 'torchrun train_ddp.py'",
-         "{SCRIPT}", nodes=2,
-         env={"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "{NODE}",
-              "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "{PORT}"}),
+    Line(
+        "ddp-tutorial",
+        "pytorch/examples distributed/ddp-tutorial-series/README.md (Multi-GPU Torchrun)",
+        "--nnodes=1 --nproc_per_node={N} {SCRIPT} 20 5",
+    ),
+    Line(
+        "ddp-run-example",
+        "pytorch/examples distributed/ddp-tutorial-series/run_example.sh",
+        "--nnodes=1 --nproc_per_node={N} --rdzv_id=101 --rdzv_endpoint=localhost:{PORT} {SCRIPT}",
+    ),
+    Line(
+        "modded-nanogpt",
+        "KellerJordan/modded-nanogpt run.sh",
+        "--standalone --nproc_per_node={N} {SCRIPT} --input_bin data/fineweb10B/fineweb_train_*.bin "
+        "--model d12 --batch_size 32 --sequence_length 1024 --learning_rate 0.0015",
+    ),
+    Line(
+        "nanogpt-config",
+        "AGI-Arena/MARS scripts/run_adamw_small_fw.sh (nanoGPT style)",
+        "--standalone --nproc_per_node={N} {SCRIPT} config/train_gpt2_small_adamw.py --batch_size=15 "
+        "--gradient_accumulation_steps=4",
+    ),
+    Line(
+        "torchtitan",
+        "pytorch/torchtitan run_train.sh",
+        "--nproc_per_node={N} --rdzv_backend c10d --rdzv_endpoint=localhost:0 --local-ranks-filter 0 "
+        "--role rank --tee 3 -m {MODULE} --module llama3 --config llama3_debugmodel",
+    ),
+    Line(
+        "megatron",
+        "NVIDIA/Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh",
+        "--nproc_per_node {N} --nnodes 1 --master_addr localhost --master_port {PORT} {SCRIPT} "
+        "--num-layers 96 --hidden-size 12288 --micro-batch-size 1 --split 949,50,1",
+    ),
+    Line(
+        "timm",
+        "huggingface/pytorch-image-models distributed_train.sh",
+        "--nproc_per_node={N} {SCRIPT} /data/imagenet --model resnet50 -b 64",
+    ),
+    Line(
+        "isc-demos",
+        "StrongResearch/isc-demos tiny_training/run.sh",
+        "--nnodes=1 --nproc_per_node=1 --rdzv_id=100 --rdzv_backend=c10d --rdzv_endpoint=localhost:{PORT} "
+        "{SCRIPT}",
+    ),
+    Line(
+        "sngp-dashes",
+        "pkage/sngp-segmentation local_mpl_ddp.sh",
+        "--rdzv-backend=c10d --rdzv-endpoint=localhost:0 --standalone --nnodes=1 --nproc-per-node={N} "
+        "{SCRIPT} --batch_size 4 --test_batch_size 4 --epochs 10 --warmup 10",
+    ),
+    Line(
+        "master-port-only",
+        "JeMing-creater/ZTomorTrain run.sh",
+        "--nproc_per_node {N} --master_port {PORT} {SCRIPT}",
+    ),
+    Line(
+        "no-python",
+        "torchrun --no-python ... python src/learn/train.py (RawByteClf training scripts)",
+        "--no-python --nnodes=1 --nproc_per_node={N} python {SCRIPT} --root=./output --task=clf",
+    ),
+    Line(
+        "lightning-two-nodes",
+        "lightning.ai/docs/pytorch/latest/clouds/cluster_intermediate_2.html",
+        "--nproc_per_node={N} --nnodes=2 --node_rank {NODE} --master_addr 127.0.0.1 --master_port {PORT} "
+        "{SCRIPT} --arg1 --arg2",
+        nodes=2,
+    ),
+    Line(
+        "k8s-pet-env",
+        "Kubeflow Trainer torch plugin: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, "
+        "PET_MASTER_ADDR, PET_MASTER_PORT; the pod runs 'torchrun train_ddp.py'",
+        "{SCRIPT}",
+        nodes=2,
+        env={
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "1",
+            "PET_NODE_RANK": "{NODE}",
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": "{PORT}",
+        },
+    ),
     # c10d over several nodes: torch's elastic rendezvous, both nodes started together
-    Line("elastic-quickstart", "docs.pytorch.org/docs/stable/elastic/quickstart",
-         "--nnodes=2 --nproc-per-node={N} --max-restarts=1 --rdzv-id=job --rdzv-backend=c10d "
-         "--rdzv-endpoint=127.0.0.1:{PORT} {SCRIPT}", nodes=2),
-    Line("ddp-slurm", "pytorch/examples distributed/ddp-tutorial-series/slurm/sbatch_run.sh",
-         "--nnodes 2 --nproc_per_node 1 --rdzv_id 2024 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{PORT} "
-         "{SCRIPT} 50 10", nodes=2),
+    Line(
+        "elastic-quickstart",
+        "docs.pytorch.org/docs/stable/elastic/quickstart",
+        "--nnodes=2 --nproc-per-node={N} --max-restarts=1 --rdzv-id=job --rdzv-backend=c10d "
+        "--rdzv-endpoint=127.0.0.1:{PORT} {SCRIPT}",
+        nodes=2,
+    ),
+    Line(
+        "ddp-slurm",
+        "pytorch/examples distributed/ddp-tutorial-series/slurm/sbatch_run.sh",
+        "--nnodes 2 --nproc_per_node 1 --rdzv_id 2024 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{PORT} "
+        "{SCRIPT} 50 10",
+        nodes=2,
+    ),
 )
 
 
@@ -108,12 +162,31 @@ print("PROBE rank=%s sum=%s" % (os.environ["RANK"], total.item()), flush=True)
 dist.destroy_process_group()
 """
 
-CONTRACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-            "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
-            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR?", "MASTER_PORT?",
-            "TORCHELASTIC_RUN_ID?", "TORCHELASTIC_ERROR_FILE?", "argv0", "args", "sum")
-LAUNCHERS = {"torchrun": [str(Path(sys.executable).parent / "torchrun")],
-             "multigpu": [sys.executable, "-m", "multigpu", "run"]}
+CONTRACT = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "MASTER_ADDR?",
+    "MASTER_PORT?",
+    "TORCHELASTIC_RUN_ID?",
+    "TORCHELASTIC_ERROR_FILE?",
+    "argv0",
+    "args",
+    "sum",
+)
+LAUNCHERS = {
+    "torchrun": [str(Path(sys.executable).parent / "torchrun")],
+    "multigpu": [sys.executable, "-m", "multigpu", "run"],
+}
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
@@ -140,12 +213,20 @@ def _start_line(line: Line, launcher: str, work: Path, port: str) -> Run:
     procs = []
     for node in range(line.nodes):
         values = {"SCRIPT": "train.py", "MODULE": "train_probe", "PORT": port, "N": "2", "NODE": str(node)}
-        env = clean_env({"PROBE_DIR": str(probe_dir), "MULTIGPU_STATUS": "off",
-                         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-                         **{k: _fill(v, values) for k, v in line.env.items()}})
+        env = clean_env(
+            {
+                "PROBE_DIR": str(probe_dir),
+                "MULTIGPU_STATUS": "off",
+                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                **{k: _fill(v, values) for k, v in line.env.items()},
+            }
+        )
         argv = [*LAUNCHERS[launcher], *shlex.split(_fill(line.argv, values))]
-        procs.append(subprocess.Popen(argv, cwd=work, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                argv, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     return Run(port, probe_dir, procs)
 
 
@@ -157,8 +238,9 @@ def _finish(run: Run) -> Run:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    run.ranks = {int(p.stem.split("_")[1]): json.loads(p.read_text())
-                 for p in run.probe_dir.glob("rank_*.json")}
+    run.ranks = {
+        int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in run.probe_dir.glob("rank_*.json")
+    }
     return run
 
 
@@ -202,17 +284,24 @@ def _shown(line: Line, world: int) -> list[int]:
     return [0] if "--local-ranks-filter 0" in line.argv else list(range(world))
 
 
-@pytest.mark.parametrize("argv", [
-    # pytorch/examples distributed/ddp-tutorial-series/run_multigpu_torchrun.sh
-    "--standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10",
-    "--nnodes=1 --max_restarts=0 --rdzv_id=7 --rdzv_backend=c10d --nproc_per_node=gpu "
-    "--rdzv_endpoint=localhost:0 -m train_probe",  # tedyhabtegebrial/ultra_light_trainer run_example.sh
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # pytorch/examples distributed/ddp-tutorial-series/run_multigpu_torchrun.sh
+        "--standalone --nproc_per_node=gpu multigpu_torchrun.py 50 10",
+        "--nnodes=1 --max_restarts=0 --rdzv_id=7 --rdzv_backend=c10d --nproc_per_node=gpu "
+        "--rdzv_endpoint=localhost:0 -m train_probe",  # tedyhabtegebrial/ultra_light_trainer run_example.sh
+    ],
+)
 def test_gpu_lines_are_refused_by_both_without_a_gpu(argv: str, work: Path) -> None:
     (work / "multigpu_torchrun.py").write_text(PROBE)
     env = clean_env({"PROBE_DIR": str(work), "CUDA_VISIBLE_DEVICES": ""})
-    results = {name: subprocess.run([*cmd, *shlex.split(argv)], cwd=work, env=env, capture_output=True,
-                                    text=True, timeout=60) for name, cmd in LAUNCHERS.items()}
+    results = {
+        name: subprocess.run(
+            [*cmd, *shlex.split(argv)], cwd=work, env=env, capture_output=True, text=True, timeout=60
+        )
+        for name, cmd in LAUNCHERS.items()
+    }
     assert results["torchrun"].returncode != 0 and "Cuda is not available" in results["torchrun"].stderr
     assert results["multigpu"].returncode == 2 and "no GPU is visible" in results["multigpu"].stderr
     assert not list(work.glob("rank_*.json"))
@@ -238,22 +327,52 @@ def test_log_dir_redirects_and_tee_write_the_files_torchrun_writes(work: Path) -
     write_script(work, "echo.py", ECHO)
     results = {}
     for name, cmd in LAUNCHERS.items():
-        argv = ["--nproc-per-node", "2", "--log-dir", str(work / name), "-r", "3", "-t", "0:1",
-                "--duplicate-stdout-filters", "nothing,,at all,out from", "--duplicate_stderr_filters", "err",
-                "echo.py"]
-        results[name] = subprocess.run([*cmd, *argv], cwd=work, env=clean_env({"MULTIGPU_STATUS": "off"}),
-                                       capture_output=True, text=True, timeout=120)
+        argv = [
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(work / name),
+            "-r",
+            "3",
+            "-t",
+            "0:1",
+            "--duplicate-stdout-filters",
+            "nothing,,at all,out from",
+            "--duplicate_stderr_filters",
+            "err",
+            "echo.py",
+        ]
+        results[name] = subprocess.run(
+            [*cmd, *argv],
+            cwd=work,
+            env=clean_env({"MULTIGPU_STATUS": "off"}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     theirs, ours = _tree(work / "torchrun"), _tree(work / "multigpu")
-    assert sorted(theirs) == sorted(ours) == ["attempt_0/0/stderr.log", "attempt_0/0/stdout.log",
-                                              "attempt_0/1/stderr.log", "attempt_0/1/stdout.log",
-                                              "attempt_0/filtered_stderr.log",
-                                              "attempt_0/filtered_stdout.log"]
-    assert ours["attempt_0/filtered_stdout.log"] == theirs["attempt_0/filtered_stdout.log"] \
+    assert (
+        sorted(theirs)
+        == sorted(ours)
+        == [
+            "attempt_0/0/stderr.log",
+            "attempt_0/0/stdout.log",
+            "attempt_0/1/stderr.log",
+            "attempt_0/1/stdout.log",
+            "attempt_0/filtered_stderr.log",
+            "attempt_0/filtered_stdout.log",
+        ]
+    )
+    assert (
+        ours["attempt_0/filtered_stdout.log"]
+        == theirs["attempt_0/filtered_stdout.log"]
         == "[default0]:out from rank 0\n"
+    )
     assert ours["attempt_0/filtered_stderr.log"] == theirs["attempt_0/filtered_stderr.log"] == ""
     for path, text in theirs.items():
-        assert [line for line in ours[path].splitlines() if "rank" in line] == \
-            [line for line in text.splitlines() if "rank" in line], path
+        assert [line for line in ours[path].splitlines() if "rank" in line] == [
+            line for line in text.splitlines() if "rank" in line
+        ], path
     for name, result in results.items():
         assert "out from rank 0" in result.stdout, name
         assert "out from rank 1" not in result.stdout + result.stderr, name
@@ -267,9 +386,14 @@ def test_directory_and_zip_targets_run_as_python_runs_them(work: Path) -> None:
     with zipfile.ZipFile(work / "app.zip", "w") as archive:
         archive.writestr("__main__.py", ECHO)
     for target in ("app", "app.zip"):
-        result = subprocess.run([*LAUNCHERS["multigpu"], "--nproc-per-node", "2", target], cwd=work,
-                                env=clean_env({"MULTIGPU_STATUS": "off"}), capture_output=True, text=True,
-                                timeout=120)
+        result = subprocess.run(
+            [*LAUNCHERS["multigpu"], "--nproc-per-node", "2", target],
+            cwd=work,
+            env=clean_env({"MULTIGPU_STATUS": "off"}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         assert "out from rank 0" in result.stdout and "out from rank 1" in result.stdout
 
@@ -302,10 +426,25 @@ def test_logs_specs_plugin_decides_the_paths_under_both(work: Path) -> None:
     (site / "flat_logs_specs.py").write_text(FLAT_SPECS)
     write_script(work, "echo.py", ECHO)
     for name, cmd in LAUNCHERS.items():
-        argv = ["--nproc-per-node", "2", "--logs-specs", "flat", "--log-dir", str(work / name), "-r", "1",
-                "echo.py"]
-        result = subprocess.run([*cmd, *argv], cwd=work, capture_output=True, text=True, timeout=120,
-                                env=clean_env({"MULTIGPU_STATUS": "off", "PYTHONPATH": str(site)}))
+        argv = [
+            "--nproc-per-node",
+            "2",
+            "--logs-specs",
+            "flat",
+            "--log-dir",
+            str(work / name),
+            "-r",
+            "1",
+            "echo.py",
+        ]
+        result = subprocess.run(
+            [*cmd, *argv],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=clean_env({"MULTIGPU_STATUS": "off", "PYTHONPATH": str(site)}),
+        )
         for rank in (0, 1):
             flat = work / name / f"flat_{rank}.out"
             assert flat.read_text().strip() == f"out from rank {rank}", (name, result.stderr)

@@ -39,8 +39,21 @@ JOB = """
 def restarted_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("report")
     job = write_script(tmp, "job.py", JOB)
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--max-restarts", "1", "--output",
-                   str(tmp / "out"), str(job)], cwd=tmp)
+    res = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--status",
+            "off",
+            "--max-restarts",
+            "1",
+            "--output",
+            str(tmp / "out"),
+            str(job),
+        ],
+        cwd=tmp,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp / "out" / "run.json").read_text())
     assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])
@@ -57,8 +70,10 @@ def test_the_incident_table_says_where_the_time_went(restarted_run: Path) -> Non
     assert row[0] == "0" and all(cell.endswith("s") and float(cell[:-1]) >= 0 for cell in row[1:5]), row
     assert "rank 1 (node 0, pid" in lines[2] and "ValueError: loss is NaN" in lines[2]
     incident = json.loads((restarted_run / "run.json").read_text())["incidents"][0]
-    order = [incident[k] for k in ("failed_time", "detected_time", "stopped_time", "next_attempt_time",
-                                   "next_first_step_time")]
+    order = [
+        incident[k]
+        for k in ("failed_time", "detected_time", "stopped_time", "next_attempt_time", "next_first_step_time")
+    ]
     assert order == sorted(order), incident
     assert (restarted_run / "report.html").is_file()
 
@@ -75,8 +90,8 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     data = path.read_bytes()
     pos, chunks, header = 8, b"", b""
     while pos < len(data):
-        size, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + size]
+        size, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + size]
         header = body if kind == b"IHDR" else header
         chunks += body if kind == b"IDAT" else b""
         pos += 12 + size
@@ -86,12 +101,17 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     raw, rows, prev = zlib.decompress(chunks), [], bytearray(width * step)
     stride = width * step + 1
     for y in range(height):
-        kind, line = raw[y * stride], bytearray(raw[y * stride + 1:(y + 1) * stride])
+        kind, line = raw[y * stride], bytearray(raw[y * stride + 1 : (y + 1) * stride])
         for i in range(len(line)):
             a = line[i - step] if i >= step else 0
             b, c = prev[i], prev[i - step] if i >= step else 0
-            pred = {0: 0, 1: a, 2: b, 3: (a + b) // 2,
-                    4: min((a, b, c), key=lambda v: (abs(a + b - c - v), (a, b, c).index(v)))}[kind]
+            pred = {
+                0: 0,
+                1: a,
+                2: b,
+                3: (a + b) // 2,
+                4: min((a, b, c), key=lambda v: (abs(a + b - c - v), (a, b, c).index(v))),
+            }[kind]
             line[i] = (line[i] + pred) & 0xFF
         rows.append(bytes(line))
         prev = line
@@ -104,15 +124,28 @@ def test_the_timeline_draws_every_rank_in_a_real_browser(restarted_run: Path, tm
         tier_cannot_run("Chromium is not installed (apt-get install chromium); the HTML is checked above")
     run_cli(["report", str(restarted_run)], cwd=restarted_run)
     shot = tmp_path / "shot.png"
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,400",
-                           f"--screenshot={shot}", (restarted_run / "report.html").as_uri()],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1000,400",
+            f"--screenshot={shot}",
+            (restarted_run / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     assert shot.is_file(), proc.stderr.decode()[-2000:]
     width, step, rows = png_pixels(shot)
     colours = {"succeeded": (0x2E, 0x7D, 0x32), "failed": (0xC6, 0x28, 0x28), "stopped": (0x9E, 0x9E, 0x9E)}
-    counts = {name: sum(1 for row in rows for x in range(width)
-                        if tuple(row[x * step:x * step + 3]) == rgb) for name, rgb in colours.items()}
+    counts = {
+        name: sum(1 for row in rows for x in range(width) if tuple(row[x * step : x * step + 3]) == rgb)
+        for name, rgb in colours.items()
+    }
     # attempt 0: rank 1 failed, rank 0 stopped; attempt 1: both succeeded; each bar is tens of pixels
     assert all(n > 50 for n in counts.values()), counts
 
@@ -186,8 +219,9 @@ def test_a_killed_launcher_is_named_lost_and_its_record_closed(tmp_path: Path) -
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    lost = f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says " \
-           "running)"
+    lost = (
+        f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says running)"
+    )
     status = run_cli(["status", str(out)], cwd=tmp_path)
     assert status.returncode == 1 and lost in status.stderr, status.stderr
     assert "Traceback" not in status.stderr
@@ -220,8 +254,10 @@ def test_report_on_a_killed_launcher_says_lost_before_status_does(tmp_path: Path
             proc.communicate()
     report = run_cli(["report", str(out)], cwd=tmp_path)
     assert report.returncode == 0, report.stderr
-    assert f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says " \
-           "running)" in report.stdout, report.stdout
+    assert (
+        f"launcher lost: pid {proc.pid} on {socket.gethostname()} is gone (its run.json still says "
+        "running)" in report.stdout
+    ), report.stdout
     data = json.loads((out / "run.json").read_text())
     assert data["status"] == "launcher lost"
     assert_gone([r["pid"] for r in data["attempts"][0]["ranks"].values() if r["pid"]], timeout=10)

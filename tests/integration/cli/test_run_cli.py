@@ -17,11 +17,28 @@ from multigpu.cluster.devices import visible_gpus
 
 pytestmark = pytest.mark.integration
 
-CONTRACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-            "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "MULTIGPU_RUN_ID",
-            "MULTIGPU_OUTPUT_DIR")
+CONTRACT = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+    "PYTHONUNBUFFERED",
+    "MULTIGPU_RUN_ID",
+    "MULTIGPU_OUTPUT_DIR",
+)
 
 ENV_DUMP = """
     import json, os, sys
@@ -59,8 +76,11 @@ def test_environment_contract_logs_and_record(tmp_path: Path) -> None:
     script = write_script(tmp_path, "dump.py", ENV_DUMP)
     out = tmp_path / "out"
     passed = ["--cpu", "5", "--gpus=1", "-m", "x", "--output", "y", "--", "--log-ranks", "a b", ""]
-    result = run_cli(["run", "--cpu", "3", "--output", str(out), "--run-id", "contract-run", str(script),
-                      *passed], cwd=tmp_path, timeout=45)
+    result = run_cli(
+        ["run", "--cpu", "3", "--output", str(out), "--run-id", "contract-run", str(script), *passed],
+        cwd=tmp_path,
+        timeout=45,
+    )
     assert result.returncode == 0, result.stderr
     pids = pids_in(result.stdout)
     assert len(pids) == 3
@@ -74,13 +94,26 @@ def test_environment_contract_logs_and_record(tmp_path: Path) -> None:
     threads = str(max(1, len(os.sched_getaffinity(0)) // 3))
     for rank, dump in dumps.items():
         assert dump["env"] == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            "TORCHELASTIC_RUN_ID": "contract-run", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
-            "MULTIGPU_RUN_ID": "contract-run", "MULTIGPU_OUTPUT_DIR": str(out.resolve()),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "3",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "TORCHELASTIC_RUN_ID": "contract-run",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            "OMP_NUM_THREADS": threads,
+            "PYTHONUNBUFFERED": "1",
+            "MULTIGPU_RUN_ID": "contract-run",
+            "MULTIGPU_OUTPUT_DIR": str(out.resolve()),
         }, rank
         # everything after the script reaches it untouched, including words that look like our options
         assert dump["argv"] == [str(script), *passed]
@@ -101,8 +134,17 @@ def test_environment_contract_logs_and_record(tmp_path: Path) -> None:
 
     record = json.loads((out / "run.json").read_text())
     assert record["run_id"] == "contract-run"
-    assert record["command"][1:] == ["run", "--cpu", "3", "--output", str(out), "--run-id", "contract-run",
-                                     str(script), *passed]
+    assert record["command"][1:] == [
+        "run",
+        "--cpu",
+        "3",
+        "--output",
+        str(out),
+        "--run-id",
+        "contract-run",
+        str(script),
+        *passed,
+    ]
     assert record["config"]["nproc"] == 3 and record["config"]["device"] == "cpu"
     assert record["config"]["target"] == str(script) and record["config"]["target_args"] == passed
     assert record["devices"] == ["cpu"] * 3
@@ -122,19 +164,23 @@ def test_environment_contract_logs_and_record(tmp_path: Path) -> None:
 
 def test_plain_env_init_process_group(tmp_path: Path) -> None:
     script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
-    result = run_cli(["run", "--cpu", "2", "--output", str(tmp_path / "out"), str(script)], cwd=tmp_path,
-                     timeout=60)
+    result = run_cli(
+        ["run", "--cpu", "2", "--output", str(tmp_path / "out"), str(script)], cwd=tmp_path, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert_gone(pids_in(result.stdout))
     for rank in range(2):
-        assert re.search(rf"^\[rank {rank}\] allreduce rank={rank} world=2 backend=\S+ sum=3 ",
-                         result.stdout, re.M), result.stdout
+        assert re.search(
+            rf"^\[rank {rank}\] allreduce rank={rank} world=2 backend=\S+ sum=3 ", result.stdout, re.M
+        ), result.stdout
 
 
 def test_two_runs_started_at_once_get_different_ports(tmp_path: Path) -> None:
     script = write_script(tmp_path, "allreduce.py", ALL_REDUCE)
-    procs = [start_cli(["run", "--cpu", "2", "--output", str(tmp_path / f"out{i}"), str(script)],
-                       cwd=tmp_path) for i in range(2)]
+    procs = [
+        start_cli(["run", "--cpu", "2", "--output", str(tmp_path / f"out{i}"), str(script)], cwd=tmp_path)
+        for i in range(2)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -159,13 +205,21 @@ def test_module_mode(tmp_path: Path) -> None:
     pkg = tmp_path / "lib" / "mytrainer"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    write_script(pkg, "main.py", """
+    write_script(
+        pkg,
+        "main.py",
+        """
         import os, sys
         print(f"pid={os.getpid()} module={__name__} spec={__spec__.name} rank={os.environ['RANK']} "
               f"args={sys.argv[1:]}", flush=True)
-    """)
-    result = run_cli(["run", "--cpu", "2", "--output", str(tmp_path / "out"), "-m", "mytrainer.main",
-                      "--cpu", "7", "x"], cwd=tmp_path, timeout=45, env={"PYTHONPATH": str(tmp_path / "lib")})
+    """,
+    )
+    result = run_cli(
+        ["run", "--cpu", "2", "--output", str(tmp_path / "out"), "-m", "mytrainer.main", "--cpu", "7", "x"],
+        cwd=tmp_path,
+        timeout=45,
+        env={"PYTHONPATH": str(tmp_path / "lib")},
+    )
     assert result.returncode == 0, result.stderr
     assert_gone(pids_in(result.stdout))
     for rank in range(2):
@@ -176,7 +230,10 @@ def test_module_mode(tmp_path: Path) -> None:
 
 def test_console_prefixes_whole_lines(tmp_path: Path) -> None:
     lines = 3000
-    script = write_script(tmp_path, "chatty.py", f"""
+    script = write_script(
+        tmp_path,
+        "chatty.py",
+        f"""
         import os, sys
         rank = os.environ["RANK"]
         print(f"pid={{os.getpid()}}", flush=True)
@@ -187,7 +244,8 @@ def test_console_prefixes_whole_lines(tmp_path: Path) -> None:
             sys.stdout.write(payload + " end\\n")
             if i % 500 == 0:
                 print(f"r{{rank}} err {{i}}", file=sys.stderr)
-    """)
+    """,
+    )
     out = tmp_path / "out"
     result = run_cli(["run", "--cpu", "2", "--output", str(out), str(script)], cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -219,11 +277,15 @@ frame #43: _start + 0x21 (0x5557554e4081 in python)
 def test_a_ranks_cpp_stack_is_one_console_line_and_whole_in_its_log(tmp_path: Path) -> None:
     """c10 appends a C++ backtrace to a failed store read's warning (CI saw one when a peer's node
     was killed mid-rendezvous): the console names it in one line, the rank's log keeps every frame."""
-    script = write_script(tmp_path, "cpp.py", f"""
+    script = write_script(
+        tmp_path,
+        "cpp.py",
+        f"""
         import sys
         sys.stderr.write({CPP_STACK!r} + "\\n")
         print("after", file=sys.stderr)
-    """)
+    """,
+    )
     out = tmp_path / "out"
     result = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=45)
     assert result.returncode == 0, result.stderr
@@ -232,16 +294,21 @@ def test_a_ranks_cpp_stack_is_one_console_line_and_whole_in_its_log(tmp_path: Pa
     assert "recvVector failed" in result.stderr
     log = (out / "logs" / "attempt_0" / "rank_0.log").read_text()
     assert CPP_STACK in log
-    shown = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=45,
-                    env={"TORCH_SHOW_CPP_STACKTRACES": "1"})
+    shown = run_cli(
+        ["run", "--cpu", "1", "--output", str(out), str(script)],
+        cwd=tmp_path,
+        timeout=45,
+        env={"TORCH_SHOW_CPP_STACKTRACES": "1"},
+    )
     assert "[rank 0] frame #43: _start" in shown.stderr, shown.stderr  # asked for: shown whole
 
 
 def test_log_ranks_limits_console_not_files(tmp_path: Path) -> None:
     script = write_script(tmp_path, "dump.py", ENV_DUMP)
     out = tmp_path / "out"
-    result = run_cli(["run", "--cpu", "2", "--log-ranks", "0", "--output", str(out), str(script)],
-                     cwd=tmp_path, timeout=45)
+    result = run_cli(
+        ["run", "--cpu", "2", "--log-ranks", "0", "--output", str(out), str(script)], cwd=tmp_path, timeout=45
+    )
     assert result.returncode == 0, result.stderr
     pids = [json.loads((tmp_path / f"env_{r}.json").read_text())["pid"] for r in range(2)]
     assert_gone(pids)
@@ -256,13 +323,20 @@ def _imported_torch(args: list[str], cwd: Path) -> tuple[subprocess.CompletedPro
     """Run ``multigpu ARGS`` under ``-X importtime``; the result (its stderr without the probe's lines) and
     whether the launcher imported torch. What makes a refusal brief is that it comes before torch and any
     worker; its time is measured in benchmarks/bench_badinput.py, not asserted on a shared machine."""
-    result = subprocess.run([MULTIGPU[0], "-X", "importtime", *MULTIGPU[1:], *args], cwd=cwd,
-                            env=clean_env(), capture_output=True, text=True, timeout=20)
+    result = subprocess.run(
+        [MULTIGPU[0], "-X", "importtime", *MULTIGPU[1:], *args],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     probe = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
     modules = {line.rsplit("|", 1)[-1].strip() for line in probe}
     assert "multigpu.cli" in modules, result.stderr[-2000:]  # the probe works
-    result.stderr = "".join(line for line in result.stderr.splitlines(keepends=True)
-                            if not line.startswith("import time:"))
+    result.stderr = "".join(
+        line for line in result.stderr.splitlines(keepends=True) if not line.startswith("import time:")
+    )
     return result, any(m == "torch" or m.startswith("torch.") for m in modules)
 
 
@@ -296,8 +370,9 @@ def test_bad_input_exits_2_briefly(tmp_path: Path, args: list[str]) -> None:
     assert not (tmp_path / "multigpu_runs").exists()
 
 
-@pytest.mark.parametrize(("typo", "meant"), [("--nproc-pernode", "--nproc-per-node"),
-                                             ("--grace-perod", "--grace-period")])
+@pytest.mark.parametrize(
+    ("typo", "meant"), [("--nproc-pernode", "--nproc-per-node"), ("--grace-perod", "--grace-period")]
+)
 def test_mistyped_option_gets_did_you_mean(tmp_path: Path, typo: str, meant: str) -> None:
     """Issue 22: a newcomer's typo is answered with the option meant, in one line, exit 2."""
     script = write_script(tmp_path, "ok.py", "print('must not run')\n")
@@ -339,15 +414,14 @@ def test_taken_rdzv_port_is_refused_in_one_line(tmp_path: Path) -> None:
         held.listen(1)
         port = held.getsockname()[1]
         result, torch_imported = _imported_torch(
-            ["run", "--cpu", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script)], tmp_path)
+            ["run", "--cpu", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", str(script)], tmp_path
+        )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]
     assert "Traceback" not in result.stderr and "must not run" not in result.stdout
     assert not torch_imported
-
-
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"], ["devices"]])
@@ -384,13 +458,22 @@ def test_module_mode_finds_a_package_in_the_current_directory(tmp_path: Path) ->
     pkg = tmp_path / "localpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    write_script(pkg, "job.py", """
+    write_script(
+        pkg,
+        "job.py",
+        """
         import os
         print(f"pid={os.getpid()} ran {__spec__.name}", flush=True)
-    """)
-    result = subprocess.run([str(command), "run", "--cpu", "1", "--output", str(tmp_path / "out"), "-m",
-                             "localpkg.job"], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                            timeout=45)
+    """,
+    )
+    result = subprocess.run(
+        [str(command), "run", "--cpu", "1", "--output", str(tmp_path / "out"), "-m", "localpkg.job"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
     assert result.returncode == 0, result.stderr
     assert "ran localpkg.job" in result.stdout
     assert_gone(pids_in(result.stdout))

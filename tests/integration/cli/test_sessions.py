@@ -52,8 +52,20 @@ def script(tmp_path: Path, body: str, name: str = "job.py") -> Path:
 
 
 def args(out: Path, job: Path, *extra: str, nproc: int = 2) -> list[str]:
-    return [*MULTIGPU, "run", "--cpu", str(nproc), "--grace-period", "0.5", "--status", "off",
-            "--output", str(out), *extra, str(job)]
+    return [
+        *MULTIGPU,
+        "run",
+        "--cpu",
+        str(nproc),
+        "--grace-period",
+        "0.5",
+        "--status",
+        "off",
+        "--output",
+        str(out),
+        *extra,
+        str(job),
+    ]
 
 
 def record(out: Path) -> dict[str, Any]:
@@ -97,16 +109,21 @@ def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
         proc.wait(timeout=10)
 
 
-def start(cmd: list[str], cwd: Path, procs: list[subprocess.Popen[bytes]], **kw: Any,
-          ) -> subprocess.Popen[bytes]:
+def start(
+    cmd: list[str],
+    cwd: Path,
+    procs: list[subprocess.Popen[bytes]],
+    **kw: Any,
+) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(cmd, cwd=cwd, env=clean_env(), start_new_session=True, **kw)
     procs.append(proc)
     return proc
 
 
 def shell(line: str, cwd: Path, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=clean_env(), capture_output=True,
-                          timeout=timeout)
+    return subprocess.run(
+        ["bash", "-c", line], cwd=cwd, env=clean_env(), capture_output=True, timeout=timeout
+    )
 
 
 def quoted(cmd: list[str]) -> str:
@@ -130,8 +147,9 @@ else:
 """
 
 
-def test_stalled_reader_does_not_delay_failure_detection(tmp_path: Path,
-                                                         procs: list[subprocess.Popen[bytes]]) -> None:
+def test_stalled_reader_does_not_delay_failure_detection(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
     """stdout is a pipe nobody reads (a paused pager): rank 1's failure still ends the run."""
     out = tmp_path / "out"
     err = (tmp_path / "stderr.txt").open("wb")
@@ -157,15 +175,19 @@ def test_stalled_reader_does_not_delay_failure_detection(tmp_path: Path,
 def test_a_console_slower_than_the_ranks_loses_no_line(tmp_path: Path) -> None:
     """A pipe that is read, only slower than two ranks write (``| tee``, a CI log): 24 MB of long lines
     reach it whole and all of them, the ranks held back meanwhile; nothing is dropped."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 for i in range(2000):
     print(f"R{RANK}:{i:06d}:" + "x" * 5990)
 sys.stdout.flush()
 print(f"pid={os.getpid()}", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
-    res = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                         timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     assert res.returncode == 0, res.stderr.decode()[-2000:]
     lines = [line for line in res.stdout.decode().splitlines() if ":" in line and "pid=" not in line]
     whole = [line for line in lines if re.fullmatch(r"\[rank \d\] R\d:\d{6}:x{5990}", line)]
@@ -175,13 +197,16 @@ print(f"pid={os.getpid()}", flush=True)
 
 
 def test_stalled_reader_then_sigterm(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 for i in range(20000):
     print(f"line {i:05d} " + "x" * 100)
 sys.stdout.flush()
 ready()
 time.sleep(60)
-""")
+""",
+    )
     out = tmp_path / "out"
     r, w = os.pipe()
     try:
@@ -198,13 +223,17 @@ time.sleep(60)
     assert_gone(pids)
 
 
-@pytest.mark.parametrize("redirect", ["<&-", ">&-", "2>&-", ">&- 2>&- <&-", ">/dev/full 2>/dev/full",
-                                      "</dev/null >/dev/null 2>&1"])
+@pytest.mark.parametrize(
+    "redirect", ["<&-", ">&-", "2>&-", ">&- 2>&- <&-", ">/dev/full 2>/dev/full", "</dev/null >/dev/null 2>&1"]
+)
 def test_closed_or_redirected_std_streams(tmp_path: Path, redirect: str) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 print(f"hello from {RANK}", flush=True)
 print(f"fds {sorted(int(f) for f in os.listdir('/proc/self/fd'))[:3]}", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
     res = shell(f"exec {quoted(args(out, job))} {redirect}", tmp_path)
     assert res.returncode == 0, res.stderr.decode()
@@ -216,10 +245,13 @@ print(f"fds {sorted(int(f) for f in os.listdir('/proc/self/fd'))[:3]}", flush=Tr
 
 
 def test_head_closes_the_pipe(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 for i in range(3000):
     print(f"line {i}", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
     res = shell(f"{quoted(args(out, job))} | head -1; exit ${{PIPESTATUS[0]}}", tmp_path)
     assert res.returncode == 0, res.stderr.decode()
@@ -236,10 +268,13 @@ def test_demo_into_head_ends_quietly_and_trains_on(tmp_path: Path) -> None:
     import psutil
 
     out = tmp_path / "out"
-    line = f"{quoted([*MULTIGPU, 'demo', '--cpu', '2', '--steps', '40', '-o', str(out)])} | head -1; " \
-           "exit ${PIPESTATUS[0]}"
-    proc = subprocess.Popen(["bash", "-c", line], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    line = (
+        f"{quoted([*MULTIGPU, 'demo', '--cpu', '2', '--steps', '40', '-o', str(out)])} | head -1; "
+        "exit ${PIPESTATUS[0]}"
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", line], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     seen: set[int] = set()
     deadline = time.monotonic() + RUN_TIMEOUT
     while proc.poll() is None and time.monotonic() < deadline:  # the demo's processes, by PID
@@ -285,8 +320,9 @@ def read_until(fd: int, needle: bytes, seen: bytearray, timeout: float = RUN_TIM
 
 
 @pytest.mark.parametrize("status", ["off", "on"])
-def test_progress_bar_is_live_and_drawn_in_place_on_a_terminal(tmp_path: Path, status: str,
-                                                               procs: list[subprocess.Popen[bytes]]) -> None:
+def test_progress_bar_is_live_and_drawn_in_place_on_a_terminal(
+    tmp_path: Path, status: str, procs: list[subprocess.Popen[bytes]]
+) -> None:
     """Each update reaches the terminal before the rank goes on (a handshake), on one line."""
     out = tmp_path / "out"
     cmd = args(out, script(tmp_path, BAR))
@@ -315,11 +351,14 @@ def test_progress_bar_is_live_and_drawn_in_place_on_a_terminal(tmp_path: Path, s
 
 
 def test_a_one_megabyte_line_is_one_line(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 if RANK == 1:
     sys.stdout.write("{" + "y" * (1 << 20) + "}\\n")
     sys.stdout.flush()
-""")
+""",
+    )
     out = tmp_path / "out"
     console = tmp_path / "console.txt"
     res = shell(f"{quoted(args(out, job))} >{console}", tmp_path)
@@ -330,14 +369,16 @@ if RANK == 1:
     assert_gone(rank_pids(out))
 
 
-def test_terminal_hang_up_ends_only_the_console(tmp_path: Path,
-                                                procs: list[subprocess.Popen[bytes]]) -> None:
-    job = script(tmp_path, """
+def test_terminal_hang_up_ends_only_the_console(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    job = script(
+        tmp_path,
+        """
 ready()
 wait_for("hung_up")
 for i in range(2000):
     print(f"after hang-up {i}", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
     master, slave = pty.openpty()
     proc = start(args(out, job), tmp_path, procs, stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
@@ -357,20 +398,30 @@ for i in range(2000):
 
 def test_reused_output_reports_only_this_runs_failure(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    first = script(tmp_path, """
+    first = script(
+        tmp_path,
+        """
 if RANK == 1:
     raise ValueError("error of run one")
-""", "one.py")
-    second = script(tmp_path, """
+""",
+        "one.py",
+    )
+    second = script(
+        tmp_path,
+        """
 if RANK == 1:
     os.kill(os.getpid(), signal.SIGKILL)
-""", "two.py")
-    res1 = subprocess.run(args(out, first), cwd=tmp_path, env=clean_env(), capture_output=True,
-                          timeout=RUN_TIMEOUT)
+""",
+        "two.py",
+    )
+    res1 = subprocess.run(
+        args(out, first), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     assert b"error of run one" in res1.stderr
     pids = rank_pids(out)
-    res2 = subprocess.run(args(out, second), cwd=tmp_path, env=clean_env(), capture_output=True,
-                          timeout=RUN_TIMEOUT)
+    res2 = subprocess.run(
+        args(out, second), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     assert res2.returncode == 128 + signal.SIGKILL, res2.stderr.decode()
     assert b"rank 1 (node 0, pid" in res2.stderr and b"was killed by SIGKILL" in res2.stderr
     assert b"error of run one" not in res2.stderr
@@ -380,14 +431,18 @@ if RANK == 1:
 
 def test_two_live_runs_never_share_a_folder(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     out = tmp_path / "out"
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 ready()
 wait_for("go")
-""")
+""",
+    )
     first = start(args(out, job), tmp_path, procs, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_files(tmp_path / "ready_0", tmp_path / "ready_1")
-    second = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                            timeout=RUN_TIMEOUT)
+    second = subprocess.run(
+        args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     (tmp_path / "go").touch()
     _, err = first.communicate(timeout=RUN_TIMEOUT)
     assert first.returncode == 0, err.decode()
@@ -402,8 +457,12 @@ wait_for("go")
 def tmpfs(size: str, *options: str) -> Iterator[Path]:
     where = Path(tempfile.mkdtemp(prefix="multigpu-tmpfs-"))
     opts = ",".join((f"size={size}", *options))
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True
+        ).returncode
+        != 0
+    ):
         where.rmdir()
         tier_cannot_run("cannot mount a tmpfs here (needs root)")
     try:
@@ -430,8 +489,9 @@ def test_output_folder_problems_are_one_line_before_any_worker(tmp_path: Path, c
             with contextlib.suppress(OSError), open(root / "filler", "wb") as f:
                 f.write(b"\0" * (1 << 20))
             out = root / "out"
-        res = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                             timeout=RUN_TIMEOUT)
+        res = subprocess.run(
+            args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+        )
     lines = res.stderr.decode().strip().splitlines()
     assert res.returncode == 2, res.stderr.decode()
     assert len(lines) == 2 and "output folder" in lines[0], lines  # the error, and where --help is
@@ -440,14 +500,18 @@ def test_output_folder_problems_are_one_line_before_any_worker(tmp_path: Path, c
 
 
 def test_disk_fills_during_the_run(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 for i in range(30000):
     print(f"line {i:05d} " + "z" * 100)
-""")
+""",
+    )
     with tmpfs("1m") as root:
         out = root / "out"
-        res = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                             timeout=RUN_TIMEOUT)
+        res = subprocess.run(
+            args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+        )
         data = record(out)
         pids = rank_pids(out)
     stderr = res.stderr.decode()
@@ -462,8 +526,13 @@ for i in range(30000):
 @pytest.mark.parametrize("run_id", ["../../x", "a/b", "..", "bad\nid"])
 def test_run_id_is_a_name(tmp_path: Path, run_id: str) -> None:
     job = script(tmp_path, "pathlib.Path(f'started_{RANK}').touch()\n")
-    res = subprocess.run([*MULTIGPU, "run", "--cpu", "1", "--run-id", run_id, str(job)], cwd=tmp_path,
-                         env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        [*MULTIGPU, "run", "--cpu", "1", "--run-id", run_id, str(job)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert res.returncode == 2
     assert res.stderr.decode().count("\n") == 2 and "--run-id" in res.stderr.decode()
     assert not list(tmp_path.glob("started_*")) and not (tmp_path / "multigpu_runs").exists()
@@ -473,17 +542,24 @@ def test_run_id_is_a_name(tmp_path: Path, run_id: str) -> None:
 
 
 def test_ctrl_c_stops_a_shell_loop(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 ready(f"{RANK}_{sys.argv[1]}")
 time.sleep(60)
-""")
+""",
+    )
     run = quoted(args(Path("out_$i"), job)[:-1]).replace("'out_$i'", '"out_$i"')
-    loop = write_script(tmp_path, "loop.sh", f"""
+    loop = write_script(
+        tmp_path,
+        "loop.sh",
+        f"""
         for i in 1 2 3; do
             {run} {quoted([str(job)])} $i
             echo finished $i
         done
-    """)
+    """,
+    )
     proc = start(["bash", str(loop)], tmp_path, procs, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_files(tmp_path / "ready_0_1", tmp_path / "ready_1_1")
     pids = rank_pids(tmp_path / "out_1")
@@ -501,7 +577,9 @@ time.sleep(60)
 def test_abort_after_the_script_finished_is_a_success(tmp_path: Path) -> None:
     """torch's C++ teardown may abort after the user's code returned: the work is done. Fresh processes
     (--no-template): a rank forked from the template leaves without interpreter teardown, so it has none."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import builtins, threading
 
 class AbortAtTeardown:
@@ -519,10 +597,16 @@ pool.submit(print, "from the pool", flush=True)
 if RANK == 1:
     sys.modules["abort_at_teardown"] = AbortAtTeardown()  # freed only at interpreter teardown
 print("work done", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
-    res = subprocess.run(args(out, job, "--no-template"), cwd=tmp_path, env=clean_env(), capture_output=True,
-                         timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        args(out, job, "--no-template"),
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+    )
     stderr = res.stderr.decode()
     assert res.returncode == 0, stderr
     assert "rank 1" in stderr and "SIGABRT after its script had finished" in stderr
@@ -533,7 +617,9 @@ print("work done", flush=True)
 
 def test_abort_before_the_script_finished_is_a_failure(tmp_path: Path) -> None:
     """A non-daemon thread still running is part of the script: an abort then is a failure."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import threading
 
 def dies():
@@ -542,10 +628,12 @@ def dies():
 
 if RANK == 1:
     threading.Thread(target=dies).start()
-""")
+""",
+    )
     out = tmp_path / "out"
-    res = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                         timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     assert res.returncode == 128 + signal.SIGABRT, res.stderr.decode()
     assert record(out)["status"] == "failed"
     assert_gone(rank_pids(out))
@@ -555,16 +643,20 @@ if RANK == 1:
 
 
 def test_heartbeat_fd_does_not_reach_grandchildren(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import multigpu
 multigpu.heartbeat()  # still works in the rank itself
 code = ("import os; print('env', os.environ.get('MULTIGPU_HEARTBEAT_FD')); "
         "print('fds', sorted(os.listdir('/proc/self/fd')))")
 subprocess.run([sys.executable, "-c", code], check=True)
-""")
+""",
+    )
     out = tmp_path / "out"
-    res = subprocess.run(args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True,
-                         timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        args(out, job), cwd=tmp_path, env=clean_env(), capture_output=True, timeout=RUN_TIMEOUT
+    )
     assert res.returncode == 0, res.stderr.decode()
     for rank in (0, 1):
         log = rank_log(out, rank).decode()
@@ -575,15 +667,23 @@ subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_output_of_a_ranks_children_is_not_its_progress(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 loop = "import time\\nwhile True:\\n    print('child output', flush=True); time.sleep(0.05)"
 chatter = subprocess.Popen([sys.executable, "-c", loop])
 print(f"gc={chatter.pid}", flush=True)
 time.sleep(60)
-""")
+""",
+    )
     out = tmp_path / "out"
-    res = subprocess.run(args(out, job, "--hang-timeout", "2"), cwd=tmp_path, env=clean_env(),
-                         capture_output=True, timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        args(out, job, "--hang-timeout", "2"),
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+    )
     stderr = res.stderr.decode()
     assert res.returncode != 0, stderr
     assert "no rank has shown progress" in stderr
@@ -611,10 +711,13 @@ def test_a_hard_open_file_limit_too_low_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("stuck", ["SIGSTOP", "GIL"])
 def test_a_rank_that_cannot_run_its_watchdog_is_gone_after_launcher_sigkill(
-        tmp_path: Path, procs: list[subprocess.Popen[bytes]], stuck: str) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]], stuck: str
+) -> None:
     """Rank 1 is stopped, or holds the GIL in a long C call (a catastrophic regex): its watch thread
     cannot run, yet it and its child are gone soon after the launcher is SIGKILLed."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import re
 child = subprocess.Popen(["sleep", "60"])
 pathlib.Path(f"gc_{RANK}").write_text(str(child.pid))  # a file: the launcher's copy of stdout dies with it
@@ -623,10 +726,10 @@ if RANK == 1 and sys.argv[1] == "GIL":
     pathlib.Path("in_c_call").touch()
     re.match(r"(a+)+$", "a" * 40 + "b")  # minutes inside the regex engine, the GIL held
 time.sleep(60)
-""")
+""",
+    )
     out = tmp_path / "out"
-    proc = start([*args(out, job), stuck], tmp_path, procs, stdout=subprocess.PIPE,
-                 stderr=subprocess.DEVNULL)
+    proc = start([*args(out, job), stuck], tmp_path, procs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     wait_files(tmp_path / "ready_0", tmp_path / "ready_1")
     pids = rank_pids(out)
     if stuck == "SIGSTOP":
@@ -645,9 +748,13 @@ time.sleep(60)
 def test_no_numpy_warning_on_the_first_screen(tmp_path: Path) -> None:
     """torch without numpy warns at import, once per rank; a newcomer's first run must not show it."""
     job = write_script(tmp_path, "uses_torch.py", "import torch\nprint('imported', torch.__version__)\n")
-    res = subprocess.run([*MULTIGPU, "run", "--cpu", "2", "--status", "off", "--output",
-                          str(tmp_path / "out"), str(job)], cwd=tmp_path, env=clean_env(),
-                         capture_output=True, timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        [*MULTIGPU, "run", "--cpu", "2", "--status", "off", "--output", str(tmp_path / "out"), str(job)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert res.returncode == 0, res.stderr.decode()
     assert res.stdout.count(b"imported") == 2
     assert b"Failed to initialize NumPy" not in res.stderr + res.stdout

@@ -28,8 +28,10 @@ from helpers import assert_gone, clean_env, free_port, write_script
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[3]
-LAUNCHERS = {"torchrun": [str(Path(sys.executable).parent / "torchrun")],
-             "multigpu": [sys.executable, "-m", "multigpu", "run"]}
+LAUNCHERS = {
+    "torchrun": [str(Path(sys.executable).parent / "torchrun")],
+    "multigpu": [sys.executable, "-m", "multigpu", "run"],
+}
 TIMER_ON = {"TORCHELASTIC_ENABLE_FILE_TIMER": "1"}
 
 DUMP = """\
@@ -53,14 +55,33 @@ MODES = (
     Mode("one-node-file-timer", "--standalone --nproc-per-node 2 dump.py", env=TIMER_ON),
     Mode("module-signals", "--nproc-per-node 2 --signals-to-handle SIGTERM,SIGUSR1 --role trainer -m dump"),
     Mode("no-python-file-timer", "--no-python --nproc-per-node 2 python dump.py", env=TIMER_ON),
-    Mode("two-static-nodes", "--nnodes 2 --node-rank {NODE} --nproc-per-node 1 --master-addr 127.0.0.1 "
-         "--master-port {PORT} --max-restarts 1 dump.py", nodes=2),
-    Mode("elastic", "--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{PORT} "
-         "--rdzv-id job7 dump.py", nodes=2, env=TIMER_ON),
-    Mode("pet", "dump.py", nodes=2, env={
-        "PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "{NODE}",
-        "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": "{PORT}", "PET_MAX_RESTARTS": "2",
-        "PET_SIGNALS_TO_HANDLE": "SIGUSR2"}),
+    Mode(
+        "two-static-nodes",
+        "--nnodes 2 --node-rank {NODE} --nproc-per-node 1 --master-addr 127.0.0.1 "
+        "--master-port {PORT} --max-restarts 1 dump.py",
+        nodes=2,
+    ),
+    Mode(
+        "elastic",
+        "--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{PORT} "
+        "--rdzv-id job7 dump.py",
+        nodes=2,
+        env=TIMER_ON,
+    ),
+    Mode(
+        "pet",
+        "dump.py",
+        nodes=2,
+        env={
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "1",
+            "PET_NODE_RANK": "{NODE}",
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": "{PORT}",
+            "PET_MAX_RESTARTS": "2",
+            "PET_SIGNALS_TO_HANDLE": "SIGUSR2",
+        },
+    ),
 )
 
 
@@ -78,11 +99,25 @@ def _launch(mode: Mode, launcher: str, work: Path, port: int) -> tuple[list[subp
     for node in range(mode.nodes):
         fill = {"{PORT}": str(port), "{NODE}": str(node)}
         extra = {k: _fill(v, fill) for k, v in mode.env.items()}
-        env = clean_env({"DUMP_DIR": str(dumps), "MULTIGPU_STATUS": "off", **extra,
-                         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+        env = clean_env(
+            {
+                "DUMP_DIR": str(dumps),
+                "MULTIGPU_STATUS": "off",
+                **extra,
+                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            }
+        )
         argv = shlex.split(_fill(mode.argv, fill))
-        procs.append(subprocess.Popen([*LAUNCHERS[launcher], *argv], cwd=work, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [*LAUNCHERS[launcher], *argv],
+                cwd=work,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return procs, dumps
 
 
@@ -150,10 +185,12 @@ def test_the_diff_names_a_variable_torchrun_sets_and_ours_lacks() -> None:
     theirs = {"RANK": "0", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM", "TORCHELASTIC_RUN_ID": "abc"}
     ours = {"RANK": "0", "TORCHELASTIC_RUN_ID": "20260101", "MULTIGPU_RUN_ID": "20260101"}
     assert contract_diff(theirs, ours, {"TORCHELASTIC_RUN_ID"}) == [
-        "TORCHELASTIC_SIGNALS_TO_HANDLE missing (torchrun: 'SIGTERM')"]
+        "TORCHELASTIC_SIGNALS_TO_HANDLE missing (torchrun: 'SIGTERM')"
+    ]
     assert contract_diff(theirs, ours, set()) == [
         "TORCHELASTIC_RUN_ID='20260101' (torchrun: 'abc')",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE missing (torchrun: 'SIGTERM')"]
+        "TORCHELASTIC_SIGNALS_TO_HANDLE missing (torchrun: 'SIGTERM')",
+    ]
 
 
 TIMER = """\
@@ -171,8 +208,11 @@ print("rank", rank, "left its timer", flush=True)
 time.sleep(60)
 """
 
-TIMER_MODES = {"script": "--nproc-per-node 2 timer.py", "module": "--nproc-per-node 2 -m timer",
-               "no-python": "--no-python --nproc-per-node 2 python timer.py"}
+TIMER_MODES = {
+    "script": "--nproc-per-node 2 timer.py",
+    "module": "--nproc-per-node 2 -m timer",
+    "no-python": "--no-python --nproc-per-node 2 python timer.py",
+}
 
 
 @pytest.mark.parametrize("argv", list(TIMER_MODES.values()), ids=list(TIMER_MODES))
@@ -186,8 +226,11 @@ def test_a_rank_that_overstays_its_file_timer_ends_the_job_at_expiry(argv: str, 
     print(f"ended {their_s:.1f} s (torchrun) and {our_s:.1f} s (multigpu) after rank 0 set its timer")
     assert 1.9 < their_s < 10 and 1.9 < our_s < 10, (their_s, our_s)
     (root,) = [line for line in output.splitlines() if line.startswith("root cause:")]
-    assert re.fullmatch(r"root cause: rank 0 \(node 0, pid \d+\) overstayed its 2 s timer "
-                        r"\(scope timer\.py#7\); killed", root), output
+    assert re.fullmatch(
+        r"root cause: rank 0 \(node 0, pid \d+\) overstayed its 2 s timer "
+        r"\(scope timer\.py#7\); killed",
+        root,
+    ), output
     assert "rank 1 left its timer" in output and "rank 0 left" not in output
     (record,) = tmp_path.glob("multigpu_runs/*/run.json")
     (incident,) = json.loads(record.read_text())["incidents"]
@@ -199,11 +242,23 @@ def _timed_run(launcher: str, argv: str, work: Path) -> tuple[float, int, str]:
     (a file: a rank torchrun leaves behind keeps a pipe open)."""
     dumps, log = work / f"dump_{launcher}", work / f"{launcher}.log"
     dumps.mkdir()
-    env = clean_env({"DUMP_DIR": str(dumps), "MULTIGPU_STATUS": "off", **TIMER_ON,
-                     "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    env = clean_env(
+        {
+            "DUMP_DIR": str(dumps),
+            "MULTIGPU_STATUS": "off",
+            **TIMER_ON,
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        }
+    )
     with log.open("w") as out:
-        proc = subprocess.Popen([*LAUNCHERS[launcher], *shlex.split(argv)], cwd=work, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [*LAUNCHERS[launcher], *shlex.split(argv)],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
         rc = proc.wait(timeout=120)
     finally:

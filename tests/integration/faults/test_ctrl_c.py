@@ -45,8 +45,15 @@ def launched() -> Iterator[list[subprocess.Popen[str]]]:
 
 def start(args: list[str], cwd: Path, launched: list[subprocess.Popen[str]]) -> subprocess.Popen[str]:
     """A launcher in its own process group, as a shell's foreground job is."""
-    proc = subprocess.Popen([*MULTIGPU, *args], cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*MULTIGPU, *args],
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     launched.append(proc)
     return proc
 
@@ -70,8 +77,9 @@ def ctrl_c(proc: subprocess.Popen[str]) -> tuple[list[int], int, str]:
     return started, proc.returncode, err
 
 
-def test_ctrl_c_while_ranks_build_ddp_is_one_line_per_rank(tmp_path: Path,
-                                                          launched: list[subprocess.Popen[str]]) -> None:
+def test_ctrl_c_while_ranks_build_ddp_is_one_line_per_rank(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     job = write_script(tmp_path, "job.py", DDP_LOOP)
     out = tmp_path / "out"
     proc = start(["run", "--cpu", "3", "--status", "off", "--output", str(out), str(job)], tmp_path, launched)
@@ -90,33 +98,54 @@ def test_ctrl_c_while_ranks_build_ddp_is_one_line_per_rank(tmp_path: Path,
     data = json.loads((out / "run.json").read_text())
     assert data["status"] == "interrupted" and data["signal"] == "SIGINT"
     ranks = [r["pid"] for r in data["attempts"][0]["ranks"].values()]
-    assert sorted(ranks) == sorted(pids_in("".join((out / "logs" / "attempt_0" / f"rank_{r}.log").read_text()
-                                                   for r in range(3))))
+    assert sorted(ranks) == sorted(
+        pids_in("".join((out / "logs" / "attempt_0" / f"rank_{r}.log").read_text() for r in range(3)))
+    )
     assert_gone([*started, *ranks], timeout=10)
 
 
 def two_node_args(node: int, port: int, out: Path, job: Path) -> list[str]:
-    return ["run", "--cpu", "1", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-            "--master-port", str(port), "--rdzv-timeout", "300", "--output", str(out), str(job)]
+    return [
+        "run",
+        "--cpu",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--rdzv-timeout",
+        "300",
+        "--output",
+        str(out),
+        str(job),
+    ]
 
 
 @pytest.mark.slow
 def test_a_node_waiting_for_a_peer_says_who_and_how_long_then_ctrl_c(
-        tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     job = write_script(tmp_path, "job.py", "print('never runs')\n")
     proc = start(two_node_args(0, free_port(), tmp_path / "out", job), tmp_path, launched)
     seen = read_until(proc, r"node 0: waiting for node\(s\) 1 \(joined: 0\); 4m5\ds left \(--rdzv-timeout\)")
     started, rc, err = ctrl_c(proc)
     assert rc == -signal.SIGINT, seen + err
-    assert err.strip().splitlines() == ["multigpu: node 0: interrupted (SIGINT) while waiting for node(s) 1 "
-                                        "to join (joined: 0); no rank was started"], err
+    assert err.strip().splitlines() == [
+        "multigpu: node 0: interrupted (SIGINT) while waiting for node(s) 1 "
+        "to join (joined: 0); no rank was started"
+    ], err
     assert "never runs" not in seen + err
     assert_gone([proc.pid, *started], timeout=10)
 
 
 @pytest.mark.slow
 def test_a_node_waiting_for_the_stores_host_says_so_then_ctrl_c(
-        tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     job = write_script(tmp_path, "job.py", "print('never runs')\n")
     port = free_port()
     proc = start(two_node_args(1, port, tmp_path / "out", job), tmp_path, launched)
@@ -124,26 +153,49 @@ def test_a_node_waiting_for_the_stores_host_says_so_then_ctrl_c(
     seen = read_until(proc, rf"node 1: waiting for {where}; 4m5\ds left \(--rdzv-timeout\)")
     started, rc, err = ctrl_c(proc)
     assert rc == -signal.SIGINT, seen + err  # at once: torch's C++ connect retries would hold it 300 s
-    assert re.fullmatch(rf"multigpu: node 1: interrupted \(SIGINT\) while waiting for {where}; no rank was "
-                        r"started\n", err), err
+    assert re.fullmatch(
+        rf"multigpu: node 1: interrupted \(SIGINT\) while waiting for {where}; no rank was "
+        r"started\n",
+        err,
+    ), err
     assert_gone([proc.pid, *started], timeout=10)
 
 
 @pytest.mark.slow
 def test_an_elastic_node_waiting_for_its_round_says_who_then_ctrl_c(
-        tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     job = write_script(tmp_path, "job.py", "print('never runs')\n")
     endpoint = f"127.0.0.1:{free_port()}"
-    args = ["run", "--cpu", "1", "--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--rdzv-conf", "join_timeout=300", "--output", str(tmp_path / "out"), str(job)]
+    args = [
+        "run",
+        "--cpu",
+        "1",
+        "--nnodes",
+        "2:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        "join_timeout=300",
+        "--output",
+        str(tmp_path / "out"),
+        str(job),
+    ]
     proc = start(args, tmp_path, launched)
     joined = rf"127\.0\.0\.1 pid {proc.pid}"
-    seen = read_until(proc, rf"waiting for 1 more node\(s\) for the round \(2:2 nodes; joined: {joined}\); "
-                            r"4m\d\ds left \(join_timeout\)")
+    seen = read_until(
+        proc,
+        rf"waiting for 1 more node\(s\) for the round \(2:2 nodes; joined: {joined}\); "
+        r"4m\d\ds left \(join_timeout\)",
+    )
     started, rc, err = ctrl_c(proc)
     assert rc == -signal.SIGINT, seen + err
-    line = (rf"multigpu: interrupted \(SIGINT\) while waiting for a rendezvous round at {endpoint} "
-            rf"\(joined: {joined}\); no rank of it was started\n")
+    line = (
+        rf"multigpu: interrupted \(SIGINT\) while waiting for a rendezvous round at {endpoint} "
+        rf"\(joined: {joined}\); no rank of it was started\n"
+    )
     assert re.fullmatch(line, err), err
     records = list((tmp_path / "out").glob("run_*.json"))
     assert [json.loads(p.read_text())["status"] for p in records] == ["interrupted"]

@@ -120,13 +120,16 @@ def finish(proc: subprocess.Popen[str], timeout: float = RUN_TIMEOUT) -> tuple[i
 
 
 def test_rank_raises_report_and_record(tmp_path: Path, launched: list[subprocess.Popen[str]]) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 if RANK == 1:
     def load_batch():
         raise ValueError("boom from rank 1")
     load_batch()
 time.sleep(60)
-""")
+""",
+    )
     out = tmp_path / "out"
     proc = start_cli(run_args(out, str(job)), cwd=tmp_path)
     launched.append(proc)
@@ -145,7 +148,11 @@ time.sleep(60)
     attempt = record(out)["attempts"][0]
     root = attempt["root_cause"]
     assert (root["rank"], root["error_type"], root["message"], root["exit_code"]) == (
-        1, "ValueError", "boom from rank 1", 1)
+        1,
+        "ValueError",
+        "boom from rank 1",
+        1,
+    )
     assert "load_batch" in root["traceback"]
     assert attempt["ranks"]["0"]["state"] == "stopped" and attempt["ranks"]["1"]["state"] == "failed"
     assert f"rank 0 (pid {attempt['ranks']['0']['pid']}): stopped by the launcher" in err
@@ -161,8 +168,15 @@ def test_one_rank_valueerror_console(tmp_path: Path) -> None:
     console ends with the summary, the root cause, and one line for rank 0; no stack dump of the
     surviving rank and none of our frames reach it (the dump, if it came, is in rank 0's log)."""
     shutil.copy(EXAMPLES / "fail.py", tmp_path / "fail.py")
-    res = subprocess.run([*MULTIGPU, "run", "--cpu", "2", "fail.py"], cwd=tmp_path, env=clean_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT)
+    res = subprocess.run(
+        [*MULTIGPU, "run", "--cpu", "2", "fail.py"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     console = res.stdout
     print(console)
     assert res.returncode == 1, console
@@ -176,21 +190,28 @@ def test_one_rank_valueerror_console(tmp_path: Path) -> None:
     assert summary < root < console.index(other[0])
     assert re.search(r"rank 0 +pid \d+ +cpu +stopped ", console[summary:root]), console
     assert "most recent call first" not in console and OWN_PATH not in console, console
-    assert "GLHF" not in console[console.index("loss is NaN"):], console  # rank 0's consequence: log only
+    assert "GLHF" not in console[console.index("loss is NaN") :], console  # rank 0's consequence: log only
     assert_gone([r["pid"] for r in ranks.values()])
 
 
-@pytest.mark.parametrize(("body", "code", "words"), [
-    ("sys.exit(7)", 7, "exited with code 7"),
-    ("import ctypes; ctypes.string_at(0)", 128 + signal.SIGSEGV, "killed by SIGSEGV"),
-    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL, "killed by SIGKILL"),
-], ids=["exit7", "segfault", "sigkill"])
+@pytest.mark.parametrize(
+    ("body", "code", "words"),
+    [
+        ("sys.exit(7)", 7, "exited with code 7"),
+        ("import ctypes; ctypes.string_at(0)", 128 + signal.SIGSEGV, "killed by SIGSEGV"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL, "killed by SIGKILL"),
+    ],
+    ids=["exit7", "segfault", "sigkill"],
+)
 def test_rank_dies(tmp_path: Path, body: str, code: int, words: str) -> None:
-    job = script(tmp_path, f"""
+    job = script(
+        tmp_path,
+        f"""
 if RANK == 1:
     {body}
 time.sleep(60)
-""")
+""",
+    )
     out = tmp_path / "out"
     t0 = time.monotonic()
     res = run_cli(run_args(out, str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
@@ -210,31 +231,40 @@ time.sleep(60)
 
 
 def test_rank_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 if RANK == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ready()
     time.sleep(60)
 wait_ready(0)
 sys.exit(1)
-""")
+""",
+    )
     out = tmp_path / "out"
     res = run_cli(run_args(out, str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
     assert res.returncode == 1, res.stderr
     ranks = record(out)["attempts"][0]["ranks"]
     assert ranks["0"]["state"] == "stopped" and ranks["0"]["signal"] == "SIGKILL"
-    assert f"rank 0 (pid {ranks['0']['pid']}): still running {GRACE}s after SIGTERM; sending SIGKILL" \
+    assert (
+        f"rank 0 (pid {ranks['0']['pid']}): still running {GRACE}s after SIGTERM; sending SIGKILL"
         in res.stderr
+    )
     assert_gone(rank_pids(out))
 
 
-def test_rank_stuck_in_collective_while_peer_dies(tmp_path: Path, launched: list[subprocess.Popen[str]],
-                                                  ) -> None:
+def test_rank_stuck_in_collective_while_peer_dies(
+    tmp_path: Path,
+    launched: list[subprocess.Popen[str]],
+) -> None:
     """Rank 1 dies; a forked child keeps its gloo sockets open, so rank 0's barrier never returns.
 
     The run must still end at once, with rank 0's stack (inside barrier) dumped into its log.
     """
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import torch.distributed as dist
 dist.init_process_group("gloo")
 if RANK == 1:
@@ -247,7 +277,8 @@ if RANK == 1:
     os._exit(1)
 dist.barrier()
 print("barrier returned", flush=True)
-""")
+""",
+    )
     out = tmp_path / "out"
     proc = start_cli(run_args(out, str(job)), cwd=tmp_path)
     launched.append(proc)
@@ -271,7 +302,9 @@ print("barrier returned", flush=True)
 def test_grandchildren_are_gone_afterwards(tmp_path: Path, mode: tuple[str, ...]) -> None:
     """DataLoader-like children: a subprocess and a forked multiprocessing worker on rank 0, a
     subprocess on rank 1, which exits first; its group is signalled even though it has already exited."""
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import multiprocessing as mp
 keep = grandchild()
 if RANK == 0:
@@ -282,7 +315,8 @@ if RANK == 0:
     time.sleep(60)
 wait_ready(0)
 sys.exit(3)
-""")
+""",
+    )
     out = tmp_path / "out"
     res = run_cli(run_args(out, *mode, str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
     assert res.returncode == 3, res.stderr
@@ -300,8 +334,9 @@ time.sleep(60)
 """
 
 
-def start_sleepers(tmp_path: Path, launched: list[subprocess.Popen[str]], *extra: str,
-                   body: str = SLEEPERS) -> tuple[subprocess.Popen[str], Path, list[int]]:
+def start_sleepers(
+    tmp_path: Path, launched: list[subprocess.Popen[str]], *extra: str, body: str = SLEEPERS
+) -> tuple[subprocess.Popen[str], Path, list[int]]:
     """A launcher whose two ranks each started a grandchild and sleep; returns every PID involved."""
     job = script(tmp_path, body)
     out = tmp_path / "out"
@@ -316,8 +351,9 @@ def start_sleepers(tmp_path: Path, launched: list[subprocess.Popen[str]], *extra
 
 
 @pytest.mark.parametrize("mode", [(), ("--no-template",)], ids=["template", "no-template"])
-def test_launcher_sigkill_takes_everything_down(tmp_path: Path, launched: list[subprocess.Popen[str]],
-                                                mode: tuple[str, ...]) -> None:
+def test_launcher_sigkill_takes_everything_down(
+    tmp_path: Path, launched: list[subprocess.Popen[str]], mode: tuple[str, ...]
+) -> None:
     proc, _, pids = start_sleepers(tmp_path, launched, *mode)
     t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
@@ -365,17 +401,24 @@ def escapee_pids(tmp_path: Path) -> list[int]:
     pids = dict(zip(KINDS, (int((tmp_path / f"esc_{kind}").read_text()) for kind in KINDS), strict=True))
     rank_group = int((tmp_path / "rank_pgid").read_text())
     assert {kind: os.getpgid(pid) != rank_group for kind, pid in pids.items()} == {
-        "setsid": True, "double_fork": False, "daemon": True}
+        "setsid": True,
+        "double_fork": False,
+        "daemon": True,
+    }
     return list(pids.values())
 
 
 @pytest.mark.parametrize("end", ["launcher-sigkill", "normal-end", "failure"])
 def test_descendants_that_left_the_group_go_with_the_run(
-        tmp_path: Path, launched: list[subprocess.Popen[str]], end: str) -> None:
+    tmp_path: Path, launched: list[subprocess.Popen[str]], end: str
+) -> None:
     """setsid, a double fork and a daemon started by rank 1 are gone after any end of the run: the rank
     is a child subreaper, so they stay in its tree for the guard (launcher SIGKILL) and the launcher."""
-    tail = {"launcher-sigkill": "ready()\ntime.sleep(60)\n", "normal-end": "",
-            "failure": "if RANK == 1:\n    raise ValueError('after the escape')\n"}[end]
+    tail = {
+        "launcher-sigkill": "ready()\ntime.sleep(60)\n",
+        "normal-end": "",
+        "failure": "if RANK == 1:\n    raise ValueError('after the escape')\n",
+    }[end]
     job = script(tmp_path, f"KINDS = {KINDS!r}\n" + ESCAPEES + tail)
     out = tmp_path / "out"
     proc = start_cli(run_args(out, str(job)), cwd=tmp_path)
@@ -391,11 +434,14 @@ def test_descendants_that_left_the_group_go_with_the_run(
 
 # After a Ctrl-C the launcher dies of SIGINT itself (so a shell loop stops); other stop signals exit
 # 128 + N, SIGQUIT included (handled like SIGTERM, as torchrun does). SIGHUP is forwarded (below).
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 143),
-                                           (signal.SIGQUIT, 131)],
-                         ids=["SIGINT", "SIGTERM", "SIGQUIT"])
-def test_launcher_signal_stops_everything(tmp_path: Path, launched: list[subprocess.Popen[str]],
-                                          sig: signal.Signals, code: int) -> None:
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    [(signal.SIGINT, -signal.SIGINT), (signal.SIGTERM, 143), (signal.SIGQUIT, 131)],
+    ids=["SIGINT", "SIGTERM", "SIGQUIT"],
+)
+def test_launcher_signal_stops_everything(
+    tmp_path: Path, launched: list[subprocess.Popen[str]], sig: signal.Signals, code: int
+) -> None:
     proc, out, pids = start_sleepers(tmp_path, launched, "--max-restarts", "2")
     t0 = time.monotonic()
     os.kill(proc.pid, sig)
@@ -438,13 +484,17 @@ time.sleep(60)
     assert_gone(pids)
 
 
-def start_ready(tmp_path: Path, body: str, launched: list[subprocess.Popen[str]],
-                ) -> tuple[Path, subprocess.Popen[str]]:
+def start_ready(
+    tmp_path: Path,
+    body: str,
+    launched: list[subprocess.Popen[str]],
+) -> tuple[Path, subprocess.Popen[str]]:
     """A 2-rank run of ``body`` with a 30 s grace period, once both ranks are ready."""
     job = script(tmp_path, body)
     out = tmp_path / "out"
-    proc = start_cli(["run", "--cpu", "2", "--grace-period", "30", "--output", str(out), str(job)],
-                     cwd=tmp_path)
+    proc = start_cli(
+        ["run", "--cpu", "2", "--grace-period", "30", "--output", str(out), str(job)], cwd=tmp_path
+    )
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
     return out, proc
@@ -482,8 +532,9 @@ def assert_one_interrupt(out: Path, rc: int, err: str) -> None:
     assert_gone(rank_pids(out))
 
 
-def test_two_sigints_back_to_back_are_one_interrupt(tmp_path: Path,
-                                                   launched: list[subprocess.Popen[str]]) -> None:
+def test_two_sigints_back_to_back_are_one_interrupt(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     """Issue 22: ``timeout`` and a terminal signal the launcher and its group at once; that is one
     interrupt, so the ranks keep their grace period."""
     out, proc = start_ready(tmp_path, TIDY_ON_SIGINT, launched)
@@ -499,9 +550,28 @@ def test_timeout_s_int_is_one_interrupt(tmp_path: Path, launched: list[subproces
     it once both ranks are ready instead of betting that they are ready by a fixed N."""
     job = script(tmp_path, TIDY_ON_SIGINT)
     out = tmp_path / "out"
-    proc = subprocess.Popen(["timeout", "-s", "INT", "120", *MULTIGPU, "run", "--cpu", "2",
-                             "--grace-period", "30", "--output", str(out), str(job)], cwd=tmp_path,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "timeout",
+            "-s",
+            "INT",
+            "120",
+            *MULTIGPU,
+            "run",
+            "--cpu",
+            "2",
+            "--grace-period",
+            "30",
+            "--output",
+            str(out),
+            str(job),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
     os.kill(proc.pid, signal.SIGINT)
@@ -530,18 +600,29 @@ def test_sighup_is_forwarded(tmp_path: Path, launched: list[subprocess.Popen[str
     assert_gone(pids)
 
 
-def test_sighup_not_forwarded_when_ignored_at_start(tmp_path: Path,
-                                                    launched: list[subprocess.Popen[str]]) -> None:
+def test_sighup_not_forwarded_when_ignored_at_start(
+    tmp_path: Path, launched: list[subprocess.Popen[str]]
+) -> None:
     """Like ``nohup multigpu run ...``: a wrapper ignores SIGHUP, then execs the launcher (same PID)."""
     job = script(tmp_path, "keep = grandchild()\n" + HUP_BODY)
     out = tmp_path / "out"
-    wrapper = write_script(tmp_path, "nohup_exec.py", """
+    wrapper = write_script(
+        tmp_path,
+        "nohup_exec.py",
+        """
         import os, signal, sys
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         os.execv(sys.argv[1], sys.argv[1:])
-    """)
-    proc = subprocess.Popen([PYTHON, str(wrapper), *MULTIGPU, *run_args(out, str(job))], cwd=tmp_path,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """,
+    )
+    proc = subprocess.Popen(
+        [PYTHON, str(wrapper), *MULTIGPU, *run_args(out, str(job))],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     launched.append(proc)
     wait_files(tmp_path, ["ready_0", "ready_1"])
     pids = rank_pids(out) + grandchild_pids(out)
@@ -563,7 +644,9 @@ def test_sighup_not_forwarded_when_ignored_at_start(tmp_path: Path,
 def test_hang_timeout_dumps_every_rank(tmp_path: Path) -> None:
     # Rank 1 beats the heartbeat until rank 0 (slow: it imports torch) is in the script; then both are
     # silent, so the silence is measured from a known point whatever the machine's speed.
-    job = script(tmp_path, """
+    job = script(
+        tmp_path,
+        """
 import multigpu
 
 def stuck_here():
@@ -576,7 +659,8 @@ else:
         multigpu.heartbeat()
         time.sleep(0.05)
 stuck_here()
-""")
+""",
+    )
     out = tmp_path / "out"
     t0 = time.monotonic()
     res = run_cli(run_args(out, "--hang-timeout", "1.5", str(job)), cwd=tmp_path, timeout=RUN_TIMEOUT)
@@ -653,8 +737,11 @@ def test_usage_errors_are_never_retried(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        res = run_cli(run_args(out, "--max-restarts", "3", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               str(job)), cwd=tmp_path, timeout=30)
+        res = run_cli(
+            run_args(out, "--max-restarts", "3", "--rdzv-endpoint", f"127.0.0.1:{port}", str(job)),
+            cwd=tmp_path,
+            timeout=30,
+        )
     assert res.returncode == 1, res.stderr
     assert res.stderr.count("already in use") == 1 and "restarting" not in res.stderr
     assert not (out / "logs").exists()
@@ -664,8 +751,11 @@ def test_usage_errors_are_never_retried(tmp_path: Path) -> None:
 
 
 def _listening() -> set[tuple[str, int]]:
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN}
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 @pytest.mark.slow  # ten runs in a row; each kind of end is also checked by PID in the tests above

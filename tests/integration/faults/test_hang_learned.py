@@ -40,9 +40,28 @@ while True:
 def test_learned_timeout_names_the_rank_that_stopped(tmp_path: Path) -> None:
     job = write_script(tmp_path, "job.py", JOB)
     out = tmp_path / "out"
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--grace-period", "0.5", "--output", str(out),
-                   "--hang-timeout", "120", "--hang-floor", "2", "--max-restarts", "1", str(job)],
-                  cwd=tmp_path, timeout=80)  # the flight recorder: on by default, gloo too
+    res = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--status",
+            "off",
+            "--grace-period",
+            "0.5",
+            "--output",
+            str(out),
+            "--hang-timeout",
+            "120",
+            "--hang-floor",
+            "2",
+            "--max-restarts",
+            "1",
+            str(job),
+        ],
+        cwd=tmp_path,
+        timeout=80,
+    )  # the flight recorder: on by default, gloo too
     print(res.stderr[-3000:])
     data = json.loads((out / "run.json").read_text())
     pids = [r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]]
@@ -91,9 +110,25 @@ def test_the_simplest_hang_names_the_sleeping_rank_from_its_stack(tmp_path: Path
     and do so alone when the user turned the recorder off."""
     job = write_script(tmp_path, "job.py", "import os\n" + SIMPLEST.lstrip())
     out = tmp_path / "out"
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--grace-period", "0.5", "--output", str(out),
-                   "--hang-timeout", "3", str(job)], cwd=tmp_path, timeout=60,
-                  env={"TORCH_FR_BUFFER_SIZE": "0"} if recorder == "off" else None)
+    res = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--status",
+            "off",
+            "--grace-period",
+            "0.5",
+            "--output",
+            str(out),
+            "--hang-timeout",
+            "3",
+            str(job),
+        ],
+        cwd=tmp_path,
+        timeout=60,
+        env={"TORCH_FR_BUFFER_SIZE": "0"} if recorder == "off" else None,
+    )
     data = json.loads((out / "run.json").read_text())
     assert_gone([r["pid"] for a in data["attempts"] for r in a["ranks"].values() if r["pid"]])
     assert res.returncode == 1, res.stderr
@@ -102,8 +137,10 @@ def test_the_simplest_hang_names_the_sleeping_rank_from_its_stack(tmp_path: Path
     if recorder == "off":
         assert head.startswith(f"multigpu: attempt 0 hung: {stacks}"), head
     else:  # 30 all-reduces done (steps 0-29): rank 0 is in the 31st
-        flight = ("rank 1 is missing from collective #31 (gloo:all_reduce) of process group 0 (default_pg); "
-                  "rank 0 entered it; ")
+        flight = (
+            "rank 1 is missing from collective #31 (gloo:all_reduce) of process group 0 (default_pg); "
+            "rank 0 entered it; "
+        )
         assert head.startswith(f"multigpu: attempt 0 hung: {flight}{stacks}"), head
     assert f"{job}:8 (<module>)" in head, head
     assert [f["rank"] for f in data["attempts"][0]["failures"]] == [1, 0]

@@ -39,8 +39,14 @@ def test_a_rank_the_oom_killer_ends_is_reported_as_such(tmp_path: Path, small_cg
     job = write_script(tmp_path, "job.py", JOB)
     out = tmp_path / "out"
     launch = " ".join([*MULTIGPU, "run", "--cpu", "2", "--status", "off", "--output", str(out), str(job)])
-    res = subprocess.run(["bash", "-c", f"echo $$ > {small_cgroup}/cgroup.procs && exec {launch}"],
-                         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=100)
+    res = subprocess.run(
+        ["bash", "-c", f"echo $$ > {small_cgroup}/cgroup.procs && exec {launch}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert res.returncode == 137, res.stderr[-3000:]
     assert "root cause: rank 1 (node 0, pid" in res.stderr
     line = next(x for x in res.stderr.splitlines() if x.startswith("root cause:"))

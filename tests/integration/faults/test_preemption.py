@@ -25,9 +25,17 @@ from multigpu.contract.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(150)]
 
 SLURM_ENV = {
-    "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NNODES": "1", "SLURM_NTASKS": "1",
-    "SLURM_JOB_NODELIST": "gpu07", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
-    "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "gpu07", "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "1",
+    "SLURM_JOB_NODELIST": "gpu07",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NODELIST": "gpu07",
+    "SLURM_STEP_NUM_NODES": "1",
     "SLURM_STEP_NUM_TASKS": "1",
 }
 
@@ -79,14 +87,29 @@ if os.environ["RANK"] == "1":
 """
 
 
-@pytest.mark.parametrize(("change", "restarts", "attempts", "code"),
-                         [("", 3, 2, EXIT_CRASH_LOOP), ("1", 2, 3, 1)])
+@pytest.mark.parametrize(
+    ("change", "restarts", "attempts", "code"), [("", 3, 2, EXIT_CRASH_LOOP), ("1", 2, 3, 1)]
+)
 def test_crash_loop(tmp_path: Path, change: str, restarts: int, attempts: int, code: int) -> None:
     """The same failure twice stops with restarts left; a changing one uses them all."""
     script = write_script(tmp_path, "crash.py", CRASH)
     out_dir = tmp_path / "out"
-    done = run_cli(["run", "--cpu", "2", "--max-restarts", str(restarts), "--grace-period", "0.5",
-                    "--output", str(out_dir), str(script)], tmp_path, env={"CHANGE": change})
+    done = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            "--grace-period",
+            "0.5",
+            "--output",
+            str(out_dir),
+            str(script),
+        ],
+        tmp_path,
+        env={"CHANGE": change},
+    )
     assert done.returncode == code, done.stderr
     record = json.loads((out_dir / "run.json").read_text())
     assert len(record["attempts"]) == attempts
@@ -94,9 +117,11 @@ def test_crash_loop(tmp_path: Path, change: str, restarts: int, attempts: int, c
     if change:
         assert not loop and "crash_loop" not in record
     else:
-        assert loop == [f"multigpu: crash loop: rank 1 failed with ValueError at {script}:8 on two "
-                        f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue "
-                        "until the cause is fixed)"]
+        assert loop == [
+            f"multigpu: crash loop: rank 1 failed with ValueError at {script}:8 on two "
+            f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue "
+            "until the cause is fixed)"
+        ]
     assert_gone(pids_in(done.stdout))
 
 
@@ -106,8 +131,27 @@ def test_a_node_that_missed_the_warning_learns_it_from_the_store(tmp_path: Path)
     script = write_script(tmp_path, "train.py", TRAIN)
     env = _slurm(tmp_path)
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [start_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint",
-                        endpoint, "--grace-period", "2", str(script)], tmp_path, env) for i in (0, 1)]
+    nodes = [
+        start_cli(
+            [
+                "run",
+                "--cpu",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                "--rdzv-endpoint",
+                endpoint,
+                "--grace-period",
+                "2",
+                str(script),
+            ],
+            tmp_path,
+            env,
+        )
+        for i in (0, 1)
+    ]
     first = nodes[0].stdout
     assert first is not None
     lines = []
@@ -135,10 +179,30 @@ def test_an_elastic_job_hears_the_warning_on_every_node_and_its_store_host_reque
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = []
     for name in "ab":  # a serves the store (it binds the endpoint first), b joins
-        nodes.append(start_cli(["run", "--cpu", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
-                                "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=30",
-                                "--grace-period", "2", "--output", str(tmp_path / name), str(script)],
-                               tmp_path, env))
+        nodes.append(
+            start_cli(
+                [
+                    "run",
+                    "--cpu",
+                    "1",
+                    "--nnodes",
+                    "1:2",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    endpoint,
+                    "--rdzv-conf",
+                    "last_call_timeout=30",
+                    "--grace-period",
+                    "2",
+                    "--output",
+                    str(tmp_path / name),
+                    str(script),
+                ],
+                tmp_path,
+                env,
+            )
+        )
         if name == "a":
             _wait_served(endpoint)
     try:
@@ -188,8 +252,11 @@ while True:  # knows nothing of preemption: SIGUSR1 must not kill it, the grace 
 
 def test_ranks_that_ignore_the_warning_are_stopped_after_the_grace(tmp_path: Path) -> None:
     script = write_script(tmp_path, "unaware.py", UNAWARE)
-    launcher = start_cli(["run", "--cpu", "2", "--preempt-grace", "1", "--grace-period", "1", str(script)],
-                         tmp_path, _slurm(tmp_path))
+    launcher = start_cli(
+        ["run", "--cpu", "2", "--preempt-grace", "1", "--grace-period", "1", str(script)],
+        tmp_path,
+        _slurm(tmp_path),
+    )
     assert launcher.stdout is not None
     lines = []
     for line in launcher.stdout:

@@ -38,8 +38,9 @@ sys.stdin.read()  # until the test ends this launcher
 def start_launcher(tmp_path: Path, how: str) -> tuple[subprocess.Popen[str], dict[str, int]]:
     script = tmp_path / "launcher.py"
     script.write_text(LAUNCHER)
-    proc = subprocess.Popen([PYTHON, str(script), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=clean_env())
+    proc = subprocess.Popen(
+        [PYTHON, str(script), how], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env()
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     pids = {label: pids_in(line, label)[0] for label in ("sentinel", "rank", "child")}

@@ -40,8 +40,11 @@ print("done", rank, flush=True)
 def run(tmp_path: Path, slow: float, steps: int) -> tuple[str, dict[str, dict[str, object]]]:
     job = write_script(tmp_path, "job.py", JOB)
     out = tmp_path / "out"
-    res = run_cli(["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), str(slow),
-                   str(steps)], cwd=tmp_path, timeout=100)
+    res = run_cli(
+        ["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), str(slow), str(steps)],
+        cwd=tmp_path,
+        timeout=100,
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads((out / "run.json").read_text())
     return res.stderr, data["attempts"][-1]["progress"]
@@ -51,9 +54,12 @@ def test_a_rank_40_percent_slower_is_named_while_the_job_runs(tmp_path: Path) ->
     stderr, progress = run(tmp_path, 0.02, 450)
     lines = [line for line in stderr.splitlines() if "straggler" in line]
     assert len(lines) == 1, stderr
-    assert re.fullmatch(r"multigpu: rank 1 \(node 0, pid \d+\) is a straggler: it enters collectives "
-                        r"(\d+) ms \((\d+)%\) after the others, over the last \d+; the job runs at the pace "
-                        r"of its slowest rank", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"multigpu: rank 1 \(node 0, pid \d+\) is a straggler: it enters collectives "
+        r"(\d+) ms \((\d+)%\) after the others, over the last \d+; the job runs at the pace "
+        r"of its slowest rank",
+        lines[0],
+    ), lines[0]
     late, share = map(int, re.findall(r"collectives (\d+) ms \((\d+)%\)", lines[0])[0])
     assert 12 <= late <= 35 and 20 <= share <= 80, lines[0]
     span = progress["1"]["straggling"][0]  # type: ignore[index]

@@ -64,11 +64,12 @@ LAUNCHES = """
 def test_launch_returns_values_and_raises_the_ranks_own_exception(tmp_path: Path) -> None:
     write_script(tmp_path, "helpermod.py", HELPER_MODULE)
     script = write_script(tmp_path, "launches.py", LAUNCHES)
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     assert out["module"] == [0, 10]
     assert out["lambda"] == [[0, 8], [1, 8]]
     error = out["value_error"]
@@ -172,8 +173,14 @@ DDP_TUTORIAL = """
 
 def test_spawn_runs_the_cpu_ddp_tutorial_unchanged_but_for_the_import(tmp_path: Path) -> None:
     script = write_script(tmp_path, "ddp_tutorial.py", DDP_TUTORIAL)
-    proc = subprocess.run([PYTHON, str(script), str(free_port())], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [PYTHON, str(script), str(free_port())],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text
     for rank in (0, 1):
@@ -210,10 +217,11 @@ WARM = """
 
 def test_the_launcher_stays_warm_and_shutdown_ends_it(tmp_path: Path) -> None:
     script = write_script(tmp_path, "warm.py", WARM)
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
     first, second = out["first"], out["second"]
     assert len(set(first)) == 1 and first == second and out["busy"] == first[:1]  # one launcher, 3 launches
     assert out["beside"] != first  # a launch made while it was busy got a launcher of its own

@@ -39,7 +39,9 @@ COMMON = """
         print("REPORT " + json.dumps(data) + "\\n", end="", flush=True)
 """
 
-TRAIN = COMMON + """
+TRAIN = (
+    COMMON
+    + """
     def train():
         import torch
         import torch.distributed as dist
@@ -125,16 +127,24 @@ TRAIN = COMMON + """
         manager.finalize()  # twice is safe
         print("FINALIZED TWICE", flush=True)
 """
+)
 
 
 def _start(tmp_path: Path, mode: str, argv: list[str], **extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     script = write_script(tmp_path, "otx_train.py", TRAIN)
     log = tmp_path / "parent.out"
-    env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_MODE": mode, "TEST_DIR": str(tmp_path),
-                     **extra})
+    env = clean_env(
+        {"TEST_OUT": str(tmp_path / "out"), "TEST_MODE": mode, "TEST_DIR": str(tmp_path), **extra}
+    )
     with open(log, "wb") as f:
-        proc = subprocess.Popen([PYTHON, str(script), *argv], cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [PYTHON, str(script), *argv],
+            cwd=tmp_path,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, log
 
 
@@ -166,7 +176,9 @@ def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert f"OUTPUT {out}" in text
     assert json.loads((out / "optimized_hyper_parameters.json").read_text()) == {
-        "learning_rate": 0.01, "data.batch_size": 8}
+        "learning_rate": 0.01,
+        "data.batch_size": 8,
+    }
 
     reports = _reports(text)
     assert sorted(reports) == [0, 1, 2], text
@@ -175,7 +187,7 @@ def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
         assert r["local_rank"] == rank and r["device"] == "cpu"
         assert r["child"] is (rank != 0)
         # every rank sees all the hyper-parameters after params, as --name value
-        after = r["argv"][r["argv"].index("params") + 1:]
+        after = r["argv"][r["argv"].index("params") + 1 :]
         assert after[:2] == ["--existing", "1"]
         assert after[2:] == ["--learning_rate", "0.01", "--data.batch_size", "8"]
     assert reports[0]["pid"] == proc.pid
@@ -188,7 +200,7 @@ def test_three_ranks_argv_and_hyper_parameters(tmp_path: Path) -> None:
         child = reports[rank]["argv"]
         assert not any(a == "--gpus" or a.startswith("--gpus=") for a in child), child
         assert "0,1,2" not in child
-        before = child[:child.index("params")]
+        before = child[: child.index("params")]
         assert "--keep" in before and before[before.index("--keep") + 1] == "k"
         assert before[before.index("--output") + 1] == str(out)
         endpoint = before[before.index("--rdzv-endpoint") + 1]
@@ -278,7 +290,9 @@ def test_parent_sigkilled_children_gone(tmp_path: Path) -> None:
             proc.wait()
 
 
-BLOCKED = COMMON + """
+BLOCKED = (
+    COMMON
+    + """
     def train():
         import torch
         import torch.distributed as dist
@@ -302,13 +316,15 @@ BLOCKED = COMMON + """
             print(f"CAUGHT {type(exc).__name__}", flush=True)
             sys.exit(4)
 """
+)
 
 
 def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
     script = write_script(tmp_path, "blocked.py", BLOCKED)
     env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path)})
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=90)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
     pids = pids_in((tmp_path / "pids.txt").read_text())
     assert len(set(pids)) == 3
     assert_gone(pids)
@@ -318,7 +334,9 @@ def test_failing_child_while_parent_is_in_a_collective(tmp_path: Path) -> None:
 
 # ---- delivery: whatever rank 0 is doing, a child's failure reaches it as WorkerFailedError --------------
 
-DELIVERY = COMMON + """
+DELIVERY = (
+    COMMON
+    + """
     import signal, traceback
 
     def train():
@@ -370,13 +388,15 @@ DELIVERY = COMMON + """
             manager.finalize()  # the error was already raised: finalize() still raises it once ...
             sys.exit(3)
 """
+)
 
 
 def _run_delivery(tmp_path: Path, mode: str) -> tuple[dict[str, Any], str]:
     script = write_script(tmp_path, "rank0_train.py", DELIVERY)
     env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=90)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
     pids = pids_in((tmp_path / "pids.txt").read_text())
     assert len(set(pids)) == 3
     assert_gone(pids)
@@ -419,7 +439,9 @@ def test_swallowed_error_is_raised_again_by_finalize(tmp_path: Path) -> None:
 
 # ---- setup is all-or-nothing; a crashed supervisor thread is never success ---------------------------
 
-SETUP = COMMON + """
+SETUP = (
+    COMMON
+    + """
     import signal, socket, threading
     import torch.distributed as dist
 
@@ -488,13 +510,15 @@ SETUP = COMMON + """
             again.finalize()
             print("SECOND RUN OK", flush=True)
 """
+)
 
 
 def _run_setup(tmp_path: Path, mode: str) -> str:
     script = write_script(tmp_path, "setup_train.py", SETUP)
     env = clean_env({"TEST_OUT": str(tmp_path / "out"), "TEST_DIR": str(tmp_path), "TEST_MODE": mode})
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=90)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90
+    )
     text = proc.stdout + proc.stderr
     pids_file = tmp_path / "pids.txt"
     if pids_file.exists():
@@ -503,11 +527,14 @@ def _run_setup(tmp_path: Path, mode: str) -> str:
     return text
 
 
-@pytest.mark.parametrize(("mode", "error"), [
-    ("unpicklable", "MultiGPUError: train_func cannot be sent to the child processes"),
-    ("bad_folder", "MultiGPUError: output folder"),
-    ("port_taken", "RendezvousError: rendezvous address 127.0.0.1:"),
-])
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("unpicklable", "MultiGPUError: train_func cannot be sent to the child processes"),
+        ("bad_folder", "MultiGPUError: output folder"),
+        ("port_taken", "RendezvousError: rendezvous address 127.0.0.1:"),
+    ],
+)
 def test_setup_checks_fail_before_any_child_starts(tmp_path: Path, mode: str, error: str) -> None:
     text = _run_setup(tmp_path, mode)
     assert f"SETUP FAILED {error}" in text, text[-3000:]

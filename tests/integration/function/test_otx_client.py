@@ -104,14 +104,27 @@ OTX_TRAIN = """
 """
 
 
-def _otx_train(tmp_path: Path, extra_env: dict[str, str] | None = None
-               ) -> tuple[subprocess.CompletedProcess[str], str]:
+def _otx_train(
+    tmp_path: Path, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], str]:
     script = write_script(tmp_path, "otx_train_cli.py", OTX_TRAIN)
     out = tmp_path / "otx-out"
-    argv = [PYTHON, str(script), "template.yaml", "--output", str(out), "--gpus", "0,1,2", "--enable-hpo",
-            "params", "--learning_parameters.batch_size", "8"]
-    proc = subprocess.run(argv, cwd=tmp_path, env=clean_env(extra_env), capture_output=True, text=True,
-                          timeout=120)
+    argv = [
+        PYTHON,
+        str(script),
+        "template.yaml",
+        "--output",
+        str(out),
+        "--gpus",
+        "0,1,2",
+        "--enable-hpo",
+        "params",
+        "--learning_parameters.batch_size",
+        "8",
+    ]
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=clean_env(extra_env), capture_output=True, text=True, timeout=120
+    )
     text = proc.stdout + proc.stderr
     pids = set(pids_in(text))
     assert len(pids) == 3, text[-3000:]  # every rank printed its pid before training
@@ -137,17 +150,21 @@ def test_otx_train_on_three_cpu_workers(tmp_path: Path) -> None:
     assert len({r["weight"] for r in ranks.values()}) == 1  # gradients were averaged: one model
     assert (tmp_path / "otx-out" / "weights.pth").is_file()  # saved once, by rank 0
     assert json.loads((tmp_path / "otx-out" / "optimized_hyper_parameters.json").read_text()) == {
-        "learning_parameters.learning_rate": 0.05, "learning_parameters.batch_size": 16}
+        "learning_parameters.learning_rate": 0.05,
+        "learning_parameters.batch_size": 16,
+    }
 
 
 def test_otx_train_with_a_failing_child(tmp_path: Path) -> None:
     proc, text = _otx_train(tmp_path, {"FAIL_RANK": "2"})
     assert proc.returncode == 1, text[-3000:]
     # rank 0's training loop got the typed error, with the child's own traceback, and the CLI ended
-    expected = (r"^multigpu\.WorkerFailedError: rank 2 \(node 0, pid \d+\) exited with code 1: "
-                r"RuntimeError: rank 2: the data loader lost its files$")
+    expected = (
+        r"^multigpu\.WorkerFailedError: rank 2 \(node 0, pid \d+\) exited with code 1: "
+        r"RuntimeError: rank 2: the data loader lost its files$"
+    )
     assert re.search(expected, proc.stderr, re.M), text[-3000:]
-    assert "raise RuntimeError(f\"rank {rank}: the data loader lost its files\")" in proc.stderr
+    assert 'raise RuntimeError(f"rank {rank}: the data loader lost its files")' in proc.stderr
     assert not (tmp_path / "otx-out" / "weights.pth").exists()
     assert 0 not in _ranks(text)
     assert os.path.exists(tmp_path / "otx-out" / "logs" / "attempt_0" / "rank_2.log")

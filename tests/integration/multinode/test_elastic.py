@@ -33,7 +33,9 @@ REPORT = """
 
 # Finishes once the world has ranks FINISH_AT [and at least MIN_RESTARTS restarts were counted]; until
 # then it trains (collectives) and waits to be stopped for the next round.
-UNTIL_WORLD = REPORT + """
+UNTIL_WORLD = (
+    REPORT
+    + """
     finish_at, min_restarts = int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
     finish = world == finish_at and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) >= min_restarts
     t = torch.ones(1)
@@ -46,8 +48,11 @@ UNTIL_WORLD = REPORT + """
     print(f"done rank={rank} world={world} sum={int(t.item())}", flush=True)
     dist.destroy_process_group()
 """
+)
 
-RANK_3_FAILS_FIRST_TIME = REPORT + """
+RANK_3_FAILS_FIRST_TIME = (
+    REPORT
+    + """
     dist.barrier()
     if rank == 3 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         time.sleep(0.3)
@@ -57,16 +62,45 @@ RANK_3_FAILS_FIRST_TIME = REPORT + """
     print(f"done rank={rank} world={world} sum={int(t.item())}", flush=True)
     dist.destroy_process_group()
 """
+)
 
 LINE = re.compile(r"pid=\d+ rank=(\d+) world=(\d+) group=(\d+) restart=(\d+) run=(\S+)")
 
 
-def node(tmp_path: Path, name: str, endpoint: str, script: Path, *args: str, restarts: int = 1,
-         conf: str = "join_timeout=60,last_call_timeout=30") -> subprocess.Popen[str]:
+def node(
+    tmp_path: Path,
+    name: str,
+    endpoint: str,
+    script: Path,
+    *args: str,
+    restarts: int = 1,
+    conf: str = "join_timeout=60,last_call_timeout=30",
+) -> subprocess.Popen[str]:
     """One launcher of the elastic job; a short last call makes a node alone start without waiting."""
-    return start_cli(["run", "--cpu", "2", "--grace-period", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
-                      "--rdzv-endpoint", endpoint, "--rdzv-conf", conf, "--max-restarts", str(restarts),
-                      "--output", str(tmp_path / name), str(script), *args], cwd=tmp_path)
+    return start_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--grace-period",
+            "1",
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-conf",
+            conf,
+            "--max-restarts",
+            str(restarts),
+            "--output",
+            str(tmp_path / name),
+            str(script),
+            *args,
+        ],
+        cwd=tmp_path,
+    )
 
 
 def incidents_of(output: Path) -> list[dict[str, Any]]:
@@ -180,8 +214,9 @@ def test_when_one_of_two_nodes_is_lost_the_survivor_starts_a_round_alone_and_fin
     lost = [i for i in incidents_of(tmp_path / "a") if i["kind"] == "failed"]
     assert len(lost) == 1 and lost[0]["what"].startswith("node 1 was lost: its launcher "), lost
     assert lost[0]["next_attempt_time"] is not None, lost  # the survivor's round alone
-    all_pids = [int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs
-                                                                  if log.exists()))]
+    all_pids = [
+        int(p) for p in re.findall(r"pid=(\d+)", "".join(log.read_text() for log in logs if log.exists()))
+    ]
     all_pids += pids_in(out0)
     assert len(set(all_pids)) >= 6, "4 ranks of the two-node round, 2 of the survivor's round"
     assert_gone(set(all_pids))
@@ -218,13 +253,16 @@ def test_a_failure_with_no_restart_left_ends_every_node_with_the_same_root_cause
     assert_gone(pids_in(out0 + out1))
 
 
-RANK_3_ALWAYS_FAILS = REPORT + """
+RANK_3_ALWAYS_FAILS = (
+    REPORT
+    + """
     dist.barrier()
     if rank == 3:
         raise RuntimeError("rank 3 broke again")
     t = torch.ones(1)
     dist.all_reduce(t)
 """
+)
 
 
 def test_the_same_failure_in_two_rounds_in_a_row_stops_every_node_as_a_crash_loop(tmp_path: Path) -> None:
@@ -243,9 +281,11 @@ def test_the_same_failure_in_two_rounds_in_a_row_stops_every_node_as_a_crash_loo
         assert sorted({restart for _, _, _, restart, _ in rounds(out)}) == [0, 1], "two rounds, not six"
         assert err.count("restarting every node: restart 1 of 5") == 1 and "restart 2 of 5" not in err
         [loop] = [text for text in err.splitlines() if "crash loop" in text]
-        assert loop == (f"multigpu: crash loop: rank 3 failed with RuntimeError at {script}:{at} on two "
-                        f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue until "
-                        "the cause is fixed)")
+        assert loop == (
+            f"multigpu: crash loop: rank 3 failed with RuntimeError at {script}:{at} on two "
+            f"attempts in a row; not restarting (exit {EXIT_CRASH_LOOP}: do not requeue until "
+            "the cause is fixed)"
+        )
         [path] = (tmp_path / name).glob("run_*.json")
         record = json.loads(path.read_text())
         assert (record["status"], record["exit_code"]) == ("failed", EXIT_CRASH_LOOP)
@@ -261,15 +301,21 @@ def test_the_same_failure_in_two_rounds_in_a_row_stops_every_node_as_a_crash_loo
 EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "need 0 < MIN <= MAX"),
-    (["--nnodes", "1:2"], "needs --rdzv-backend c10d"),
-    (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
-    (["--nnodes", "1:2", "--rdzv-backend", "etcd", *EP], "use --rdzv-backend c10d"),
-    (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "junk"], "--rdzv-conf"),
-    (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "join_timeout=soon"], "join_timeout"),
-    (["--rdzv-id", "a", "--run-id", "b"], "disagree"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "need 0 < MIN <= MAX"),
+        (["--nnodes", "1:2"], "needs --rdzv-backend c10d"),
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "1:2", "--rdzv-backend", "etcd", *EP], "use --rdzv-backend c10d"),
+        (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "junk"], "--rdzv-conf"),
+        (
+            ["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "join_timeout=soon"],
+            "join_timeout",
+        ),
+        (["--rdzv-id", "a", "--run-id", "b"], "disagree"),
+    ],
+)
 def test_wrong_elastic_options_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     from multigpu.cli.run_args import parse_run_args
     from multigpu.contract.errors import UsageError
@@ -283,8 +329,11 @@ def test_an_elastic_usage_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
     from helpers import run_cli
 
     script = write_script(tmp_path, "job.py", REPORT)
-    result = run_cli(["run", "--cpu", "1", "--nnodes", "2:1", "--rdzv-backend", "c10d", *EP, str(script)],
-                     tmp_path, timeout=30)
+    result = run_cli(
+        ["run", "--cpu", "1", "--nnodes", "2:1", "--rdzv-backend", "c10d", *EP, str(script)],
+        tmp_path,
+        timeout=30,
+    )
     assert result.returncode == 2
     assert "--nnodes 2:1: need 0 < MIN <= MAX" in result.stderr.splitlines()[0]
     assert "Traceback" not in result.stderr
@@ -294,9 +343,25 @@ def test_the_elastic_fields_come_from_torchruns_options(tmp_path: Path) -> None:
     from multigpu.cli.run_args import parse_run_args
 
     script = write_script(tmp_path, "job.py", REPORT)
-    config, _ = parse_run_args(["--cpu", "2", "--nnodes", "1:3", "--rdzv-backend", "c10d", *EP,
-                                "--rdzv-id", "j7", "--rdzv-conf", "last_call_timeout=2,is_host=false",
-                                "--max-restarts", "2", str(script)], env={})
+    config, _ = parse_run_args(
+        [
+            "--cpu",
+            "2",
+            "--nnodes",
+            "1:3",
+            "--rdzv-backend",
+            "c10d",
+            *EP,
+            "--rdzv-id",
+            "j7",
+            "--rdzv-conf",
+            "last_call_timeout=2,is_host=false",
+            "--max-restarts",
+            "2",
+            str(script),
+        ],
+        env={},
+    )
     assert (config.rdzv.backend, config.rdzv.min_nodes, config.rdzv.max_nodes) == ("c10d", 1, 3)
     assert config.rdzv.conf == {"last_call_timeout": "2", "is_host": "false"}
     assert (config.output.run_id, config.supervision.max_restarts, config.nproc) == ("j7", 2, 2)

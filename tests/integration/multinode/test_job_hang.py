@@ -66,10 +66,31 @@ def hogs(request: pytest.FixtureRequest) -> Iterator[list[int]]:
 def two_nodes(tmp_path: Path, script: Path, *args: str) -> list[tuple[int, str, str]]:
     """Both launchers to the end: (exit code, stdout, stderr) of node 0, then node 1."""
     port = str(free_port())
-    procs = [start_cli(["run", "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
-                        "--master-port", port, "--nproc-per-node", "1", "--grace-period", "1",
-                        "--output", str(tmp_path / "out"), *args, str(script)], cwd=tmp_path)
-             for n in (1, 0)][::-1]
+    procs = [
+        start_cli(
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--nproc-per-node",
+                "1",
+                "--grace-period",
+                "1",
+                "--output",
+                str(tmp_path / "out"),
+                *args,
+                str(script),
+            ],
+            cwd=tmp_path,
+        )
+        for n in (1, 0)
+    ][::-1]
     ended = []
     try:
         for proc in procs:
@@ -89,8 +110,13 @@ def record(tmp_path: Path, node: int) -> dict[str, Any]:
 
 
 def rank_pids(tmp_path: Path) -> list[int]:
-    return [r["pid"] for n in (0, 1) for a in record(tmp_path, n)["attempts"]
-            for r in a["ranks"].values() if r["pid"]]
+    return [
+        r["pid"]
+        for n in (0, 1)
+        for a in record(tmp_path, n)["attempts"]
+        for r in a["ranks"].values()
+        if r["pid"]
+    ]
 
 
 @pytest.mark.matrix  # the matrix's healthy cells in the suite's place; the tier runs both
@@ -151,11 +177,12 @@ def test_a_hang_is_declared_once_and_judged_the_same_on_every_node(tmp_path: Pat
         for rank in (0, 1):
             assert len(re.findall(rf"^rank {rank} \(pid \d+\) stacks:$", err, re.M)) == 1, err
         assert err.index("rank 1 (pid") < err.index("rank 0 (pid"), err
-        assert f"train.py\", line {stuck} in <module>" in err
+        assert f'train.py", line {stuck} in <module>' in err
         assert "in all_reduce" in err
     assert verdict_of(err0) == verdict_of(err1)
-    assert verdict_of(err0).startswith(f"rank 1 never reached the all_reduce that rank 0 waits in: rank 1 "
-                                       f"is in {script}:{stuck} (<module>)"), verdict_of(err0)
+    assert verdict_of(err0).startswith(
+        f"rank 1 never reached the all_reduce that rank 0 waits in: rank 1 is in {script}:{stuck} (<module>)"
+    ), verdict_of(err0)
     for node in (0, 1):
         attempt = record(tmp_path, node)["attempts"][0]
         assert attempt["status"] == "hung"

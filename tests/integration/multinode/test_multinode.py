@@ -53,11 +53,14 @@ SLEEP = """
 """
 
 
-
-def node(tmp_path: Path, script: Path, *args: str,
-         env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
-                      *args, str(script)], cwd=tmp_path, env=env)
+def node(
+    tmp_path: Path, script: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return start_cli(
+        ["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"), *args, str(script)],
+        cwd=tmp_path,
+        env=env,
+    )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
@@ -120,7 +123,8 @@ ONE_RANK_EXITS_3 = """
 
 @pytest.mark.parametrize("numpy", ["numpy", "no-numpy"])
 def test_one_rank_per_node_forks_from_the_template_and_no_rank_dies_of_the_dump_signal(
-        tmp_path: Path, numpy: str) -> None:
+    tmp_path: Path, numpy: str
+) -> None:
     """Issue 31, cases 2 and 4. One rank per node: the template imported torch with the rank's pools
     unset (NumPy's OpenBLAS started a thread: 'could not fork ... plain processes'), and a forked rank
     sized its OpenMP pool before the dump request signal was blocked, so the launcher's stack request
@@ -133,9 +137,26 @@ def test_one_rank_per_node_forks_from_the_template_and_no_rank_dies_of_the_dump_
         env = {"PYTHONPATH": str(site)}
     script = write_script(tmp_path, "exit3.py", ONE_RANK_EXITS_3)
     endpoint = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    nodes = [start_cli(["run", "--nnodes", "2", "--node-rank", str(i), *endpoint, "--nproc-per-node", "1",
-                        "--output", str(tmp_path / f"out{i}"), str(script)], cwd=tmp_path, env=env)
-             for i in (0, 1)]
+    nodes = [
+        start_cli(
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(i),
+                *endpoint,
+                "--nproc-per-node",
+                "1",
+                "--output",
+                str(tmp_path / f"out{i}"),
+                str(script),
+            ],
+            cwd=tmp_path,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
     (rc0, out0, err0), (rc1, out1, err1) = (finish(n) for n in nodes)
     assert (rc0, rc1) == (3, 3), err0 + err1  # the root cause's exit code, as torchrun's
     for err in (err0, err1):
@@ -167,10 +188,30 @@ RANK_3_FAILS_FIRST_TIME = """
 def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
     script = write_script(tmp_path, "fail_once.py", RANK_3_FAILS_FIRST_TIME)
     endpoint = f"127.0.0.1:{free_port()}"
-    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
-                 "--max-restarts", "1")
-    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
-                  "--max-restarts", "1")
+    first = node(
+        tmp_path,
+        script,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        endpoint,
+        "--max-restarts",
+        "1",
+    )
+    second = node(
+        tmp_path,
+        script,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--max-restarts",
+        "1",
+    )
     rc1, out1, err1 = finish(second)
     rc0, out0, err0 = finish(first)
     assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
@@ -184,12 +225,46 @@ def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
 def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"
-    alone = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
-                     "--rdzv-timeout", "1.5", "--output", str(tmp_path / "a"), str(script)], tmp_path)
+    alone = run_cli(
+        [
+            "run",
+            "--cpu",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "1.5",
+            "--output",
+            str(tmp_path / "a"),
+            str(script),
+        ],
+        tmp_path,
+    )
     assert alone.returncode == 1
     assert "node(s) 1 never joined within 1.5s (--rdzv-timeout)" in alone.stderr
-    orphan = run_cli(["run", "--cpu", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
-                      "--rdzv-timeout", "1.5", "--output", str(tmp_path / "b"), str(script)], tmp_path)
+    orphan = run_cli(
+        [
+            "run",
+            "--cpu",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "1.5",
+            "--output",
+            str(tmp_path / "b"),
+            str(script),
+        ],
+        tmp_path,
+    )
     assert orphan.returncode == 1
     error_lines = [line for line in orphan.stderr.splitlines() if "error" in line]
     assert len(error_lines) == 1 and endpoint in error_lines[0], orphan.stderr
@@ -199,11 +274,31 @@ def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> N
 def test_nodes_that_disagree_on_the_layout_are_refused_on_both(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"
-    first = node(tmp_path, script, "--base-rank", "0", "--world-size", "4", "--rdzv-endpoint", endpoint,
-                 "--rdzv-timeout", "20")
+    first = node(
+        tmp_path,
+        script,
+        "--base-rank",
+        "0",
+        "--world-size",
+        "4",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "20",
+    )
     time.sleep(0.5)
-    second = node(tmp_path, script, "--base-rank", "1", "--world-size", "4", "--rdzv-endpoint", endpoint,
-                  "--rdzv-timeout", "20")
+    second = node(
+        tmp_path,
+        script,
+        "--base-rank",
+        "1",
+        "--world-size",
+        "4",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "20",
+    )
     rc1, _, err1 = finish(second)
     rc0, _, err0 = finish(first)
     assert rc0 == 1 and rc1 == 1
@@ -214,14 +309,51 @@ def test_nodes_that_disagree_on_the_layout_are_refused_on_both(tmp_path: Path) -
 def test_a_launcher_with_another_run_id_is_refused_and_cannot_disturb_the_job(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"
-    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
-                 "--run-id", "job-a")
-    intruder = run_cli(["run", "--cpu", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
-                        "--run-id", "job-b", "--output", str(tmp_path / "x"), str(script)], tmp_path)
+    first = node(
+        tmp_path,
+        script,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        "job-a",
+    )
+    intruder = run_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            endpoint,
+            "--run-id",
+            "job-b",
+            "--output",
+            str(tmp_path / "x"),
+            str(script),
+        ],
+        tmp_path,
+    )
     assert intruder.returncode == 1
     assert "run id 'job-b' does not match the live job's run id 'job-a'" in intruder.stderr
-    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
-                  "--run-id", "job-a")
+    second = node(
+        tmp_path,
+        script,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--run-id",
+        "job-a",
+    )
     rc1, out1, err1 = finish(second)
     rc0, out0, err0 = finish(first)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -237,7 +369,8 @@ def test_node_zero_launcher_killed_ends_the_other_node(tmp_path: Path) -> None:
         logs = [tmp_path / "out" / "logs" / "attempt_0" / f"rank_{r}.log" for r in range(4)]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
-                log.exists() and "pid=" in log.read_text() for log in logs):
+            log.exists() and "pid=" in log.read_text() for log in logs
+        ):
             time.sleep(0.1)
         os.kill(first.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -254,14 +387,20 @@ def test_node_zero_launcher_killed_ends_the_other_node(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--base-rank", "3", "--world-size", "4"], "do not fit in --world-size 4"),
-    (["--nnodes", "2", "--master-port", "0"], "needs a fixed port"),
-    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "must be below --nnodes"),
-    (["--nnodes", "3:1"], "0 < MIN <= MAX"),
-    (["--world-size", "1"], "smaller than this node's 2 worker(s)"),
-    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:0"], "needs a fixed port"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--base-rank", "3", "--world-size", "4"], "do not fit in --world-size 4"),
+        (["--nnodes", "2", "--master-port", "0"], "needs a fixed port"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "must be below --nnodes",
+        ),
+        (["--nnodes", "3:1"], "0 < MIN <= MAX"),
+        (["--world-size", "1"], "smaller than this node's 2 worker(s)"),
+        (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:0"], "needs a fixed port"),
+    ],
+)
 def test_wrong_layouts_are_usage_errors(tmp_path: Path, args: list[str], message: str) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     result = run_cli(["run", "--cpu", "2", *args, str(script)], tmp_path, timeout=10)
@@ -313,20 +452,39 @@ def _in_ns(ns: str, dev: str, args: list[str], cwd: Path) -> subprocess.Popen[st
     from helpers import MULTIGPU, clean_env
 
     env = clean_env({"GLOO_SOCKET_IFNAME": dev})
-    return subprocess.Popen(["ip", "netns", "exec", ns, *MULTIGPU, *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *MULTIGPU, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, two_hosts: dict) -> None:
     (ns_a, dev_a, ip_a), (ns_b, dev_b, _) = two_hosts["a"], two_hosts["b"]
     job = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"{ip_a}:29555"
-    common = ["run", "--cpu", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30",
-              "--grace-period", "1"]
-    first = _in_ns(ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a1"), str(job)],
-                   tmp_path)
-    second = _in_ns(ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b1"), str(job)],
-                    tmp_path)
+    common = [
+        "run",
+        "--cpu",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-timeout",
+        "30",
+        "--grace-period",
+        "1",
+    ]
+    first = _in_ns(
+        ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a1"), str(job)], tmp_path
+    )
+    second = _in_ns(
+        ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b1"), str(job)], tmp_path
+    )
     rc0, out0, err0 = finish(first)
     rc1, out1, err1 = finish(second)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -334,12 +492,16 @@ def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, 
     assert_gone(pids_in(out0 + out1))
 
     sleeper = write_script(tmp_path, "sleep.py", SLEEP)
-    first = _in_ns(ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a2"), str(sleeper)],
-                   tmp_path)
-    second = _in_ns(ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b2"),
-                                  str(sleeper)], tmp_path)
-    logs = [tmp_path / "a2" / "logs" / "attempt_0" / "rank_0.log",
-            tmp_path / "b2" / "logs" / "attempt_0" / "rank_1.log"]
+    first = _in_ns(
+        ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a2"), str(sleeper)], tmp_path
+    )
+    second = _in_ns(
+        ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b2"), str(sleeper)], tmp_path
+    )
+    logs = [
+        tmp_path / "a2" / "logs" / "attempt_0" / "rank_0.log",
+        tmp_path / "b2" / "logs" / "attempt_0" / "rank_1.log",
+    ]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(log.exists() and "pid=" in log.read_text() for log in logs):
         time.sleep(0.1)
@@ -385,9 +547,17 @@ def start_manager_nodes(tmp_path: Path, code: str) -> list[subprocess.Popen[str]
 
     script = write_script(tmp_path, "node.py", code)
     endpoint = f"127.0.0.1:{free_port()}"
-    return [subprocess.Popen([PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
-                             cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for base in (0, 2)]
+    return [
+        subprocess.Popen(
+            [PYTHON, str(script), str(base), endpoint, str(tmp_path / f"o{base}")],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for base in (0, 2)
+    ]
 
 
 def test_manager_nodes_join_through_base_rank_and_world_size(tmp_path: Path) -> None:
@@ -422,12 +592,35 @@ def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
     # saw that race). The latecomer is refused alone; the job it came to finishes.
     script = write_script(tmp_path, "job.py", HELD)
     endpoint = f"127.0.0.1:{free_port()}"
-    first, second = (node(tmp_path, script, "--nnodes", "2", "--node-rank", rank, "--rdzv-endpoint",
-                          endpoint, "--rdzv-timeout", "20") for rank in ("0", "1"))
+    first, second = (
+        node(
+            tmp_path,
+            script,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "20",
+        )
+        for rank in ("0", "1")
+    )
     try:
         ready = wait_for_lines(tmp_path / "ready.txt", r"pid=(\d+)", 4, timeout=60)
-        again = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
-                     "--rdzv-timeout", "20")
+        again = node(
+            tmp_path,
+            script,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "20",
+        )
         rc, _, err = finish(again)
     finally:
         (tmp_path / "release").touch()
@@ -475,8 +668,9 @@ def test_manager_nodes_share_fate(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("difference", ["torch", "nproc"])
-def test_nodes_with_a_different_torch_or_layout_are_refused_on_every_node(tmp_path: Path,
-                                                                         difference: str) -> None:
+def test_nodes_with_a_different_torch_or_layout_are_refused_on_every_node(
+    tmp_path: Path, difference: str
+) -> None:
     """Node 1 sees another torch (a dist-info first on its path, as a second install would be) or starts
     one worker where node 0 starts two: both nodes refuse before any rank starts, in one line that
     names the nodes and the difference."""
@@ -487,15 +681,27 @@ def test_nodes_with_a_different_torch_or_layout_are_refused_on_every_node(tmp_pa
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.12.0\n")
     endpoint = f"127.0.0.1:{free_port()}"
     common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30")
-    nodes = [node(tmp_path, script, *common, "--node-rank", "0"),
-             node(tmp_path, script, *common, "--node-rank", "1",
-                  *(["--cpu", "1"] if difference == "nproc" else []),
-                  env={"PYTHONPATH": str(other)} if difference == "torch" else None)]
+    nodes = [
+        node(tmp_path, script, *common, "--node-rank", "0"),
+        node(
+            tmp_path,
+            script,
+            *common,
+            "--node-rank",
+            "1",
+            *(["--cpu", "1"] if difference == "nproc" else []),
+            env={"PYTHONPATH": str(other)} if difference == "torch" else None,
+        ),
+    ]
     results = [finish(p) for p in nodes]
-    expected = (r"the nodes would run different things: torch differs: node 0 2\.13\S*, node 1 2\.12\.0; "
-                r"every node refuses" if difference == "torch" else  # the node that came second is named
-                r"inconsistent layout: node (1 \(base rank 1, 1|0 \(base rank 0, 2) worker\(s\), .*\) "
-                r"says world size (2, the job says 4|4, the job says 2)$")
+    expected = (
+        r"the nodes would run different things: torch differs: node 0 2\.13\S*, node 1 2\.12\.0; "
+        r"every node refuses"
+        if difference == "torch"
+        # the node that came second is named
+        else r"inconsistent layout: node (1 \(base rank 1, 1|0 \(base rank 0, 2) worker\(s\), .*\) "
+        r"says world size (2, the job says 4|4, the job says 2)$"
+    )
     lines = []
     for rc, out, err in results:
         assert rc == 1, err[-2000:]
@@ -515,8 +721,21 @@ def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_pa
         folder.mkdir()
         scripts.append(write_script(folder, "job.py", ALLREDUCE + extra))
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [node(tmp_path, scripts[r], "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint,
-                  "--rdzv-timeout", "30") for r in (0, 1)]
+    nodes = [
+        node(
+            tmp_path,
+            scripts[r],
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(r),
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "30",
+        )
+        for r in (0, 1)
+    ]
     results = [finish(p) for p in nodes]
     for rc, out, err in results:
         assert rc == 1, err[-2000:]
@@ -524,8 +743,22 @@ def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_pa
         assert len(refusal) == 1 and "the target's SHA-256 differs: node 0 " in refusal[0], err[-2000:]
         assert "pid=" not in out  # no rank started
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [node(tmp_path, scripts[r], "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint,
-                  "--rdzv-timeout", "30", "--allow-mismatch") for r in (0, 1)]
+    nodes = [
+        node(
+            tmp_path,
+            scripts[r],
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(r),
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-timeout",
+            "30",
+            "--allow-mismatch",
+        )
+        for r in (0, 1)
+    ]
     results = [finish(p) for p in nodes]
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     assert all("running anyway (--allow-mismatch)" in err for _, _, err in results)

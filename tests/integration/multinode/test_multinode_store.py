@@ -67,14 +67,33 @@ LATE_CLAIM = """
 """
 
 
-def launcher(tmp_path: Path, script: Path, rank: int, port: int, entry: list[str] | None = None,
-             nnodes: int = 2) -> subprocess.Popen[str]:
-    args = ["run", "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-            "--master-port", str(port), "--nproc-per-node", "1", "--grace-period", "1",
-            "--rdzv-timeout", "30", "--output", str(tmp_path / f"out{rank}"), str(script)]
+def launcher(
+    tmp_path: Path, script: Path, rank: int, port: int, entry: list[str] | None = None, nnodes: int = 2
+) -> subprocess.Popen[str]:
+    args = [
+        "run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--nproc-per-node",
+        "1",
+        "--grace-period",
+        "1",
+        "--rdzv-timeout",
+        "30",
+        "--output",
+        str(tmp_path / f"out{rank}"),
+        str(script),
+    ]
     with open(tmp_path / f"node{rank}.out", "w") as out, open(tmp_path / f"node{rank}.err", "w") as err:
-        return subprocess.Popen([*(entry or MULTIGPU), *args], cwd=tmp_path, env=clean_env(),
-                                stdout=out, stderr=err, text=True)
+        return subprocess.Popen(
+            [*(entry or MULTIGPU), *args], cwd=tmp_path, env=clean_env(), stdout=out, stderr=err, text=True
+        )
 
 
 def console(tmp_path: Path, rank: int) -> tuple[str, str]:
@@ -107,8 +126,12 @@ def watch_children(procs: list[subprocess.Popen[str]], want: int = 1, timeout: f
         time.sleep(0.02)
 
 
-def finish(tmp_path: Path, proc: subprocess.Popen[str], rank: int, timeout: float = 60,
-           ) -> tuple[int, str, str]:
+def finish(
+    tmp_path: Path,
+    proc: subprocess.Popen[str],
+    rank: int,
+    timeout: float = 60,
+) -> tuple[int, str, str]:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -143,8 +166,10 @@ def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_lat
     slow = write_script(tmp_path, "slow_poll.py", SLOW_POLL)
     late = write_script(tmp_path, "late_claim.py", LATE_CLAIM)
     port = free_port()
-    procs = [launcher(tmp_path, scripts[0], 0, port, entry=[PYTHON, str(late)]),
-             launcher(tmp_path, scripts[1], 1, port, entry=[PYTHON, str(slow)])]
+    procs = [
+        launcher(tmp_path, scripts[0], 0, port, entry=[PYTHON, str(late)]),
+        launcher(tmp_path, scripts[1], 1, port, entry=[PYTHON, str(slow)]),
+    ]
     try:
         kids = watch_children(procs)
         results = [finish(tmp_path, proc, rank) for rank, proc in enumerate(procs)]
@@ -167,8 +192,9 @@ def test_node_0_launcher_killed_is_one_line_on_node_1_and_nothing_is_left(tmp_pa
         kids = watch_children(nodes)
         logs = [tmp_path / f"out{r}" / "logs" / "attempt_0" / f"rank_{r}.log" for r in (0, 1)]
         deadline = time.monotonic() + 60  # a generous bound: a loaded machine starts ranks slowly
-        while time.monotonic() < deadline and not all(log.exists() and "pid=" in log.read_text()
-                                                      for log in logs):
+        while time.monotonic() < deadline and not all(
+            log.exists() and "pid=" in log.read_text() for log in logs
+        ):
             time.sleep(0.05)
         ranks = pids_in("".join(log.read_text() for log in logs if log.exists()))
         assert len(ranks) == 2, [log.read_text() for log in logs if log.exists()]
@@ -199,6 +225,7 @@ def test_node_0_launcher_killed_while_the_nodes_meet_is_one_line_on_node_1(tmp_p
 
         def both_joined() -> bool:
             return all("joined run" in console(tmp_path, r)[1] for r in (0, 1))
+
         while time.monotonic() < deadline and not both_joined():
             time.sleep(0.05)
         assert both_joined(), console(tmp_path, 1)
@@ -209,6 +236,7 @@ def test_node_0_launcher_killed_while_the_nodes_meet_is_one_line_on_node_1(tmp_p
         stop(nodes)
     assert rc == 1, err[-3000:]
     assert_clean(out + err)
-    assert err.splitlines()[-1] == ("multigpu: error: node 0, the store's host, ended (its launcher was "
-                                    "killed?); stopping"), err
+    assert err.splitlines()[-1] == (
+        "multigpu: error: node 0, the store's host, ended (its launcher was killed?); stopping"
+    ), err
     assert_gone([nodes[1].pid, *kids], timeout=10)

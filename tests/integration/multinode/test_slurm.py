@@ -30,8 +30,12 @@ from helpers import alive, clean_env, free_port, tier_cannot_run, write_script
 from multigpu.contract.exitcodes import EXIT_PREEMPTED
 from slurm_cluster import SlurmCluster, ensure_hosts, missing
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120),
-              pytest.mark.xdist_group("slurm")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.xdist_group("slurm"),
+]
 
 REPO = Path(__file__).resolve().parents[3]
 SBATCH = REPO / "docs" / "examples" / "multigpu.sbatch"
@@ -64,8 +68,13 @@ def slurm() -> Iterator[SlurmCluster]:
 
 def job_env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
     """What a job is submitted with (``--export=ALL``): the venv first on PATH, a port of its own."""
-    return {**clean_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "MASTER_PORT": str(free_port()),
-            "PATH": f"{BIN}:{os.environ.get('PATH', '')}", **extra}
+    return {
+        **clean_env(),
+        "SLURM_CONF": cluster.env["SLURM_CONF"],
+        "MASTER_PORT": str(free_port()),
+        "PATH": f"{BIN}:{os.environ.get('PATH', '')}",
+        **extra,
+    }
 
 
 def job_field(cluster: SlurmCluster, job: str, field: str) -> str:
@@ -120,8 +129,13 @@ dist.destroy_process_group()
 
 def test_srun_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
     script = write_script(tmp_path, "train.py", TRAIN)
-    done = slurm.run(["srun", "-N2", "--ntasks-per-node=1", "multigpu", "run", "--cpu", "1", str(script)],
-                     check=False, timeout=90, env=job_env(slurm), cwd=tmp_path)
+    done = slurm.run(
+        ["srun", "-N2", "--ntasks-per-node=1", "multigpu", "run", "--cpu", "1", str(script)],
+        check=False,
+        timeout=90,
+        env=job_env(slurm),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     job = re.search(r"run slurm-(\d+)", done.stderr)
     assert job, done.stderr
@@ -138,8 +152,11 @@ def test_documented_sbatch_script(slurm: SlurmCluster, tmp_path: Path) -> None:
     sbatch's command line (no GPUs, 2 CPUs a node), and the paths it names are linked into place."""
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     (tmp_path / "examples").symlink_to(REPO / "examples")
-    done = slurm.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", str(SBATCH)],
-                     env=job_env(slurm), cwd=tmp_path)
+    done = slurm.run(
+        ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=1", str(SBATCH)],
+        env=job_env(slurm),
+        cwd=tmp_path,
+    )
     job = done.stdout.strip()
     assert wait_job(slurm, job) == "COMPLETED", (tmp_path / f"ddp-{job}.out").read_text()
     screen = (tmp_path / f"ddp-{job}.out").read_text()
@@ -250,10 +267,14 @@ def test_preemption_requeue_cycle(slurm: SlurmCluster, tmp_path: Path) -> None:
 def test_preemption_requeue_array_task(slurm: SlurmCluster, tmp_path: Path) -> None:
     """An array task is requeued by its own id (``<array job>_<task>``), not the whole array."""
     write_script(tmp_path, "train.py", PREEMPTIBLE)
-    batch = write_script(tmp_path, "job.sbatch", REQUEUE_SBATCH.format(nodes=1).replace(
-        "--output=job-%j.out", "--output=job-%A_%a.out"))
-    array = slurm.run(["sbatch", "--parsable", "--array=3", str(batch)], env=job_env(slurm),
-                      cwd=tmp_path).stdout.strip()
+    batch = write_script(
+        tmp_path,
+        "job.sbatch",
+        REQUEUE_SBATCH.format(nodes=1).replace("--output=job-%j.out", "--output=job-%A_%a.out"),
+    )
+    array = slurm.run(
+        ["sbatch", "--parsable", "--array=3", str(batch)], env=job_env(slurm), cwd=tmp_path
+    ).stdout.strip()
     task = f"{array}_3"
     shown, screen = preempt_and_resume(slurm, tmp_path, task, tmp_path / f"job-{task}.out")
     assert "Restarts=1" in shown and f"ArrayJobId={array} ArrayTaskId=3" in shown
@@ -277,17 +298,36 @@ while True:
 """
 
 
-def start_step(cluster: SlurmCluster, tmp_path: Path, *options: str,
-               ) -> tuple[subprocess.Popen[str], Path, str]:
+def start_step(
+    cluster: SlurmCluster,
+    tmp_path: Path,
+    *options: str,
+) -> tuple[subprocess.Popen[str], Path, str]:
     """``srun -N2 ... multigpu run --cpu 1 OPTIONS loop.py`` in the background, its console in a file;
     returns once rank 0 has trained a few steps: (srun, the console file, the job id)."""
     script = write_script(tmp_path, "loop.py", LOOP)
     console = tmp_path / "console.out"
     with open(console, "w") as out:
-        srun = subprocess.Popen(["srun", "-N2", "--ntasks-per-node=1", "multigpu", "run", "--cpu", "1",
-                                 "--output", str(tmp_path / "run"), *options, str(script)],
-                                env=job_env(cluster), cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
+        srun = subprocess.Popen(
+            [
+                "srun",
+                "-N2",
+                "--ntasks-per-node=1",
+                "multigpu",
+                "run",
+                "--cpu",
+                "1",
+                "--output",
+                str(tmp_path / "run"),
+                *options,
+                str(script),
+            ],
+            env=job_env(cluster),
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     text = wait_file(console, r"^\[node 0 rank 0\] ready$")
     job = re.search(r"run slurm-(\d+)", text)
     assert job, text
@@ -318,15 +358,19 @@ def test_a_lost_node_is_named_by_the_survivor(slurm: SlurmCluster, tmp_path: Pat
     "Connection closed by peer", and node 0's root cause is the lost node, in plain words, found by
     fate sharing; nothing is left on either node."""
     srun, console, _ = start_step(slurm, tmp_path, "--grace-period", "1")
-    launchers = {int(n): int(ppid) for n, ppid in re.findall(r"^\[node (\d) rank \d\] pid=\d+ ppid=(\d+)$",
-                                                               console.read_text(), re.M)}
+    launchers = {
+        int(n): int(ppid)
+        for n, ppid in re.findall(r"^\[node (\d) rank \d\] pid=\d+ ppid=(\d+)$", console.read_text(), re.M)
+    }
     assert "multigpu" in " ".join(psutil.Process(launchers[1]).cmdline())
     os.kill(launchers[1], signal.SIGKILL)
     srun.wait(timeout=30)
     screen = console.read_text()
     root = re.search(r"^root cause: (.*)$", screen, re.M)
-    assert root and root.group(1).startswith(f"node 1 was lost: its launcher (host {socket.gethostname()}, "
-                                             f"pid {launchers[1]}) stopped beating for "), screen
+    assert root and root.group(1).startswith(
+        f"node 1 was lost: its launcher (host {socket.gethostname()}, "
+        f"pid {launchers[1]}) stopped beating for "
+    ), screen
     assert "by peer" not in root.group(1) and "rank -1" not in screen, screen
     assert "Failed to initialize NumPy" not in screen and "Exception raised from" not in screen, screen
     record = json.loads((tmp_path / "run" / "run_node0.json").read_text())

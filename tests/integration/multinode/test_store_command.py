@@ -30,8 +30,14 @@ LOOP = """
 
 
 def store_process(port: int, tmp_path: Path) -> subprocess.Popen[str]:
-    store = subprocess.Popen([*MULTIGPU, "store", f"127.0.0.1:{port}"], cwd=tmp_path, env=clean_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = subprocess.Popen(
+        [*MULTIGPU, "store", f"127.0.0.1:{port}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert store.stderr is not None
     line = store.stderr.readline()  # the one status line, once it serves
     assert "serving the rendezvous store at 127.0.0.1:" in line and "trusted network" in line, line
@@ -39,11 +45,35 @@ def store_process(port: int, tmp_path: Path) -> subprocess.Popen[str]:
 
 
 def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "30") -> subprocess.Popen[str]:
-    layout = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-conf", "is_host=false,last_call_timeout=1", "--rdzv-id", rdzv_id]
-    return start_cli(["run", *layout, "--max-restarts", "2", "--nproc-per-node", "1", "--grace-period", "1",
-                      "--output", str(tmp_path / f"{rdzv_id}{i}"), "loop.py"],
-                     cwd=tmp_path, env={"STEPS": steps})
+    layout = [
+        "--nnodes",
+        "2:3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "is_host=false,last_call_timeout=1",
+        "--rdzv-id",
+        rdzv_id,
+    ]
+    return start_cli(
+        [
+            "run",
+            *layout,
+            "--max-restarts",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--grace-period",
+            "1",
+            "--output",
+            str(tmp_path / f"{rdzv_id}{i}"),
+            "loop.py",
+        ],
+        cwd=tmp_path,
+        env={"STEPS": steps},
+    )
 
 
 @pytest.mark.matrix  # too heavy for the README's 8 minutes: the matrix tier runs it (scripts/fault_matrix.sh)
@@ -91,8 +121,11 @@ def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(t
 
 
 def test_store_usage_mistakes_are_one_line(tmp_path: Path) -> None:
-    for args, message in ((["store"], "HOST:PORT"), (["store", "127.0.0.1:0"], "fixed port"),
-                          (["store", "localhost"], "has no port")):
+    for args, message in (
+        (["store"], "HOST:PORT"),
+        (["store", "127.0.0.1:0"], "fixed port"),
+        (["store", "localhost"], "has no port"),
+    ):
         done = run_cli(args, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, done.stderr
         assert "Traceback" not in done.stderr

@@ -42,8 +42,12 @@ def auditor() -> Iterator[pwd.struct_passwd]:
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         tier_cannot_run("the second-user tests need root and useradd to create a local user")
     _remove_user()
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", AUDITOR],
-                   check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", AUDITOR],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     try:
         yield pwd.getpwnam(AUDITOR)
     finally:
@@ -63,8 +67,15 @@ def shared(tmp_path: Path) -> Iterator[Path]:
 
 
 def as_user(user: pwd.struct_passwd, *argv: str) -> None:
-    subprocess.run(list(argv), check=True, capture_output=True, timeout=30, user=user.pw_uid,
-                   group=user.pw_gid, extra_groups=[])
+    subprocess.run(
+        list(argv),
+        check=True,
+        capture_output=True,
+        timeout=30,
+        user=user.pw_uid,
+        group=user.pw_gid,
+        extra_groups=[],
+    )
 
 
 def plant(user: pwd.struct_passwd, out: Path, victim: Path) -> Path:
@@ -89,24 +100,28 @@ HELLO = """
 """
 
 
-def test_a_planted_link_in_another_users_folder_writes_nothing(auditor: pwd.struct_passwd, shared: Path,
-                                                              victim: Path, tmp_path: Path) -> None:
+def test_a_planted_link_in_another_users_folder_writes_nothing(
+    auditor: pwd.struct_passwd, shared: Path, victim: Path, tmp_path: Path
+) -> None:
     """The issue's audit: the auditor makes OUT and plants rank 0's log as a link to a root-owned file."""
     out = shared / "OUT"
     plant(auditor, out, victim)
     script = write_script(tmp_path, "hello.py", HELLO)
     result = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=60)
     assert result.returncode == 2, (result.stdout, result.stderr)
-    assert result.stderr.splitlines()[0] == (f"multigpu run: error: output folder {out}: {out} belongs to "
-                                             f"user {AUDITOR}, who could redirect what this run writes; give "
-                                             f"the run a folder of your own"), result.stderr
+    assert result.stderr.splitlines()[0] == (
+        f"multigpu run: error: output folder {out}: {out} belongs to "
+        f"user {AUDITOR}, who could redirect what this run writes; give "
+        f"the run a folder of your own"
+    ), result.stderr
     assert "Traceback" not in result.stderr
     assert "hello from rank" not in result.stdout
     assert victim.read_text() == "root's own\n"
 
 
-def test_a_link_planted_in_a_folder_open_to_all_writes_nothing(auditor: pwd.struct_passwd, shared: Path,
-                                                              victim: Path, tmp_path: Path) -> None:
+def test_a_link_planted_in_a_folder_open_to_all_writes_nothing(
+    auditor: pwd.struct_passwd, shared: Path, victim: Path, tmp_path: Path
+) -> None:
     """Root's own OUT, left writable by every user (no sticky bit): refused before anything is written."""
     out = shared / "OUT"
     out.mkdir()
@@ -116,8 +131,9 @@ def test_a_link_planted_in_a_folder_open_to_all_writes_nothing(auditor: pwd.stru
     result = run_cli(["run", "--cpu", "1", "--output", str(out), str(script)], cwd=tmp_path, timeout=60)
     assert result.returncode == 2, (result.stdout, result.stderr)
     first = result.stderr.splitlines()[0]
-    assert first.startswith(f"multigpu run: error: output folder {out}: {out} is writable by every user "
-                            f"(and has no sticky bit)"), result.stderr
+    assert first.startswith(
+        f"multigpu run: error: output folder {out}: {out} is writable by every user (and has no sticky bit)"
+    ), result.stderr
     assert "Traceback" not in result.stderr
     assert victim.read_text() == "root's own\n"
 
@@ -154,8 +170,14 @@ sys.exit(main(sys.argv[3:]))
 def multigpu_as(user: pwd.struct_passwd, *args: str) -> subprocess.CompletedProcess[str]:
     """``multigpu ARGS`` as ``user``: the interpreter starts as root (its files are under /root, which the
     user cannot read), imports what the command needs, then becomes the user for good."""
-    return subprocess.run([PYTHON, "-c", AS_USER, str(user.pw_uid), str(user.pw_gid), *args], cwd="/",
-                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [PYTHON, "-c", AS_USER, str(user.pw_uid), str(user.pw_gid), *args],
+        cwd="/",
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 LONG = """
@@ -166,13 +188,17 @@ LONG = """
 """
 
 
-def test_another_users_status_and_stacks_are_refused_in_one_line(auditor: pwd.struct_passwd, shared: Path,
-                                                                 tmp_path: Path) -> None:
+def test_another_users_status_and_stacks_are_refused_in_one_line(
+    auditor: pwd.struct_passwd, shared: Path, tmp_path: Path
+) -> None:
     out = shared / "OUT"
     ready = tmp_path / "ready"
     job = write_script(tmp_path, "job.py", LONG)
-    proc = start_cli(["run", "--cpu", "1", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path,
-                     env={"READY": str(ready)})
+    proc = start_cli(
+        ["run", "--cpu", "1", "--status", "off", "--output", str(out), str(job)],
+        cwd=tmp_path,
+        env={"READY": str(ready)},
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -231,14 +257,20 @@ def servers(launcher: int) -> tuple[list[str], list[int]]:
     for proc in [psutil.Process(launcher), *psutil.Process(launcher).children(recursive=True)]:
         with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
             conns += proc.net_connections("all")
-    unix = sorted({str(c.laddr) for c in conns if c.family == socket.AF_UNIX
-                   and str(c.laddr).startswith("/tmp/multigpu-debug-")})
+    unix = sorted(
+        {
+            str(c.laddr)
+            for c in conns
+            if c.family == socket.AF_UNIX and str(c.laddr).startswith("/tmp/multigpu-debug-")
+        }
+    )
     ports = sorted({c.laddr.port for c in conns if c.family != socket.AF_UNIX and c.status == "LISTEN"})
     return unix, ports
 
 
-def test_another_user_reads_no_stacks_from_a_debug_server_job(auditor: pwd.struct_passwd,
-                                                              tmp_path: Path) -> None:
+def test_another_user_reads_no_stacks_from_a_debug_server_job(
+    auditor: pwd.struct_passwd, tmp_path: Path
+) -> None:
     """Neither the page nor a rank's server answers the second user without the token, and torch's
     worker servers (Unix sockets) cannot even be reached by them."""
     from helpers import free_port
@@ -248,8 +280,22 @@ def test_another_user_reads_no_stacks_from_a_debug_server_job(auditor: pwd.struc
         pytest.skip("no system python3 for the second user to run (the test's own is under /root)")
     job = write_script(tmp_path, "job.py", DEBUGGED)
     marker, port = tmp_path / "go", free_port()
-    proc = start_cli(["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out"),
-                      "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
+    proc = start_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--grace-period",
+            "1",
+            "--output",
+            str(tmp_path / "out"),
+            "--debug-server",
+            str(port),
+            str(job),
+            str(marker),
+        ],
+        cwd=tmp_path,
+    )
     try:
         assert proc.stderr is not None
         line = ""
@@ -263,11 +309,20 @@ def test_another_user_reads_no_stacks_from_a_debug_server_job(auditor: pwd.struc
                 break
             assert time.monotonic() < deadline, (unix, ports)
             time.sleep(0.2)
-        urls = [f"http://127.0.0.1:{port}/stacks", *(f"http://127.0.0.1:{p}/handler/dump_traceback"
-                                                    for p in ports if p != port)]
-        probe = subprocess.run([system_python, "-c", PROBE, " ".join(urls), " ".join(unix)], cwd="/",
-                               capture_output=True, text=True, timeout=120, user=auditor.pw_uid,
-                               group=auditor.pw_gid, extra_groups=[])
+        urls = [
+            f"http://127.0.0.1:{port}/stacks",
+            *(f"http://127.0.0.1:{p}/handler/dump_traceback" for p in ports if p != port),
+        ]
+        probe = subprocess.run(
+            [system_python, "-c", PROBE, " ".join(urls), " ".join(unix)],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            user=auditor.pw_uid,
+            group=auditor.pw_gid,
+            extra_groups=[],
+        )
     finally:
         marker.touch()
         out, _ = proc.communicate(timeout=60)

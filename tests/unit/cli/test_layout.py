@@ -23,17 +23,24 @@ SRUN_NODE2 = {
     "SLURM_STEP_ID": "0",
 }
 # The batch script itself (sbatch, no srun step): not one launcher per node.
-SBATCH_SHELL = {"SLURM_JOB_ID": "481516", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2",
-                "SLURM_NODEID": "0"}
+SBATCH_SHELL = {
+    "SLURM_JOB_ID": "481516",
+    "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "0",
+}
 
 
-@pytest.mark.parametrize("text, hosts", [
-    ("node01", ["node01"]),
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("a[1-2],b3,c[08-10]", ["a1", "a2", "b3", "c08", "c09", "c10"]),
-    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-    ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
-])
+@pytest.mark.parametrize(
+    "text, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b3,c[08-10]", ["a1", "a2", "b3", "c08", "c09", "c10"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
+    ],
+)
 def test_expand_nodelist(text: str, hosts: list[str]) -> None:
     assert expand_nodelist(text) == hosts
 
@@ -75,17 +82,23 @@ def test_explicit_options_win_over_slurm(tmp_path) -> None:  # type: ignore[no-u
 
 
 def test_nnodes_maps_onto_base_rank_and_world_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    config = _parse(tmp_path, ["--cpu", "3", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
-                               "127.0.0.1:29400"], {})
+    config = _parse(
+        tmp_path,
+        ["--cpu", "3", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:29400"],
+        {},
+    )
     assert (config.base_rank, config.world_size, config.group_rank, config.multi_node) == (3, 6, 1, True)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nnodes", "2", "--node-rank", "1", "--base-rank", "0", "--rdzv-endpoint", "h:1"], "disagrees"),
-    (["--nnodes", "2", "--node-rank", "1", "--world-size", "5", "--rdzv-endpoint", "h:1"], "disagrees"),
-    (["--base-rank", "-1"], "at least 0"),
-    (["--world-size", "abc"], "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nnodes", "2", "--node-rank", "1", "--base-rank", "0", "--rdzv-endpoint", "h:1"], "disagrees"),
+        (["--nnodes", "2", "--node-rank", "1", "--world-size", "5", "--rdzv-endpoint", "h:1"], "disagrees"),
+        (["--base-rank", "-1"], "at least 0"),
+        (["--world-size", "abc"], "must be an integer"),
+    ],
+)
 def test_layout_mistakes(tmp_path, args, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(UsageError, match=message):
         _parse(tmp_path, ["--cpu", "2", *args], {})

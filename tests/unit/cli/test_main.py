@@ -25,8 +25,9 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "_nvml_gpus",
-                        lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)])
+    monkeypatch.setattr(
+        devices, "_nvml_gpus", lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)]
+    )
 
 
 @pytest.fixture
@@ -66,8 +67,25 @@ def test_cpu_workers(script: str) -> None:
 
 
 def test_script_args_split_from_ours(script: str) -> None:
-    config = parse(["--cpu", "2", "--output", "out", script, "--cpu", "5", "--gpus=1", "-m", "x",
-                    "--output", "y", "--bogus", "--", "z"])
+    config = parse(
+        [
+            "--cpu",
+            "2",
+            "--output",
+            "out",
+            script,
+            "--cpu",
+            "5",
+            "--gpus=1",
+            "-m",
+            "x",
+            "--output",
+            "y",
+            "--bogus",
+            "--",
+            "z",
+        ]
+    )
     assert config.nproc == 2 and config.output.dir == Path("out")
     assert config.target_args == ("--cpu", "5", "--gpus=1", "-m", "x", "--output", "y", "--bogus", "--", "z")
 
@@ -89,7 +107,9 @@ def test_split_run_argv() -> None:
     assert split_run_argv(["-m", "pkg.mod", "--cpu", "3"]) == (["-m"], ["pkg.mod", "--cpu", "3"])
     assert split_run_argv(["-mpkg", "x"]) == (["-m"], ["pkg", "x"])
     assert split_run_argv(["--nproc_per_node", "2", "-r", "3", "--standalone", "s.py", "-r", "1"]) == (
-        ["--nproc_per_node", "2", "-r", "3", "--standalone"], ["s.py", "-r", "1"])
+        ["--nproc_per_node", "2", "-r", "3", "--standalone"],
+        ["s.py", "-r", "1"],
+    )
     assert split_run_argv(["--cpu", "2"]) == (["--cpu", "2"], [])
 
 
@@ -108,10 +128,18 @@ def test_module_not_found() -> None:
 
 
 def test_environment_variables_fill_options(script: str) -> None:
-    env = {"MULTIGPU_CPU": "3", "MULTIGPU_GRACE_PERIOD": "1.5", "MULTIGPU_OUTPUT": "/tmp/o",
-           "MULTIGPU_LOG_RANKS": "0,2", "MULTIGPU_RDZV_ENDPOINT": "127.0.0.1:0", "MULTIGPU_RUN_ID": "myrun",
-           "MULTIGPU_HANG_TIMEOUT": "30", "MULTIGPU_MAX_RESTARTS": "2", "MULTIGPU_STATUS": "off",
-           "MULTIGPU_RDZV_TIMEOUT": "9"}
+    env = {
+        "MULTIGPU_CPU": "3",
+        "MULTIGPU_GRACE_PERIOD": "1.5",
+        "MULTIGPU_OUTPUT": "/tmp/o",
+        "MULTIGPU_LOG_RANKS": "0,2",
+        "MULTIGPU_RDZV_ENDPOINT": "127.0.0.1:0",
+        "MULTIGPU_RUN_ID": "myrun",
+        "MULTIGPU_HANG_TIMEOUT": "30",
+        "MULTIGPU_MAX_RESTARTS": "2",
+        "MULTIGPU_STATUS": "off",
+        "MULTIGPU_RDZV_TIMEOUT": "9",
+    }
     config = parse([script], env)
     assert (config.device, config.nproc) == ("cpu", 3)
     assert config.supervision.grace_period == 1.5 and config.output.dir == Path("/tmp/o")
@@ -166,31 +194,37 @@ def test_gpus_on_a_machine_without_gpu_says_use_cpu(script: str) -> None:
         parse(["--gpus", "all", script])
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--cpu", "abc", "{script}"], "--cpu must be an integer, got 'abc'"),
-    (["--cpu", "0", "{script}"], "--cpu must be at least 1, got 0"),
-    (["--cpu", "-1", "{script}"], "--cpu must be at least 1, got -1"),
-    (["--gpus", "a", "{script}"], "'a'"),
-    (["--gpus", "99", "{script}"], "--cpu N"),
-    (["--cpu", "1"], "no script given"),
-    ([], "no script given"),
-    (["--cpu", "1", "{missing}"], "not found"),
-    (["--bogus", "{script}"], "--bogus"),
-    (["--cpu", "1", "--rdzv-endpoint", "localhost", "{script}"], "no port"),
-    (["--cpu", "1", "--rdzv-endpoint", "127.0.0.1:x", "{script}"], "port must be a number"),
-    (["--cpu", "2", "--gpus", "0", "{script}"], "not --gpus and --cpu"),
-    (["--cpu"], "expected one argument"),
-    (["--status", "loud", "{script}"], "invalid choice"),
-    (["--log-ranks", "0,a", "{script}"], "'a'"),
-    (["--grace-period", "-1", "{script}"], "--grace-period"),
-    (["--rdzv-timeout", "0", "{script}"], "--rdzv-timeout"),
-    (["--max-restarts", "x", "{script}"], "--max-restarts"),
-    (["--straggler-threshold", "-0.1", "{script}"], "--straggler-threshold must be a number of at least 0"),
-    (["--straggler-threshold", "x", "{script}"], "--straggler-threshold"),
-    (["--cpu", "1", "--rdzv-endpoint", "10.0.0.1:0", "{script}"], "port 0"),
-    # an abbreviation is not silently taken for the full option (it would eat the script's name)
-    (["--out", "dir", "{script}"], "--out"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cpu", "abc", "{script}"], "--cpu must be an integer, got 'abc'"),
+        (["--cpu", "0", "{script}"], "--cpu must be at least 1, got 0"),
+        (["--cpu", "-1", "{script}"], "--cpu must be at least 1, got -1"),
+        (["--gpus", "a", "{script}"], "'a'"),
+        (["--gpus", "99", "{script}"], "--cpu N"),
+        (["--cpu", "1"], "no script given"),
+        ([], "no script given"),
+        (["--cpu", "1", "{missing}"], "not found"),
+        (["--bogus", "{script}"], "--bogus"),
+        (["--cpu", "1", "--rdzv-endpoint", "localhost", "{script}"], "no port"),
+        (["--cpu", "1", "--rdzv-endpoint", "127.0.0.1:x", "{script}"], "port must be a number"),
+        (["--cpu", "2", "--gpus", "0", "{script}"], "not --gpus and --cpu"),
+        (["--cpu"], "expected one argument"),
+        (["--status", "loud", "{script}"], "invalid choice"),
+        (["--log-ranks", "0,a", "{script}"], "'a'"),
+        (["--grace-period", "-1", "{script}"], "--grace-period"),
+        (["--rdzv-timeout", "0", "{script}"], "--rdzv-timeout"),
+        (["--max-restarts", "x", "{script}"], "--max-restarts"),
+        (
+            ["--straggler-threshold", "-0.1", "{script}"],
+            "--straggler-threshold must be a number of at least 0",
+        ),
+        (["--straggler-threshold", "x", "{script}"], "--straggler-threshold"),
+        (["--cpu", "1", "--rdzv-endpoint", "10.0.0.1:0", "{script}"], "port 0"),
+        # an abbreviation is not silently taken for the full option (it would eat the script's name)
+        (["--out", "dir", "{script}"], "--out"),
+    ],
+)
 def test_bad_input_is_a_usage_error(argv: list[str], message: str, script: str, tmp_path: Path) -> None:
     argv = [a.format(script=script, missing=str(tmp_path / "missing.py")) for a in argv]
     with pytest.raises(UsageError) as info:
@@ -212,9 +246,15 @@ def test_main_reports_usage_errors_in_two_lines(capsys: pytest.CaptureFixture[st
     assert len(err) == 2 and "--cpu N" in err[0]
 
 
-@pytest.mark.parametrize(("typo", "meant"), [("--nproc-pernode", "--nproc-per-node"),
-                                             ("--nproc_pernode=2", "--nproc-per-node"),
-                                             ("--grace-perod", "--grace-period"), ("--zzz", None)])
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("--nproc-pernode", "--nproc-per-node"),
+        ("--nproc_pernode=2", "--nproc-per-node"),
+        ("--grace-perod", "--grace-period"),
+        ("--zzz", None),
+    ],
+)
 def test_unknown_option_suggests_the_closest(script: str, typo: str, meant: str | None) -> None:
     """A typo (not a torchrun abbreviation, which is taken) is answered with the option meant."""
     from multigpu.cli.options import suggest
@@ -278,8 +318,10 @@ def test_resolved_options_are_typed() -> None:
 
     from multigpu.cli import options
 
-    values = options.resolve({"cpu": "2", "standalone": True},
-                             {"MULTIGPU_REQUEUE": "0", "PET_RDZV_ID": "job", "PET_NO_PYTHON": "1"})
+    values = options.resolve(
+        {"cpu": "2", "standalone": True},
+        {"MULTIGPU_REQUEUE": "0", "PET_RDZV_ID": "job", "PET_NO_PYTHON": "1"},
+    )
     assert (values.cpu, values.standalone, values.requeue, values.no_python) == ("2", True, False, True)
     assert (values.run_id, values.rdzv_id, values.gpus, values.no_requeue) == ("job", "job", None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):

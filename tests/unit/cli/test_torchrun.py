@@ -28,8 +28,9 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "_nvml_gpus",
-                        lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)])
+    monkeypatch.setattr(
+        devices, "_nvml_gpus", lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)]
+    )
 
 
 @pytest.fixture
@@ -59,9 +60,15 @@ def test_every_torchrun_option_is_in_the_table() -> None:
     assert theirs == ours
 
 
-@pytest.mark.parametrize("spelling", [
-    ["--nproc-per-node", "2"], ["--nproc_per_node", "2"], ["--nproc-per-node=2"], ["--nproc_per_node=2"],
-])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["--nproc-per-node", "2"],
+        ["--nproc_per_node", "2"],
+        ["--nproc-per-node=2"],
+        ["--nproc_per_node=2"],
+    ],
+)
 def test_both_spellings_and_both_value_forms(script: str, spelling: list[str]) -> None:
     config = parse([*spelling, script, "--nproc_per_node", "9"])
     assert (config.device, config.nproc, config.target_args) == ("cpu", 2, ("--nproc_per_node", "9"))
@@ -75,8 +82,13 @@ def test_unique_prefixes_of_torchruns_options_as_argparse_takes_them(script: str
 
 
 def test_pet_variables_and_precedence(script: str) -> None:
-    env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "2", "PET_RDZV_CONF": "join_timeout=7",
-           "PET_STANDALONE": "1", "PET_ROLE": "trainer"}
+    env = {
+        "PET_NPROC_PER_NODE": "3",
+        "PET_MAX_RESTARTS": "2",
+        "PET_RDZV_CONF": "join_timeout=7",
+        "PET_STANDALONE": "1",
+        "PET_ROLE": "trainer",
+    }
     config = parse([script], env)
     assert (config.nproc, config.supervision.max_restarts, config.rdzv.timeout) == (3, 2, 7.0)
     assert (config.rdzv.backend, config.start.role) == ("c10d", "trainer")
@@ -91,8 +103,10 @@ def test_pet_variables_and_precedence(script: str) -> None:
 
 
 def test_nproc_per_node_without_gpu(script: str) -> None:
-    assert (parse(["--nproc-per-node", "2", script]).device, parse(["--nproc-per-node", "2", script]).nproc) \
-        == ("cpu", 2)
+    assert (
+        parse(["--nproc-per-node", "2", script]).device,
+        parse(["--nproc-per-node", "2", script]).nproc,
+    ) == ("cpu", 2)
     assert parse(["--nproc-per-node", "cpu", script]).nproc == usable_cpu_count()
     assert parse(["--nproc-per-node", "auto", script]).device == "cpu"
     assert "no GPU is visible" in usage_error(["--nproc-per-node", "gpu", script])
@@ -112,11 +126,13 @@ def test_nproc_per_node_with_gpus_uses_gpu_i_for_local_rank_i(script: str) -> No
 
 
 def test_nproc_per_node_lands_on_the_physical_gpu_torchrun_would_use(
-        monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, script: str
+) -> None:
     """Under torchrun rank i calls set_device(i) among the visible GPUs; here it sees only its chosen
     GPUs, in order, so set_device(i) names the same physical GPU."""
-    monkeypatch.setattr(devices, "_nvml_gpus",
-                        lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)])
+    monkeypatch.setattr(
+        devices, "_nvml_gpus", lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)]
+    )
     env = {"CUDA_VISIBLE_DEVICES": "3,1,2,0"}
     config = parse(["--nproc-per-node", "2", script], env)
     visible = devices.visible_gpus(env)
@@ -144,8 +160,16 @@ def test_standalone_is_one_node_on_a_free_port(script: str) -> None:
 
 
 def test_static_rendezvous_from_master_addr_and_port(script: str) -> None:
-    config = parse(["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.5", "--master_port=1234",
-                    "--nproc_per_node=2", script])
+    config = parse(
+        [
+            "--nnodes=2",
+            "--node_rank=1",
+            "--master_addr=10.0.0.5",
+            "--master_port=1234",
+            "--nproc_per_node=2",
+            script,
+        ]
+    )
     assert config.rdzv.endpoint == Endpoint("10.0.0.5", 1234)
     assert (config.base_rank, config.world_size, config.node_rank, config.nnodes) == (2, 4, 1, 2)
     assert (config.rdzv.min_nodes, config.rdzv.max_nodes, config.rdzv.backend) == (2, 2, "static")
@@ -156,18 +180,34 @@ def test_static_rendezvous_from_master_addr_and_port(script: str) -> None:
     assert parse(["--master-port", "29511", script]).rdzv.endpoint == Endpoint("127.0.0.1", 29511)
     assert parse(["--master-addr", "127.0.0.1", script]).rdzv.endpoint is None
     # an explicit endpoint beats master addr/port
-    assert parse(["--nnodes", "2", "--rdzv-endpoint", "h:7", "--master-port", "9", script]).rdzv.endpoint \
-        == Endpoint("h", 7)
+    assert parse(
+        ["--nnodes", "2", "--rdzv-endpoint", "h:7", "--master-port", "9", script]
+    ).rdzv.endpoint == Endpoint("h", 7)
 
 
 def test_c10d_on_one_node_and_refusals(script: str) -> None:
-    config = parse(["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
-                    "--rdzv-id", "job7", script])
+    config = parse(
+        [
+            "--nnodes",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            "--rdzv-id",
+            "job7",
+            script,
+        ]
+    )
     assert (config.rdzv.backend, config.rdzv.endpoint, config.output.run_id) == (
-        "c10d", Endpoint("localhost", 0), "job7")
+        "c10d",
+        Endpoint("localhost", 0),
+        "job7",
+    )
     # FlagAI's BMTrain example: a c10d endpoint without a port is torchrun's 29400
-    assert parse(["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost", script]).rdzv.endpoint \
-        == Endpoint("localhost", 29400)
+    assert parse(
+        ["--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=localhost", script]
+    ).rdzv.endpoint == Endpoint("localhost", 29400)
     ipv6 = parse(["--rdzv_backend=c10d", "--rdzv_endpoint=[::1]", script])
     assert ipv6.rdzv.endpoint == Endpoint("::1", 29400)
     assert "no port" in usage_error(["--rdzv_endpoint=localhost", script])  # static needs one
@@ -177,9 +217,15 @@ def test_c10d_on_one_node_and_refusals(script: str) -> None:
     assert "--rdzv-backend c10d" in usage_error(["--nnodes", "1:2", script])
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("3:1", "0 < MIN <= MAX"), ("0", "0 < MIN <= MAX"), ("a", "N or MIN:MAX"), ("1:2:3", "N or MIN:MAX"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("3:1", "0 < MIN <= MAX"),
+        ("0", "0 < MIN <= MAX"),
+        ("a", "N or MIN:MAX"),
+        ("1:2:3", "N or MIN:MAX"),
+    ],
+)
 def test_bad_nnodes(script: str, value: str, message: str) -> None:
     assert message in usage_error(["--nnodes", value, script])
 
@@ -209,8 +255,22 @@ def test_synonyms_both_work_and_must_agree(script: str) -> None:
 def test_local_ranks_filter_names_local_ranks(script: str) -> None:
     config = parse(["--nproc-per-node", "2", "--local-ranks-filter", "1", script])
     assert (config.output.log_ranks, config.output.local_ranks_filter) == (frozenset({1}), frozenset({1}))
-    node1 = parse(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h",
-                   "--local_ranks_filter=0", "--log-ranks", "2", script])
+    node1 = parse(
+        [
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "h",
+            "--local_ranks_filter=0",
+            "--log-ranks",
+            "2",
+            script,
+        ]
+    )
     assert node1.output.log_ranks == frozenset({2})
     assert "disagree" in usage_error(["--local-ranks-filter", "0", "--log-ranks", "1", script])
     assert "--local-ranks-filter" in usage_error(["--local-ranks-filter", "x", script])
@@ -224,7 +284,11 @@ def test_module_no_python_and_run_path(script: str, tmp_path: Path, monkeypatch:
         assert (config.module, config.target, config.target_args) == (True, "my_mod_x", ("--lr", "1"))
     config = parse(["--no-python", "echo", "a", "b"])
     assert (config.start.run_mode, config.target, config.target_args, config.module) == (
-        "exec", "echo", ("a", "b"), False)
+        "exec",
+        "echo",
+        ("a", "b"),
+        False,
+    )
     assert parse(["--run-path", "--no-python", script]).start.run_mode == "python"
     assert "cannot be used together" in usage_error(["--no-python", "-m", "my_mod_x"])
     assert "not found or not executable" in usage_error(["--no_python", "no-such-program-xyz"])
@@ -244,8 +308,19 @@ def test_directory_and_zip_targets(tmp_path: Path) -> None:
 
 
 def test_log_options(script: str, tmp_path: Path) -> None:
-    config = parse(["--log-dir", str(tmp_path), "-r", "3", "-t1", "--duplicate-stdout-filters", "loss,,x,acc",
-                    "--duplicate_stderr_filters=warn", script])
+    config = parse(
+        [
+            "--log-dir",
+            str(tmp_path),
+            "-r",
+            "3",
+            "-t1",
+            "--duplicate-stdout-filters",
+            "loss,,x,acc",
+            "--duplicate_stderr_filters=warn",
+            script,
+        ]
+    )
     out = config.output
     assert (out.log_dir, out.redirects.text, out.tee.text) == (tmp_path, "3", "1")
     assert config.output.duplicate_stdout_filters == ("loss,x", "acc")
@@ -264,20 +339,43 @@ def test_std_and_comma_list_as_torch_reads_them() -> None:
         ours = StdStreams.parse(text, "-r")
         for rank in range(3):
             names = ours.streams(rank)
-            assert ("stdout" in names, "stderr" in names) == (bool(theirs[rank] & Std.OUT),
-                                                              bool(theirs[rank] & Std.ERR))
+            assert ("stdout" in names, "stderr" in names) == (
+                bool(theirs[rank] & Std.OUT),
+                bool(theirs[rank] & Std.ERR),
+            )
     for text in ("a,b", "a,,b,c", "x"):
         ns = get_args_parser().parse_args(["--duplicate-stdout-filters", text, "s.py"])
         assert list(comma_list(text)) == ns.duplicate_stdout_filters
 
 
 def test_options_torchrun_has_and_we_need_not_are_accepted_and_checked(script: str) -> None:
-    config = parse(["--monitor-interval", "0.5", "--start-method", "fork", "--event-log-handler", "console",
-                    "--signals-to-handle", "SIGTERM,SIGUSR1", "--role", "trainer", "--local-addr", "10.0.0.2",
-                    "--virtual-local-rank", "--numa-binding", "node", script])
+    config = parse(
+        [
+            "--monitor-interval",
+            "0.5",
+            "--start-method",
+            "fork",
+            "--event-log-handler",
+            "console",
+            "--signals-to-handle",
+            "SIGTERM,SIGUSR1",
+            "--role",
+            "trainer",
+            "--local-addr",
+            "10.0.0.2",
+            "--virtual-local-rank",
+            "--numa-binding",
+            "node",
+            script,
+        ]
+    )
     start = config.start
     assert (start.role, config.rdzv.local_addr, start.virtual_local_rank, start.numa_binding) == (
-        "trainer", "10.0.0.2", True, "node")
+        "trainer",
+        "10.0.0.2",
+        True,
+        "node",
+    )
     assert start.signals_to_handle == "SIGTERM,SIGUSR1"  # as written: the workers' variable
     assert parse([script]).start.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default
     assert "--monitor-interval" in usage_error(["--monitor-interval", "often", script])
@@ -290,8 +388,17 @@ def test_options_torchrun_has_and_we_need_not_are_accepted_and_checked(script: s
 
 def test_help_lists_both_sets_and_says_what_has_no_effect(capsys: pytest.CaptureFixture[str]) -> None:
     text = run_parser().format_help()
-    for flag in ("--gpus", "--grace-period", "--hang-timeout", "--nproc_per_node", "--rdzv-conf", "--tee",
-                 "--no-python", "--virtual-local-rank", "--numa-binding"):
+    for flag in (
+        "--gpus",
+        "--grace-period",
+        "--hang-timeout",
+        "--nproc_per_node",
+        "--rdzv-conf",
+        "--tee",
+        "--no-python",
+        "--virtual-local-rank",
+        "--numa-binding",
+    ):
         assert flag in text
     assert "multigpu options" in text and "torchrun options" in text
     assert text.count("no effect here") == 3  # monitor interval, start method, event log

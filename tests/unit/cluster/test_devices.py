@@ -23,8 +23,10 @@ from multigpu.cluster.devices import (
 
 
 def fake_gpus(n: int, *, uuids: bool = True) -> list[GPUInfo]:
-    return [GPUInfo(index=i, ordinal=str(i), name=f"Fake {i}", uuid=f"GPU-{i:08x}-aaaa" if uuids else None)
-            for i in range(n)]
+    return [
+        GPUInfo(index=i, ordinal=str(i), name=f"Fake {i}", uuid=f"GPU-{i:08x}-aaaa" if uuids else None)
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -43,17 +45,34 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- parse_index_list / dedupe ------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("0", [0]), ("0,1", [0, 1]), (" 2 , 0 ,1 ", [2, 0, 1]), ("10,3", [10, 3]), ("1,1", [1, 1]),
-])
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", [0]),
+        ("0,1", [0, 1]),
+        (" 2 , 0 ,1 ", [2, 0, 1]),
+        ("10,3", [10, 3]),
+        ("1,1", [1, 1]),
+    ],
+)
 def test_parse_index_list_accepts(text: str, expected: list[int]) -> None:
     assert parse_index_list(text) == expected
 
 
-@pytest.mark.parametrize(("text", "named"), [
-    ("a", "'a'"), ("0,a", "'a'"), ("-1", "'-1'"), ("0,-2", "'-2'"), ("0,,1", "'0,,1'"), ("", "empty"),
-    ("1.5", "'1.5'"), ("0,", "empty"),
-])
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("a", "'a'"),
+        ("0,a", "'a'"),
+        ("-1", "'-1'"),
+        ("0,-2", "'-2'"),
+        ("0,,1", "'0,,1'"),
+        ("", "empty"),
+        ("1.5", "'1.5'"),
+        ("0,", "empty"),
+    ],
+)
 def test_parse_index_list_rejects_naming_the_item(text: str, named: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_index_list(text)
@@ -79,6 +98,7 @@ def test_dedupe_without_duplicates_is_silent() -> None:
 
 
 # ---- get_gpu_ids ------------------------------------------------------------------------------------
+
 
 @pytest.mark.usefixtures("gpus")
 def test_get_gpu_ids_valid_is_silent_and_ordered() -> None:
@@ -129,14 +149,17 @@ def test_get_gpu_ids_counts_only_visible_devices(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.integration
 def test_get_gpu_ids_imports_no_torch() -> None:
-    code = ("import sys, warnings; warnings.simplefilter('ignore'); import multigpu; "
-            "multigpu.get_gpu_ids('0,1'); print('torch' in sys.modules)")
+    code = (
+        "import sys, warnings; warnings.simplefilter('ignore'); import multigpu; "
+        "multigpu.get_gpu_ids('0,1'); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 
 # ---- CUDA_VISIBLE_DEVICES mapping ------------------------------------------------------------------------
+
 
 def test_apply_visible_devices_none_is_identity() -> None:
     gpus = fake_gpus(3)
@@ -195,12 +218,14 @@ def test_visible_gpus_reads_the_given_environment() -> None:
 
 # ---- /proc/driver/nvidia/gpus -------------------------------------------------------------------------
 
+
 def _proc_entry(root: Path, bus: str, model: str, uuid: str) -> None:
     entry = root / bus
     entry.mkdir(parents=True)
     (entry / "information").write_text(
         f"Model: \t\t {model}\nIRQ:   \t\t 42\nGPU UUID: \t {uuid}\nVideo BIOS: \t ??.??.??\n"
-        "Bus Location: \t " + bus + "\n")
+        "Bus Location: \t " + bus + "\n"
+    )
 
 
 def test_proc_gpus_parses_driver_tree_in_bus_order(tmp_path: Path) -> None:
@@ -208,8 +233,10 @@ def test_proc_gpus_parses_driver_tree_in_bus_order(tmp_path: Path) -> None:
     _proc_entry(tmp_path, "0000:41:00.0", "NVIDIA A100-SXM4-40GB", "GPU-aaaa")
     (tmp_path / "0000:81:00.0").mkdir()  # no information file: skipped
     gpus = devices._proc_gpus(tmp_path)
-    assert [(g.name, g.uuid) for g in gpus] == [("NVIDIA A100-SXM4-40GB", "GPU-aaaa"),
-                                                ("NVIDIA H100 80GB HBM3", "GPU-cccc")]
+    assert [(g.name, g.uuid) for g in gpus] == [
+        ("NVIDIA A100-SXM4-40GB", "GPU-aaaa"),
+        ("NVIDIA H100 80GB HBM3", "GPU-cccc"),
+    ]
     assert gpus[0].memory_total_mib is None
 
 

@@ -32,8 +32,12 @@ def fake_sysfs(root: Path, nodes: dict[int, str], packages: dict[int, int], gpus
 @pytest.fixture
 def sysfs(tmp_path: Path) -> Path:
     # two sockets, two NUMA nodes each; GPUs 0,1 on node 0, GPU 2 on node 3, GPU 3 with no NUMA info
-    return fake_sysfs(tmp_path, {0: "0-3", 1: "4-7", 2: "8-11", 3: "12-15"}, {0: 0, 1: 0, 2: 1, 3: 1},
-                      {"0000:1a:00.0": 0, "0000:1b:00.0": 0, "0000:8a:00.0": 3, "0000:8b:00.0": -1})
+    return fake_sysfs(
+        tmp_path,
+        {0: "0-3", 1: "4-7", 2: "8-11", 3: "12-15"},
+        {0: 0, 1: 0, 2: 1, 3: 1},
+        {"0000:1a:00.0": 0, "0000:1b:00.0": 0, "0000:8a:00.0": 3, "0000:8b:00.0": -1},
+    )
 
 
 BUSES = ["0000:1A:00.0", "0000:1b:00.0", "0000:8a:00.0", "0000:8b:00.0"]

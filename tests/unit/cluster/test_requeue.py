@@ -25,12 +25,26 @@ from multigpu.contract.errors import UsageError
 from multigpu.runner.preempt_watch import PreemptWatch
 
 SLURM_ENV = {
-    "SLURM_JOB_ID": "4242", "SLURM_JOBID": "4242", "SLURM_JOB_NAME": "train", "SLURM_JOB_NUM_NODES": "1",
-    "SLURM_NNODES": "1", "SLURM_NTASKS": "1", "SLURM_NODELIST": "gpu07", "SLURM_JOB_NODELIST": "gpu07",
-    "SLURM_SUBMIT_DIR": "/home/u/proj", "SLURM_CLUSTER_NAME": "c1", "SLURM_JOB_PARTITION": "gpu",
-    "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_NODEID": "0", "SLURM_PROCID": "0",
-    "SLURM_LOCALID": "0", "SLURM_STEP_NODELIST": "gpu07", "SLURM_STEP_NUM_NODES": "1",
-    "SLURM_STEP_NUM_TASKS": "1", "SLURM_TASKS_PER_NODE": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOBID": "4242",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_JOB_NUM_NODES": "1",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "1",
+    "SLURM_NODELIST": "gpu07",
+    "SLURM_JOB_NODELIST": "gpu07",
+    "SLURM_SUBMIT_DIR": "/home/u/proj",
+    "SLURM_CLUSTER_NAME": "c1",
+    "SLURM_JOB_PARTITION": "gpu",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NODELIST": "gpu07",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_NUM_TASKS": "1",
+    "SLURM_TASKS_PER_NODE": "1",
 }
 
 
@@ -52,27 +66,34 @@ def test_defaults_under_slurm_and_elsewhere(script: str) -> None:
     assert config.preemption.signals == () and not config.preemption.requeue
 
 
-@pytest.mark.parametrize(("argv", "signals", "requeue_on", "grace"), [
-    (["--preempt-signal", "usr1"], ("SIGUSR1",), True, None),
-    (["--preempt-signal", "none"], (), False, None),
-    (["--no-requeue", "--preempt-grace", "30"], ("SIGUSR1", "SIGUSR2"), False, 30.0),
-])
-def test_options_under_slurm(script: str, argv: list[str], signals: tuple[str, ...], requeue_on: bool,
-                             grace: float | None) -> None:
+@pytest.mark.parametrize(
+    ("argv", "signals", "requeue_on", "grace"),
+    [
+        (["--preempt-signal", "usr1"], ("SIGUSR1",), True, None),
+        (["--preempt-signal", "none"], (), False, None),
+        (["--no-requeue", "--preempt-grace", "30"], ("SIGUSR1", "SIGUSR2"), False, 30.0),
+    ],
+)
+def test_options_under_slurm(
+    script: str, argv: list[str], signals: tuple[str, ...], requeue_on: bool, grace: float | None
+) -> None:
     config, _ = parse_run_args(["--cpu", "1", *argv, script], SLURM_ENV)
     chosen = config.preemption
     assert (chosen.signals, chosen.requeue, chosen.grace) == (signals, requeue_on, grace)
 
 
-@pytest.mark.parametrize(("argv", "env", "words"), [
-    (["--requeue"], {}, "--requeue needs a SLURM batch job"),
-    (["--requeue", "--no-requeue"], SLURM_ENV, "contradict"),
-    (["--requeue", "--preempt-signal", "none"], SLURM_ENV, "needs a warning signal"),
-    (["--preempt-signal", "TERM"], SLURM_ENV, "SIGTERM cannot be a warning"),
-    (["--preempt-signal", "USR9"], SLURM_ENV, "'USR9' is not a signal name"),
-    (["--preempt-grace", "30"], {}, "--preempt-grace needs a warning signal"),
-    (["--preempt-grace", "-1"], SLURM_ENV, "more than 0"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "words"),
+    [
+        (["--requeue"], {}, "--requeue needs a SLURM batch job"),
+        (["--requeue", "--no-requeue"], SLURM_ENV, "contradict"),
+        (["--requeue", "--preempt-signal", "none"], SLURM_ENV, "needs a warning signal"),
+        (["--preempt-signal", "TERM"], SLURM_ENV, "SIGTERM cannot be a warning"),
+        (["--preempt-signal", "USR9"], SLURM_ENV, "'USR9' is not a signal name"),
+        (["--preempt-grace", "30"], {}, "--preempt-grace needs a warning signal"),
+        (["--preempt-grace", "-1"], SLURM_ENV, "more than 0"),
+    ],
+)
 def test_usage_mistakes_are_one_line(script: str, argv: list[str], env: dict[str, str], words: str) -> None:
     with pytest.raises(UsageError, match=words) as caught:
         parse_run_args(["--cpu", "1", *argv, script], env)
@@ -80,8 +101,9 @@ def test_usage_mistakes_are_one_line(script: str, argv: list[str], env: dict[str
 
 
 def test_environment_variables_set_the_options(script: str) -> None:
-    config, _ = parse_run_args(["--cpu", "1", script], {**SLURM_ENV, "MULTIGPU_NO_REQUEUE": "1",
-                                                         "MULTIGPU_PREEMPT_SIGNAL": "USR2"})
+    config, _ = parse_run_args(
+        ["--cpu", "1", script], {**SLURM_ENV, "MULTIGPU_NO_REQUEUE": "1", "MULTIGPU_PREEMPT_SIGNAL": "USR2"}
+    )
     assert config.preemption.signals == ("SIGUSR2",) and not config.preemption.requeue
     assert not parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "0"})[0].preemption.requeue
     assert parse_run_args([script], {**SLURM_ENV, "MULTIGPU_REQUEUE": "1"})[0].preemption.requeue
@@ -91,8 +113,10 @@ def _stand_in_scontrol(tmp_path: Path, code: int = 0) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     tool = bin_dir / "scontrol"
-    tool.write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/scontrol.log"\n'
-                    + (f'echo "scontrol: error: Job is not a batch job" >&2\nexit {code}\n' if code else ""))
+    tool.write_text(
+        f'#!/bin/sh\necho "$@" >> "{tmp_path}/scontrol.log"\n'
+        + (f'echo "scontrol: error: Job is not a batch job" >&2\nexit {code}\n' if code else "")
+    )
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     return {"PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
 

@@ -33,7 +33,7 @@ def feed(lines: list[str], chunk: int = 3) -> list[str]:
     filt, shown = InterruptTracebacks(), []
     data = [line.encode() for line in lines]
     for i in range(0, len(data), chunk):
-        shown += filt.feed(data[i:i + chunk])
+        shown += filt.feed(data[i : i + chunk])
     return [line.decode() for line in shown + filt.flush()]
 
 
@@ -47,15 +47,25 @@ def test_torch_excepthooks_rank_prefix_is_seen_through() -> None:
 
 
 def test_a_chain_that_ends_in_an_interrupt_is_dropped_whole() -> None:
-    chain = [*FAILED, "", "During handling of the above exception, another exception occurred:", "",
-             *INTERRUPTED]
+    chain = [
+        *FAILED,
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        *INTERRUPTED,
+    ]
     assert feed([*chain, "next"]) == ["next"]
 
 
 def test_any_other_traceback_is_shown_whole_and_in_order() -> None:
     assert feed(["a", *FAILED, "b"]) == ["a", *FAILED, "b"]
-    chain = [*INTERRUPTED, "", "The above exception was the direct cause of the following exception:", "",
-             *FAILED]
+    chain = [
+        *INTERRUPTED,
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        *FAILED,
+    ]
     assert feed(chain, chunk=1) == chain  # ends in ValueError: every line shows
 
 
@@ -89,19 +99,28 @@ def fold(lines: list[str], chunk: int = 2) -> list[str]:
     filt, shown = CppStacks(), []
     data = [line.encode() for line in lines]
     for i in range(0, len(data), chunk):
-        shown += filt.feed(data[i:i + chunk])
+        shown += filt.feed(data[i : i + chunk])
     return [line.decode() for line in shown]
 
 
 def test_a_cpp_stack_is_one_line_on_the_console_and_its_message_stays() -> None:
     assert fold(["step 3", *CPP_WARNING, "", "step 4"]) == [
-        "step 3", CPP_WARNING[0], "(torch's C++ stack from recvBytes: in this rank's log)", "step 4"]
+        "step 3",
+        CPP_WARNING[0],
+        "(torch's C++ stack from recvBytes: in this rank's log)",
+        "step 4",
+    ]
 
 
 def test_a_cpp_stack_behind_torchs_rank_prefix_or_ended_by_text_is_folded_too() -> None:
     prefixed = [f"[rank1]: {line}" for line in CPP_WARNING]
     shown = fold([*prefixed, "[rank1]: RuntimeError: done"], chunk=1)
-    assert shown == [prefixed[0], "(torch's C++ stack from recvBytes: in this rank's log)",
-                     "[rank1]: RuntimeError: done"]
-    assert fold(["frame #0: a user's own line", "no stack here"]) == ["frame #0: a user's own line",
-                                                                       "no stack here"]
+    assert shown == [
+        prefixed[0],
+        "(torch's C++ stack from recvBytes: in this rank's log)",
+        "[rank1]: RuntimeError: done",
+    ]
+    assert fold(["frame #0: a user's own line", "no stack here"]) == [
+        "frame #0: a user's own line",
+        "no stack here",
+    ]

@@ -23,20 +23,45 @@ from multigpu.rendezvous.failure_sharing import (
 SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "schemas" / "run.schema.json").read_text())
 FAILURE_SCHEMA = {**SCHEMA["$defs"]["failure"], "$defs": SCHEMA["$defs"]}
 
-RAISED = WorkerFailure(rank=2, local_rank=0, pid=7, exit_code=1, node=1, error_type="ValueError",
-                       message="boom", traceback="Traceback...\nValueError: boom\n", time=3.0)
-RANK_HUNG = WorkerFailure(rank=1, local_rank=1, pid=8, node=0, error_type=FailureKind.HANG,
-                          message="no progress for 5.0s", traceback="Thread 0x1 ...", time=4.0)
+RAISED = WorkerFailure(
+    rank=2,
+    local_rank=0,
+    pid=7,
+    exit_code=1,
+    node=1,
+    error_type="ValueError",
+    message="boom",
+    traceback="Traceback...\nValueError: boom\n",
+    time=3.0,
+)
+RANK_HUNG = WorkerFailure(
+    rank=1,
+    local_rank=1,
+    pid=8,
+    node=0,
+    error_type=FailureKind.HANG,
+    message="no progress for 5.0s",
+    traceback="Thread 0x1 ...",
+    time=4.0,
+)
 NOT_A_RANK = [
     (node_lost(3, "its launcher stopped beating for 1.2s", at=5.0), Subject.NODE, FailureKind.NODE_LOST),
     (store_lost(host=0), Subject.STORE, FailureKind.STORE_LOST),
     (store_lost("stopped answering", host=None), Subject.STORE, FailureKind.STORE_LOST),
     (node_interrupted(1, signal.SIGTERM), Subject.NODE, FailureKind.INTERRUPTED),
     (failure_from_record({"node": 2, "reason": "its layout differs"}), Subject.NODE, FailureKind.REFUSED),
-    (WorkerFailure.launcher_named(Subject.JOB, FailureKind.MEMBERSHIP_CHANGE, "1 node(s) asked to join",
-                                  node=NO_NODE), Subject.JOB, FailureKind.MEMBERSHIP_CHANGE),
-    (WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, "no progress", node=1), Subject.NODE,
-     FailureKind.HANG),
+    (
+        WorkerFailure.launcher_named(
+            Subject.JOB, FailureKind.MEMBERSHIP_CHANGE, "1 node(s) asked to join", node=NO_NODE
+        ),
+        Subject.JOB,
+        FailureKind.MEMBERSHIP_CHANGE,
+    ),
+    (
+        WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, "no progress", node=1),
+        Subject.NODE,
+        FailureKind.HANG,
+    ),
 ]
 
 
@@ -47,7 +72,8 @@ def _through_json(failure: WorkerFailure) -> tuple[dict[str, object], WorkerFail
 
 @pytest.mark.parametrize(("failure", "subject", "kind"), NOT_A_RANK)
 def test_a_failure_of_a_node_the_store_or_the_job_reads_back_with_its_subject_and_kind(
-        failure: WorkerFailure, subject: Subject, kind: FailureKind) -> None:
+    failure: WorkerFailure, subject: Subject, kind: FailureKind
+) -> None:
     assert (failure.subject, failure.kind) == (subject, kind)
     wire, back = _through_json(failure)
     assert (wire["rank"], wire["local_rank"], wire["error_type"]) == (NO_RANK, NO_RANK, kind.value)
@@ -74,9 +100,21 @@ def test_an_exception_s_type_name_stays_a_plain_string_and_names_no_kind() -> No
 def test_the_record_is_byte_for_byte_what_the_string_constants_wrote(tmp_path: Path) -> None:
     """The same keys, in the same order, with the same values: old and new launchers share a store."""
     lost = node_lost(3, "its launcher stopped beating", at=5.0)
-    expected = {"rank": -1, "local_rank": -1, "pid": None, "exit_code": None, "signal": None, "node": 3,
-                "error_type": "NodeLost", "message": "its launcher stopped beating", "traceback": None,
-                "time": 5.0, "log_tail": [], "log_path": None, "killed_by": None}
+    expected = {
+        "rank": -1,
+        "local_rank": -1,
+        "pid": None,
+        "exit_code": None,
+        "signal": None,
+        "node": 3,
+        "error_type": "NodeLost",
+        "message": "its launcher stopped beating",
+        "traceback": None,
+        "time": 5.0,
+        "log_tail": [],
+        "log_path": None,
+        "killed_by": None,
+    }
     assert json.dumps(lost.to_dict()) == json.dumps(expected)
     lost.write(tmp_path / "lost.json")
     assert (tmp_path / "lost.json").read_text() == json.dumps(expected)
@@ -84,14 +122,30 @@ def test_the_record_is_byte_for_byte_what_the_string_constants_wrote(tmp_path: P
 
 def test_an_older_launcher_s_records_read_to_the_same_subjects_and_kinds() -> None:
     """What a launcher of the string-constant version published reads back as this one's own."""
-    def old(rank: int, node: int, error_type: str | None, **extra: object) -> WorkerFailure:
-        return WorkerFailure.from_dict({"rank": rank, "local_rank": rank, "pid": None, "exit_code": None,
-                                        "signal": None, "node": node, "error_type": error_type,
-                                        "message": "m", "traceback": None, "time": 1.0, "log_tail": [],
-                                        "log_path": None, **extra})
 
-    assert (old(-1, 0, "StoreLost").subject, old(-1, 0, "StoreLost").kind) == (Subject.STORE,
-                                                                               FailureKind.STORE_LOST)
+    def old(rank: int, node: int, error_type: str | None, **extra: object) -> WorkerFailure:
+        return WorkerFailure.from_dict(
+            {
+                "rank": rank,
+                "local_rank": rank,
+                "pid": None,
+                "exit_code": None,
+                "signal": None,
+                "node": node,
+                "error_type": error_type,
+                "message": "m",
+                "traceback": None,
+                "time": 1.0,
+                "log_tail": [],
+                "log_path": None,
+                **extra,
+            }
+        )
+
+    assert (old(-1, 0, "StoreLost").subject, old(-1, 0, "StoreLost").kind) == (
+        Subject.STORE,
+        FailureKind.STORE_LOST,
+    )
     assert old(-1, -1, "StoreLost").describe() == "the rendezvous store m"
     assert old(-1, 2, "NodeLost").describe() == "node 2 was lost: m"
     assert old(-1, -1, "MembershipChange").subject is Subject.JOB
@@ -100,4 +154,5 @@ def test_an_older_launcher_s_records_read_to_the_same_subjects_and_kinds() -> No
     assert old(0, 0, "Hang").subject is Subject.RANK and old(0, 0, "Hang").kind is FailureKind.HANG
     assert old(4, 1, "OSError").kind is None and old(4, 1, "OSError").subject is Subject.RANK
     assert old(-1, 1, "Interrupted", signal="SIGINT").describe() == (
-        "node 1 was stopped: its launcher received SIGINT")
+        "node 1 was stopped: its launcher received SIGINT"
+    )

@@ -58,21 +58,39 @@ def test_fold_own_frames_keeps_the_users_and_folds_runs_of_ours() -> None:
     from multigpu.contract.frames import PACKAGE_DIR, fold_own_frames
 
     ours = f"{PACKAGE_DIR}/rank/bootstrap.py"
-    dump = "\n".join([
+    dump = "\n".join(
+        [
+            "Current thread 0x01 (most recent call first):",
+            '  File "train.py", line 13 in <module>',
+            f'  File "{ours}", line 46 in write_error_file',
+            f'  File "{PACKAGE_DIR}/template/child.py", line 150 in run_bootstrap',
+            '  File "<frozen runpy>", line 88 in _run_code',
+        ]
+    )
+    assert fold_own_frames(dump).splitlines() == [
         "Current thread 0x01 (most recent call first):",
         '  File "train.py", line 13 in <module>',
-        f'  File "{ours}", line 46 in write_error_file',
-        f'  File "{PACKAGE_DIR}/template/child.py", line 150 in run_bootstrap',
-        '  File "<frozen runpy>", line 88 in _run_code'])
-    assert fold_own_frames(dump).splitlines() == [
-        "Current thread 0x01 (most recent call first):", '  File "train.py", line 13 in <module>',
-        "  ... 2 multigpu frames ...", '  File "<frozen runpy>", line 88 in _run_code']
-    traceback = "\n".join([
-        "Traceback (most recent call last):", f'  File "{ours}", line 46, in main', "    run()", "    ^^^^^",
-        '  File "train.py", line 3, in step', "    raise ValueError('x')", "ValueError: x"])
+        "  ... 2 multigpu frames ...",
+        '  File "<frozen runpy>", line 88 in _run_code',
+    ]
+    traceback = "\n".join(
+        [
+            "Traceback (most recent call last):",
+            f'  File "{ours}", line 46, in main',
+            "    run()",
+            "    ^^^^^",
+            '  File "train.py", line 3, in step',
+            "    raise ValueError('x')",
+            "ValueError: x",
+        ]
+    )
     assert fold_own_frames(traceback).splitlines() == [
-        "Traceback (most recent call last):", "  ... 1 multigpu frame ...",
-        '  File "train.py", line 3, in step', "    raise ValueError('x')", "ValueError: x"]
+        "Traceback (most recent call last):",
+        "  ... 1 multigpu frame ...",
+        '  File "train.py", line 3, in step',
+        "    raise ValueError('x')",
+        "ValueError: x",
+    ]
 
 
 def test_a_stack_dump_in_the_report_leaves_out_our_own_threads() -> None:
@@ -81,17 +99,39 @@ def test_a_stack_dump_in_the_report_leaves_out_our_own_threads() -> None:
     from multigpu.contract.frames import PACKAGE_DIR, fold_own_threads
 
     threading_py = "/usr/lib/python3.11/threading.py"
-    ours = [f'  File "{PACKAGE_DIR}/rank/dump_signal.py", line 57 in _answer_dumps',
-            f'  File "{threading_py}", line 982 in run', f'  File "{threading_py}", line 1002 in _bootstrap']
+    ours = [
+        f'  File "{PACKAGE_DIR}/rank/dump_signal.py", line 57 in _answer_dumps',
+        f'  File "{threading_py}", line 982 in run',
+        f'  File "{threading_py}", line 1002 in _bootstrap',
+    ]
     users = ['  File "loader.py", line 9 in fetch', f'  File "{threading_py}", line 982 in run']
-    main = ['  File "train.py", line 13 in <module>',
-            f'  File "{PACKAGE_DIR}/rank/bootstrap.py", line 1 in main']
-    dump = "\n".join(["Thread 0x02 (most recent call first):", *ours, "",
-                      "Current thread 0x03 (most recent call first):", *ours, "",
-                      "Thread 0x04 (most recent call first):", *users, "",
-                      "Thread 0x01 (most recent call first):", *main])
+    main = [
+        '  File "train.py", line 13 in <module>',
+        f'  File "{PACKAGE_DIR}/rank/bootstrap.py", line 1 in main',
+    ]
+    dump = "\n".join(
+        [
+            "Thread 0x02 (most recent call first):",
+            *ours,
+            "",
+            "Current thread 0x03 (most recent call first):",
+            *ours,
+            "",
+            "Thread 0x04 (most recent call first):",
+            *users,
+            "",
+            "Thread 0x01 (most recent call first):",
+            *main,
+        ]
+    )
     assert fold_own_threads(dump).splitlines() == [
-        "Thread 0x04 (most recent call first):", *users, "",
-        "Thread 0x01 (most recent call first):", *main, "... 2 multigpu threads ..."]
+        "Thread 0x04 (most recent call first):",
+        *users,
+        "",
+        "Thread 0x01 (most recent call first):",
+        *main,
+        "... 2 multigpu threads ...",
+    ]
     assert fold_own_threads("\n".join(["Thread 0x01 (most recent call first):", *main])) == "\n".join(
-        ["Thread 0x01 (most recent call first):", *main])
+        ["Thread 0x01 (most recent call first):", *main]
+    )

@@ -43,13 +43,20 @@ class Mode(enum.Enum):
 
 
 def test_otx_configurable_parameters_become_dotted_names() -> None:
-    params = Group("Root", {}, {
-        "learning_parameters": Group("Learning", {"learning_rate": 0.01, "batch_size": 8}),
-        "algo_backend": Group("Backend", {"mode": Mode.FAST}, {"nested": Group("N", {"flag": False})}),
-    })
+    params = Group(
+        "Root",
+        {},
+        {
+            "learning_parameters": Group("Learning", {"learning_rate": 0.01, "batch_size": 8}),
+            "algo_backend": Group("Backend", {"mode": Mode.FAST}, {"nested": Group("N", {"flag": False})}),
+        },
+    )
     assert flatten_parameters(params) == {
-        "learning_parameters.learning_rate": 0.01, "learning_parameters.batch_size": 8,
-        "algo_backend.mode": "fast", "algo_backend.nested.flag": False}
+        "learning_parameters.learning_rate": 0.01,
+        "learning_parameters.batch_size": 8,
+        "algo_backend.mode": "fast",
+        "algo_backend.nested.flag": False,
+    }
 
 
 def test_plain_objects_and_mappings() -> None:
@@ -74,9 +81,19 @@ def test_unusable_hyper_parameters_are_refused(bad: Any) -> None:
 
 
 def _failure() -> WorkerFailure:
-    return WorkerFailure(rank=2, local_rank=1, pid=123, exit_code=1, node=1, error_type="ValueError",
-                         message="boom", traceback="Traceback...\nValueError: boom\n", time=1.5,
-                         log_tail=[f"line {i}" for i in range(20)], log_path="/x/rank_2.log")
+    return WorkerFailure(
+        rank=2,
+        local_rank=1,
+        pid=123,
+        exit_code=1,
+        node=1,
+        error_type="ValueError",
+        message="boom",
+        traceback="Traceback...\nValueError: boom\n",
+        time=1.5,
+        log_tail=[f"line {i}" for i in range(20)],
+        log_path="/x/rank_2.log",
+    )
 
 
 def test_record_round_trips_through_dict_and_file(tmp_path: Path) -> None:
@@ -98,7 +115,11 @@ def test_record_from_exception_and_the_supervisor_view(tmp_path: Path) -> None:
     assert WorkerFailure.read(tmp_path / "e.json") == record  # what the supervisor reads back
     ended = WorkerFailure.from_exit(3, 1, 1, record.pid, -9, record, log_path="rank_3.log")
     assert (ended.signal, ended.exit_code, ended.error_type, ended.traceback) == (
-        "SIGKILL", None, "KeyError", record.traceback)
+        "SIGKILL",
+        None,
+        "KeyError",
+        record.traceback,
+    )
     exited = WorkerFailure.from_exit(3, 1, 1, None, 2)
     assert exited.describe() == "rank 3 (node 1, pid None) exited with code 2"
 
@@ -107,8 +128,12 @@ def test_record_reads_older_keys_torch_record_files_and_garbage(tmp_path: Path) 
     (tmp_path / "old.json").write_text(json.dumps({"type": "OSError", "message": "m", "rank": "4"}))
     old = WorkerFailure.read(tmp_path / "old.json")
     assert old is not None and old.error_type == "OSError" and old.rank == 4
-    torch_record = {"message": {"message": "RuntimeError: x", "extraInfo": {
-        "py_callstack": "Traceback (torch)", "timestamp": "17"}}}
+    torch_record = {
+        "message": {
+            "message": "RuntimeError: x",
+            "extraInfo": {"py_callstack": "Traceback (torch)", "timestamp": "17"},
+        }
+    }
     (tmp_path / "torch.json").write_text(json.dumps(torch_record))
     from_torch = WorkerFailure.read(tmp_path / "torch.json")
     assert from_torch is not None and from_torch.traceback == "Traceback (torch)" and from_torch.time == 17
@@ -130,8 +155,14 @@ def test_fate_shares_the_same_record_with_a_short_tail() -> None:
 
 
 def test_function_mode_specs_start_local_ranks_after_the_caller(tmp_path: Path) -> None:
-    config = RunConfig(target=str(tmp_path / "payload.pkl"), function=True, first_local_rank=1, nproc=3,
-                       base_rank=3, world_size=6)
+    config = RunConfig(
+        target=str(tmp_path / "payload.pkl"),
+        function=True,
+        first_local_rank=1,
+        nproc=3,
+        base_rank=3,
+        world_size=6,
+    )
     specs = build_specs(config, AttemptContext("r", tmp_path, 0, "127.0.0.1", 1234, launcher_pid=1), {})
     assert [(s.rank, s.local_rank) for s in specs] == [(4, 1), (5, 2)]
     for spec in specs:
@@ -143,8 +174,9 @@ def test_function_mode_specs_start_local_ranks_after_the_caller(tmp_path: Path) 
 
 
 def _error() -> WorkerFailedError:
-    return WorkerFailedError(WorkerFailure(rank=1, local_rank=1, pid=7, exit_code=1, error_type="E",
-                                           message="m", traceback="tb"))
+    return WorkerFailedError(
+        WorkerFailure(rank=1, local_rank=1, pid=7, exit_code=1, error_type="E", message="m", traceback="tb")
+    )
 
 
 def test_a_sleeping_main_thread_is_woken_with_the_error() -> None:

@@ -48,8 +48,19 @@ def test_device_is_checked() -> None:
 
 
 def test_options_land_in_their_one_field(tmp_path: Path) -> None:
-    config = launch_config(2, "cpu", {"hang_timeout": 30.0, "max_restarts": 2, "grace_period": 1.5,
-                                      "output": tmp_path / "out", "log_ranks": [0], "preload": ["json"]}, {})
+    config = launch_config(
+        2,
+        "cpu",
+        {
+            "hang_timeout": 30.0,
+            "max_restarts": 2,
+            "grace_period": 1.5,
+            "output": tmp_path / "out",
+            "log_ranks": [0],
+            "preload": ["json"],
+        },
+        {},
+    )
     assert isinstance(config, RunConfig) and config.function and config.nproc == 2
     assert config.hang.timeout == 30.0 and config.supervision.max_restarts == 2
     assert config.supervision.grace_period == 1.5 and config.supervision.preload == ("json",)
@@ -57,8 +68,9 @@ def test_options_land_in_their_one_field(tmp_path: Path) -> None:
     assert config.output.status == "off" and config.output.run_id
 
 
-def test_default_output_is_where_multigpu_run_puts_it(monkeypatch: pytest.MonkeyPatch,
-                                                      tmp_path: Path) -> None:
+def test_default_output_is_where_multigpu_run_puts_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(tmp_path)
     config = launch_config(1, "cpu", {"run_id": "abc"}, {})
     assert config.output.dir == tmp_path / "multigpu_runs" / "abc"

@@ -17,8 +17,13 @@ from multigpu.supervisor.states import RunResult, RunStatus
 
 def record(out: Path, root: WorkerFailure) -> None:
     """A real run record (``RunRecord``, as the launcher writes it) whose one attempt failed with ``root``."""
-    run = RunRecord(out / "run.json", RunConfig(target="payload.pkl", function=True, nproc=2), "r1",
-                    ["cpu", "cpu"], notify=lambda line: None)
+    run = RunRecord(
+        out / "run.json",
+        RunConfig(target="payload.pkl", function=True, nproc=2),
+        "r1",
+        ["cpu", "cpu"],
+        notify=lambda line: None,
+    )
     run.begin_attempt(0, "127.0.0.1", 1)
     run.end_attempt(RunResult(RunStatus.FAILED, [root]))
     run.finish("failed", 1)
@@ -38,8 +43,11 @@ def test_a_rank_that_died_without_an_exception_is_a_worker_failed_error(tmp_path
 def test_the_root_cause_ranks_own_exception_is_raised(tmp_path: Path) -> None:
     record(tmp_path, WorkerFailure(rank=1, local_rank=1, pid=99, exit_code=1, error_type="ValueError"))
     (tmp_path / "results").mkdir()
-    kept = {"pid": 99, "traceback": "Traceback ...\nValueError: bad",
-            "exception": pickle.dumps(ValueError("bad"))}
+    kept = {
+        "pid": 99,
+        "traceback": "Traceback ...\nValueError: bad",
+        "exception": pickle.dumps(ValueError("bad")),
+    }
     error_path(tmp_path / "results", 1).write_bytes(pickle.dumps(kept))
     error = failure_of(tmp_path, 1)
     assert type(error) is ValueError and error.__notes__ == ["multigpu: raised by rank 1 (pid 99)"]

@@ -39,20 +39,23 @@ def test_constructor_has_no_side_effects(monkeypatch: pytest.MonkeyPatch) -> Non
     # the hygiene fixture checks that no process, thread, descriptor or variable appeared
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"rdzv_endpoint": "localhost"}, "no port"),
-    ({"rdzv_endpoint": "host:abc"}, "port must be a number"),
-    ({"rdzv_endpoint": "::1:29500"}, "brackets"),
-    ({"rdzv_endpoint": "10.0.0.1:0"}, "port 0 is only allowed on a loopback host"),
-    ({"rdzv_endpoint": "node1:0"}, "port 0 is only allowed on a loopback host"),
-    ({"base_rank": 2, "world_size": 3}, "base_rank 2 + 2 local worker(s) exceeds world_size 3"),
-    ({"base_rank": 1}, "exceeds world_size 2"),
-    ({"base_rank": -1}, "base_rank must be an integer >= 0"),
-    ({"world_size": -2}, "world_size must be an integer >= 0"),
-    ({"world_size": 1}, "exceeds world_size 1"),
-    ({"world_size": 4}, "fixed rdzv_endpoint port"),
-    ({"device": "tpu"}, "device must be 'auto', 'cuda' or 'cpu'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rdzv_endpoint": "localhost"}, "no port"),
+        ({"rdzv_endpoint": "host:abc"}, "port must be a number"),
+        ({"rdzv_endpoint": "::1:29500"}, "brackets"),
+        ({"rdzv_endpoint": "10.0.0.1:0"}, "port 0 is only allowed on a loopback host"),
+        ({"rdzv_endpoint": "node1:0"}, "port 0 is only allowed on a loopback host"),
+        ({"base_rank": 2, "world_size": 3}, "base_rank 2 + 2 local worker(s) exceeds world_size 3"),
+        ({"base_rank": 1}, "exceeds world_size 2"),
+        ({"base_rank": -1}, "base_rank must be an integer >= 0"),
+        ({"world_size": -2}, "world_size must be an integer >= 0"),
+        ({"world_size": 1}, "exceeds world_size 1"),
+        ({"world_size": 4}, "fixed rdzv_endpoint port"),
+        ({"device": "tpu"}, "device must be 'auto', 'cuda' or 'cpu'"),
+    ],
+)
 def test_constructor_rejects_with_a_message(kwargs: dict[str, object], message: str) -> None:
     kwargs.setdefault("device", "cpu")
     with pytest.raises(ValueError) as info:
@@ -78,8 +81,9 @@ def test_ipv6_loopback_port_zero_and_fixed_ports_are_fine() -> None:
     assert v6._world_size == 2
     fixed = MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", device="cpu")
     assert (str(fixed._endpoint), fixed._base_rank, fixed._world_size) == ("10.0.0.1:29500", 0, 2)
-    second = MultiGPUManager(train, "0,1", rdzv_endpoint="10.0.0.1:29500", base_rank=2, world_size=4,
-                             device="cpu")
+    second = MultiGPUManager(
+        train, "0,1", rdzv_endpoint="10.0.0.1:29500", base_rank=2, world_size=4, device="cpu"
+    )
     assert (second._base_rank, second._world_size, second._gpu_ids) == (2, 4, [0, 1])
     assert all(m._state == "new" for m in (v6, fixed, second))
 

@@ -25,8 +25,9 @@ def test_a_raised_exception_becomes_process_raised_exception() -> None:
 
 
 def test_a_death_becomes_process_exited_exception() -> None:
-    killed = as_torch_error(WorkerFailedError(WorkerFailure(rank=0, local_rank=0, pid=7, exit_code=-9,
-                                                            signal="SIGKILL")))
+    killed = as_torch_error(
+        WorkerFailedError(WorkerFailure(rank=0, local_rank=0, pid=7, exit_code=-9, signal="SIGKILL"))
+    )
     assert isinstance(killed, ProcessExitedException) and killed.signal_name == "SIGKILL"
     exited = as_torch_error(WorkerFailedError(WorkerFailure(rank=1, local_rank=1, pid=8, exit_code=3)))
     assert isinstance(exited, ProcessExitedException) and exited.exit_code == 3 and exited.error_index == 1

@@ -74,9 +74,18 @@ def simulate(monkeypatch: pytest.MonkeyPatch, seed: int, world: int) -> list[int
         for r in range(world):
             if move >= warn_at[r] and states[r].signum is None:
                 states[r].signum = signal.SIGUSR1
-        movable = [r for r in range(world) if stopped[r] is None and (
-            not in_step[r] or all(boundary[o] > boundary[r] or (boundary[o] == boundary[r] and in_step[o])
-                                  for o in range(world)))]  # a stopped rank entered no step after it
+        movable = [
+            r
+            for r in range(world)
+            if stopped[r] is None
+            and (
+                not in_step[r]
+                or all(
+                    boundary[o] > boundary[r] or (boundary[o] == boundary[r] and in_step[o])
+                    for o in range(world)
+                )
+            )
+        ]  # a stopped rank entered no step after it
         if not movable:
             break
         r = rng.choice(movable)
@@ -135,8 +144,9 @@ def test_no_store_call_before_a_warning_and_one_per_step_after(monkeypatch: pyte
     assert store.calls == calls  # known: no more store calls
 
 
-def test_a_lost_store_stops_the_rank_where_it_is(monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_lost_store_stops_the_rank_where_it_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     store = FakeStore()
     store.gone = True
     (state,) = _states(1, store)

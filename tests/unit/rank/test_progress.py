@@ -96,8 +96,9 @@ def test_without_the_variable_there_is_no_descriptor(monkeypatch: pytest.MonkeyP
     progress.heartbeat(step=1)  # and does not raise
 
 
-def test_the_thread_stamps_when_the_world_group_entered_collectives(pipe: int,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_thread_stamps_when_the_world_group_entered_collectives(
+    pipe: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``K<n>@<t>;``: the world group's count seen at n, on this process's monotonic clock."""
     import sys
     import time

@@ -9,8 +9,9 @@ from multigpu.supervisor.states import RunResult, RunStatus
 
 
 def test_a_failed_attempt_becomes_an_incident_with_every_phase() -> None:
-    failure = WorkerFailure(rank=1, local_rank=1, pid=7, exit_code=1, error_type="ValueError",
-                            message="loss is NaN", time=100.0)
+    failure = WorkerFailure(
+        rank=1, local_rank=1, pid=7, exit_code=1, error_type="ValueError", message="loss is NaN", time=100.0
+    )
     found = incident(0, RunResult(RunStatus.FAILED, [failure], detected_time=100.5), now=101.0)
     assert found is not None and found["rank"] == 1 and "ValueError: loss is NaN" in found["what"]
     items = [found]

@@ -9,14 +9,35 @@ from multigpu.record.report_page import timeline_svg
 
 def run(progress: dict[str, Any]) -> dict[str, Any]:
     ranks = {str(r): {"start_time": 100.0, "end_time": 200.0, "state": "succeeded"} for r in (0, 1)}
-    return {"run_id": "r", "status": "succeeded", "end_time": 200.0, "incidents": [],
-            "attempts": [{"attempt": 0, "ranks": ranks, "progress": progress}]}
+    return {
+        "run_id": "r",
+        "status": "succeeded",
+        "end_time": 200.0,
+        "incidents": [],
+        "attempts": [{"attempt": 0, "ranks": ranks, "progress": progress}],
+    }
 
 
 def test_a_straggling_span_is_a_band_on_its_rank_with_the_line() -> None:
     line = "rank 1 (node 0, pid 7) is a straggler: it enters collectives 20 ms (40%) after the others"
-    svg = timeline_svg(run({"1": {"straggler": line, "straggling": [
-        {"start_time": 150.0, "end_time": None, "late_s": 0.02, "late_share": 0.4, "collectives": 300}]}}))
+    svg = timeline_svg(
+        run(
+            {
+                "1": {
+                    "straggler": line,
+                    "straggling": [
+                        {
+                            "start_time": 150.0,
+                            "end_time": None,
+                            "late_s": 0.02,
+                            "late_share": 0.4,
+                            "collectives": 300,
+                        }
+                    ],
+                }
+            }
+        )
+    )
     assert svg.count('class="life"') == 2 and svg.count('class="straggler"') == 1
     band = svg.split('class="straggler"')[1]
     assert 'y="38"' in band and "20 ms (40%)" in band  # rank 1's row; its line as the title

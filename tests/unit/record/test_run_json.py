@@ -23,8 +23,14 @@ class _Popen:
 
 
 def _worker(rank: int, tmp_path: Path, state: WorkerState, returncode: int) -> Worker:
-    spec = WorkerSpec(rank=rank, local_rank=rank, argv=[], env={}, log_path=tmp_path / f"rank_{rank}.log",
-                      error_file=tmp_path / f"error_rank_{rank}.json")
+    spec = WorkerSpec(
+        rank=rank,
+        local_rank=rank,
+        argv=[],
+        env={},
+        log_path=tmp_path / f"rank_{rank}.log",
+        error_file=tmp_path / f"error_rank_{rank}.json",
+    )
     w = Worker(spec, state=state, start_time=1796455709.5, end_time=1796455710.25, returncode=returncode)
     w.popen = _Popen(1000 + rank)  # type: ignore[assignment]
     return w
@@ -32,8 +38,13 @@ def _worker(rank: int, tmp_path: Path, state: WorkerState, returncode: int) -> W
 
 def _record(tmp_path: Path) -> RunRecord:
     config = RunConfig(target="train.py", nproc=2, world_size=2)
-    return RunRecord(tmp_path / "run.json", config, "20261205-000000-abcdef", ["cpu", "cpu"],
-                     command=["multigpu", "run", "--cpu", "2", "train.py"])
+    return RunRecord(
+        tmp_path / "run.json",
+        config,
+        "20261205-000000-abcdef",
+        ["cpu", "cpu"],
+        command=["multigpu", "run", "--cpu", "2", "train.py"],
+    )
 
 
 def test_a_rank_that_raised_then_was_cut_short_reads_the_same_everywhere(tmp_path: Path) -> None:
@@ -41,8 +52,9 @@ def test_a_rank_that_raised_then_was_cut_short_reads_the_same_everywhere(tmp_pat
     record = _record(tmp_path)
     record.begin_attempt(0, "127.0.0.1", 29400)
     failed = _worker(1, tmp_path, WorkerState.FAILED, -15)  # raised, then the teardown's SIGTERM
-    WorkerFailure(rank=1, local_rank=1, pid=1001, error_type="ValueError", message="boom",
-                  time=1796455710.0).write(failed.spec.error_file)  # what the rank wrote before exiting
+    WorkerFailure(
+        rank=1, local_rank=1, pid=1001, error_type="ValueError", message="boom", time=1796455710.0
+    ).write(failed.spec.error_file)  # what the rank wrote before exiting
     failed.ending.failure = failed.ended_with(1, failed.own_record())
     stopped = _worker(0, tmp_path, WorkerState.STOPPED, -15)
     for w in (stopped, failed):

@@ -51,8 +51,9 @@ def test_a_reused_pid_is_told_apart_by_its_start_time() -> None:
     assert fate.state == "gone"
 
 
-@pytest.mark.parametrize(("host", "boot"), [("n2", "boot-a"), ("n1", "boot-b")],
-                         ids=["other host", "rebooted"])
+@pytest.mark.parametrize(
+    ("host", "boot"), [("n2", "boot-a"), ("n1", "boot-b")], ids=["other host", "rebooted"]
+)
 def test_another_host_or_boot_cannot_tell(host: str, boot: str) -> None:
     asked: list[int] = []
 
@@ -92,8 +93,9 @@ def test_its_own_user_closes_the_record_as_launcher_lost(tmp_path: Path) -> None
     jsonschema.validate(closed, SCHEMA)
 
 
-def test_another_users_reader_leaves_the_record_alone(tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_users_reader_leaves_the_record_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "run.json"
     path.write_text(json.dumps(_data()))
     monkeypatch.setattr(os, "getuid", lambda: path.stat().st_uid + 1)

@@ -64,8 +64,9 @@ SCENARIO = """
 
 
 def test_only_a_launcher_whose_beats_stopped_is_aged_out_of_torchs_state() -> None:
-    result = subprocess.run([PYTHON, "-c", textwrap.dedent(SCENARIO)], env=clean_env(), capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [PYTHON, "-c", textwrap.dedent(SCENARIO)], env=clean_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     expected = ["after 2s: True", "after 4s dead aged: True", "others untouched: True"]
     assert result.stdout.splitlines() == expected

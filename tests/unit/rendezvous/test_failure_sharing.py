@@ -40,8 +40,12 @@ class FakeStore:
     """torch's c10d store semantics that fate sharing uses, in memory; every call is logged, and ``add``
     can be made to hang (a cut link) until released."""
 
-    def __init__(self, shared: dict[str, bytes] | None = None, log: list[tuple[str, Any]] | None = None,
-                 cond: threading.Condition | None = None) -> None:
+    def __init__(
+        self,
+        shared: dict[str, bytes] | None = None,
+        log: list[tuple[str, Any]] | None = None,
+        cond: threading.Condition | None = None,
+    ) -> None:
         self.data = {} if shared is None else shared
         self.log = [] if log is None else log
         self.cond = cond or threading.Condition()
@@ -186,8 +190,9 @@ def test_the_watcher_reads_every_counter_in_one_call_and_publishes_a_silent_node
     clock.now += 0.7  # node 3 silent for 1.3 s > 0.2 s beat + 1.0 s threshold
     assert watcher.beat_once()
     assert [(f.error_type, f.node) for f in seen] == [("NodeLost", 3)]
-    assert seen[0].describe() == ("node 3 was lost: its launcher stopped beating for 1.3s (killed, or its "
-                                  "network is down)")  # no claim in this fake job to name its host
+    assert seen[0].describe() == (
+        "node 3 was lost: its launcher stopped beating for 1.3s (killed, or its network is down)"
+    )  # no claim in this fake job to name its host
     record = jobs[1].read_abort()
     assert record is not None and record["error_type"] == "NodeLost" and record["node"] == 3
     assert all(store.data.get(job.key("wake", job.base_rank)) == b"1" for job in jobs), "every waiter woken"
@@ -247,16 +252,19 @@ def test_a_published_abort_wakes_every_blocked_waiter_and_the_earliest_failure_w
             got[node] = failure
             if len(got) == 2:
                 event.set()
+
         return call
 
     monitors = [FateMonitor(jobs[n], on(n), beat_s=0.01) for n in (0, 1)]
     for monitor in monitors:
         monitor.start()
     try:
-        late = WorkerFailure(rank=2, local_rank=0, pid=7, node=2, error_type="OSError", message="late",
-                             time=200.0)
-        early = WorkerFailure(rank=1, local_rank=0, pid=8, node=1, error_type="ValueError", message="first",
-                              time=100.0)
+        late = WorkerFailure(
+            rank=2, local_rank=0, pid=7, node=2, error_type="OSError", message="late", time=200.0
+        )
+        early = WorkerFailure(
+            rank=1, local_rank=0, pid=8, node=1, error_type="ValueError", message="first", time=100.0
+        )
         jobs[2].publish_abort(failure_record(late))
         assert jobs[1].publish_abort(failure_record(early))["message"] == "first"
         assert jobs[2].publish_abort(failure_record(late))["message"] == "first"
@@ -352,16 +360,21 @@ def test_only_the_watcher_asks_about_membership_and_publishes_a_change_to_every_
 def test_a_node_failure_reads_as_one_and_never_as_rank_minus_one() -> None:
     """A lost node, a lost store and a refused layout name a node, not "rank -1 (node 1, pid None)
     exited with code None" as the rank wording did."""
-    lost = node_lost(1, "its launcher (host gpu2, pid 77) stopped beating for 1.2s (killed, or its "
-                        "network is down)")
-    assert lost.describe() == ("node 1 was lost: its launcher (host gpu2, pid 77) stopped beating for "
-                               "1.2s (killed, or its network is down)")
+    lost = node_lost(
+        1, "its launcher (host gpu2, pid 77) stopped beating for 1.2s (killed, or its network is down)"
+    )
+    assert lost.describe() == (
+        "node 1 was lost: its launcher (host gpu2, pid 77) stopped beating for "
+        "1.2s (killed, or its network is down)"
+    )
     assert store_lost().describe() == "node 0, the store's host, ended (its launcher was killed?)"
     assert store_lost("stopped answering for 4.5s").describe() == (
-        "node 0, the store's host, stopped answering for 4.5s")
+        "node 0, the store's host, stopped answering for 4.5s"
+    )
     refused = failure_from_record({"reason": "inconsistent layout: rank 1 is claimed by both", "node": 1})
-    assert refused.describe() == ("the rendezvous refused a node: inconsistent layout: rank 1 is claimed "
-                                  "by both")
+    assert refused.describe() == (
+        "the rendezvous refused a node: inconsistent layout: rank 1 is claimed by both"
+    )
     assert not [f for f in (lost, refused) if "rank -1" in f.describe() or "None" in f.describe()]
 
 
@@ -385,8 +398,16 @@ def test_a_node_that_never_beat_is_allowed_the_first_beat_grace_when_waiting_for
 
 
 def _peer_reset(at: float) -> WorkerFailure:
-    return WorkerFailure(rank=0, local_rank=0, pid=11, exit_code=1, node=0, error_type="RuntimeError",
-                         message="Read error [127.0.0.1]:3: Connection reset by peer. GLHF!", time=at)
+    return WorkerFailure(
+        rank=0,
+        local_rank=0,
+        pid=11,
+        exit_code=1,
+        node=0,
+        error_type="RuntimeError",
+        message="Read error [127.0.0.1]:3: Connection reset by peer. GLHF!",
+        time=at,
+    )
 
 
 def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_clocks_say() -> None:
@@ -401,8 +422,16 @@ def test_a_lost_node_comes_before_the_closed_connection_it_caused_whatever_the_c
     lost = node_lost(1, "its launcher stopped beating for 1.2s", at=100.1)
     reset = _peer_reset(100.0)
     assert by_time([reset, lost])[0] is lost
-    own = WorkerFailure(rank=0, local_rank=0, pid=11, exit_code=1, node=0, error_type="ValueError",
-                        message="bad batch", time=100.0)
+    own = WorkerFailure(
+        rank=0,
+        local_rank=0,
+        pid=11,
+        exit_code=1,
+        node=0,
+        error_type="ValueError",
+        message="bad batch",
+        time=100.0,
+    )
     assert by_time([lost, own])[0] is own
     mine = RunResult(RunStatus.FAILED, [reset])
     settled = _with_root(mine, failure_record(lost))

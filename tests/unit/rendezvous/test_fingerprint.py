@@ -20,12 +20,14 @@ def fake_dist(root: Path, name: str, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
-def test_the_cuda_build_and_nccl_are_read_without_importing_torch(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cuda_build_and_nccl_are_read_without_importing_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise RuntimeError('imported')\n")
     (tmp_path / "torch" / "version.py").write_text(
-        "from typing import Optional\n__version__ = '2.13.0+cu128'\ncuda: Optional[str] = '12.8'\n")
+        "from typing import Optional\n__version__ = '2.13.0+cu128'\ncuda: Optional[str] = '12.8'\n"
+    )
     fake_dist(tmp_path, "nvidia-nccl-cu12", "2.27.3")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "torch", raising=False)

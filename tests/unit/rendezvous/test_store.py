@@ -54,13 +54,23 @@ def test_a_gone_store_is_one_line_and_torchs_words_go_to_the_nodes_log(tmp_path:
     notes = tmp_path / "store_node1.log"
     env = clean_env()
     env.pop("TORCH_CPP_LOG_LEVEL", None)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), str(notes)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(notes)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
-        "lost: node 0, the store's host, ended (its launcher was killed?); stopping", "done"]
-    cxx = [line for line in done.stderr.splitlines()
-           if any(word in line for word in ("TCPStore.cpp", "Exception raised from", ".cpp:", "[c10d]"))]
+        "lost: node 0, the store's host, ended (its launcher was killed?); stopping",
+        "done",
+    ]
+    cxx = [
+        line
+        for line in done.stderr.splitlines()
+        if any(word in line for word in ("TCPStore.cpp", "Exception raised from", ".cpp:", "[c10d]"))
+    ]
     assert not cxx, done.stderr[-3000:]
     text = notes.read_text()
     assert "store.check failed: DistNetworkError" in text, text

@@ -27,10 +27,12 @@ RUN_ID = "20261206-000000-abcdef"
 
 
 def raised(rank: int = 1, line: int = 12, error: str = "ValueError") -> WorkerFailure:
-    trace = (f'Traceback (most recent call last):\n  File "/w/train.py", line {line}, in <module>\n'
-             f'{error}: x\n')
-    return WorkerFailure(rank=rank, local_rank=0, pid=100 + rank, exit_code=1, error_type=error,
-                         message="x", traceback=trace)
+    trace = (
+        f'Traceback (most recent call last):\n  File "/w/train.py", line {line}, in <module>\n{error}: x\n'
+    )
+    return WorkerFailure(
+        rank=rank, local_rank=0, pid=100 + rank, exit_code=1, error_type=error, message="x", traceback=trace
+    )
 
 
 def failed(failure: WorkerFailure) -> RunResult:
@@ -91,8 +93,9 @@ class Scripted:
 
 
 def _config(max_restarts: int) -> RunConfig:
-    return RunConfig(target="train.py", nproc=1, world_size=1,
-                     supervision=SupervisionConfig(max_restarts=max_restarts))
+    return RunConfig(
+        target="train.py", nproc=1, world_size=1, supervision=SupervisionConfig(max_restarts=max_restarts)
+    )
 
 
 @pytest.fixture
@@ -100,8 +103,9 @@ def script(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunResult]]:
     """The results the attempts will have, in order; every one must be used."""
     results: list[RunResult] = []
 
-    def run_attempt(config: RunConfig, specs: list[WorkerSpec], *args: Any,
-                    **kwargs: Any) -> tuple[RunResult, list[Worker]]:
+    def run_attempt(
+        config: RunConfig, specs: list[WorkerSpec], *args: Any, **kwargs: Any
+    ) -> tuple[RunResult, list[Worker]]:
         assert results, "the loop started an attempt the test did not script"
         return results.pop(0), []
 
@@ -136,8 +140,9 @@ def test_both_memberships_have_everything_the_interface_names() -> None:
 
 
 @pytest.mark.parametrize("elastic", [True, False])
-def test_the_same_failure_twice_is_a_crash_loop_in_every_mode(tmp_path: Path, script: list[RunResult],
-                                                              elastic: bool) -> None:
+def test_the_same_failure_twice_is_a_crash_loop_in_every_mode(
+    tmp_path: Path, script: list[RunResult], elastic: bool
+) -> None:
     script += [failed(raised()), failed(raised())]
     members = Scripted(_config(5), elastic=elastic)
     code, run, record = run_loop(tmp_path, members)
@@ -150,7 +155,8 @@ def test_the_same_failure_twice_is_a_crash_loop_in_every_mode(tmp_path: Path, sc
 
 
 def test_a_joining_node_ends_the_round_without_a_restart_or_a_crash_loop_check(
-        tmp_path: Path, script: list[RunResult]) -> None:
+    tmp_path: Path, script: list[RunResult]
+) -> None:
     """torchrun: a membership change is no restart; the failures either side of it are still in a row."""
     script += [failed(raised()), JOINED, failed(raised())]
     members = Scripted(_config(5))
@@ -169,8 +175,9 @@ def test_a_changing_failure_uses_every_restart(tmp_path: Path, script: list[RunR
     assert run.over and record["status"] == "failed"
 
 
-def test_a_lost_node_restarts_an_elastic_job_and_ends_a_static_one(tmp_path: Path,
-                                                                     script: list[RunResult]) -> None:
+def test_a_lost_node_restarts_an_elastic_job_and_ends_a_static_one(
+    tmp_path: Path, script: list[RunResult]
+) -> None:
     script += [LOST, OK, LOST]
     elastic = Scripted(_config(3))
     assert run_loop(tmp_path / "e", elastic)[0] == 0 and elastic.restarts == [1]
@@ -186,8 +193,9 @@ def test_a_lost_store_ends_every_mode(tmp_path: Path, script: list[RunResult]) -
     assert code != 0 and members.restarts == [] and run.over
 
 
-def test_an_interrupted_node_leaves_an_elastic_job_open_for_the_others(tmp_path: Path,
-                                                                          script: list[RunResult]) -> None:
+def test_an_interrupted_node_leaves_an_elastic_job_open_for_the_others(
+    tmp_path: Path, script: list[RunResult]
+) -> None:
     import signal
 
     script += [RunResult(RunStatus.INTERRUPTED, [], signal.SIGTERM)]
@@ -196,7 +204,8 @@ def test_an_interrupted_node_leaves_an_elastic_job_open_for_the_others(tmp_path:
 
 
 def test_a_loop_that_raises_closes_the_record_and_a_rendezvous_error_ends_the_job(
-        tmp_path: Path, script: list[RunResult]) -> None:
+    tmp_path: Path, script: list[RunResult]
+) -> None:
     from multigpu.contract.errors import RendezvousError
 
     class Refused(Scripted):

@@ -21,16 +21,19 @@ def _traceback(*frames: tuple[str, int], error: str = "ValueError: bad") -> str:
 TRAIN = (("/w/train.py", 12),)
 
 
-def failure(error_type: str | None = "ValueError", frames: tuple[tuple[str, int], ...] = TRAIN,
-            rank: int = 1) -> WorkerFailure:
+def failure(
+    error_type: str | None = "ValueError", frames: tuple[tuple[str, int], ...] = TRAIN, rank: int = 1
+) -> WorkerFailure:
     tb = _traceback(*frames) if frames else None
-    return WorkerFailure(rank=rank, local_rank=rank, pid=100, exit_code=1, error_type=error_type,
-                         message="bad", traceback=tb)
+    return WorkerFailure(
+        rank=rank, local_rank=rank, pid=100, exit_code=1, error_type=error_type, message="bad", traceback=tb
+    )
 
 
 def test_signature_is_the_type_and_the_innermost_user_frame() -> None:
-    deep = failure("RuntimeError", (("/w/train.py", 40), ("/w/model.py", 7),
-                                    (f"{LIB}/torch/distributed/c10d.py", 2000)))
+    deep = failure(
+        "RuntimeError", (("/w/train.py", 40), ("/w/model.py", 7), (f"{LIB}/torch/distributed/c10d.py", 2000))
+    )
     assert signature(deep) == Signature("RuntimeError", "/w/model.py:7")
     assert str(signature(deep)) == "RuntimeError at /w/model.py:7"
     in_library_only = failure("OSError", ((f"{LIB}/pkg/io.py", 3),))
@@ -58,9 +61,14 @@ def test_the_same_failure_twice_in_a_row_is_a_loop() -> None:
 
 def test_a_changing_failure_keeps_its_restarts() -> None:
     policy = CrashLoopPolicy()
-    sequence = [failure(), failure("KeyError"), failure(frames=(("/w/train.py", 13),)),
-                WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"),
-                failure(), WorkerFailure.launcher_named(Subject.NODE, FailureKind.NODE_LOST,
-                                                        "node 1 stopped beating", node=1), failure()]
+    sequence = [
+        failure(),
+        failure("KeyError"),
+        failure(frames=(("/w/train.py", 13),)),
+        WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"),
+        failure(),
+        WorkerFailure.launcher_named(Subject.NODE, FailureKind.NODE_LOST, "node 1 stopped beating", node=1),
+        failure(),
+    ]
     assert [policy.check(f) for f in sequence] == [None] * len(sequence)
     assert policy.check(failure()) is not None  # ...until it repeats

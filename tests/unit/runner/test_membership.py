@@ -22,12 +22,14 @@ def test_the_page_address_carries_the_token_and_only_loopback_goes_without_a_war
     here = debug_server_lines(config, rank0_here=True)
     assert here == [f"debug server (torch's, rank 0's node): {address}"]
     assert debug_server_lines(config, rank0_here=None) == [
-        f"debug server (torch's): {address} if rank 0 runs on this node"]
+        f"debug server (torch's): {address} if rank 0 runs on this node"
+    ]
     assert debug_server_lines(config, rank0_here=False) == []
     wide, _ = parse_run_args(["--cpu", "1", "--debug-server", f"0.0.0.0:{free_port()}", str(script)], {})
     lines = debug_server_lines(wide, rank0_here=True)
     assert len(lines) == 2 and lines[1] == (
         "warning: the debug server listens on 0.0.0.0, not loopback: every host that reaches it can try, "
-        "and its token crosses the network unencrypted (HTTP)")
+        "and its token crosses the network unencrypted (HTTP)"
+    )
     plain, _ = parse_run_args(["--cpu", "1", str(script)], {})
     assert debug_server_lines(plain, rank0_here=True) == []

@@ -13,17 +13,20 @@ from multigpu.contract.values import duration_text
 from multigpu.runner.static_join import JoinWait, wait_line
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (45.9, "45s"), (598, "9m58s"), (3720, "1h02m"),
-                                               (-3, "0s")])
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0, "0s"), (45.9, "45s"), (598, "9m58s"), (3720, "1h02m"), (-3, "0s")]
+)
 def test_duration_text(seconds: float, text: str) -> None:
     assert duration_text(seconds) == text
 
 
 def test_wait_line() -> None:
-    assert wait_line(1, [1], [0], 598.4) == ("node 1: waiting for node(s) 0 (joined: 1); 9m58s left "
-                                             "(--rdzv-timeout)")
-    assert wait_line(0, [0, 2], [1, 3], 5) == ("node 0: waiting for node(s) 1, 3 (joined: 0, 2); 5s left "
-                                               "(--rdzv-timeout)")
+    assert wait_line(1, [1], [0], 598.4) == (
+        "node 1: waiting for node(s) 0 (joined: 1); 9m58s left (--rdzv-timeout)"
+    )
+    assert wait_line(0, [0, 2], [1, 3], 5) == (
+        "node 0: waiting for node(s) 1, 3 (joined: 0, 2); 5s left (--rdzv-timeout)"
+    )
 
 
 class _Job:
@@ -43,8 +46,9 @@ class _Job:
 
 
 def _wait(job: _Job, clock: list[float], said: list[str]) -> JoinWait:
-    config = RunConfig(target="t.py", nproc=1, world_size=3, nnodes=3, node_rank=0,
-                       rdzv=RendezvousConfig(timeout=600))
+    config = RunConfig(
+        target="t.py", nproc=1, world_size=3, nnodes=3, node_rank=0, rdzv=RendezvousConfig(timeout=600)
+    )
     return JoinWait(config, job, clock=lambda: clock[0], notify=said.append)  # type: ignore[arg-type]
 
 
@@ -53,12 +57,21 @@ def test_the_wait_is_said_after_a_second_then_every_30_s() -> None:
     clock = [100.0]
     job = _Job({0: 0, 2: 2}, [])
     wait = _wait(job, clock, said)
-    for now, left in [(100.0, 599.9), (100.9, 599.1), (101.0, 599.0), (110.0, 590.0), (130.9, 569.1),
-                      (131.0, 569.0), (150.0, 550.0)]:
+    for now, left in [
+        (100.0, 599.9),
+        (100.9, 599.1),
+        (101.0, 599.0),
+        (110.0, 590.0),
+        (130.9, 569.1),
+        (131.0, 569.0),
+        (150.0, 550.0),
+    ]:
         clock[0] = now
         wait(left)
-    assert said == ["node 0: waiting for node(s) 1 (joined: 0, 2); 9m59s left (--rdzv-timeout)",
-                    "node 0: waiting for node(s) 1 (joined: 0, 2); 9m29s left (--rdzv-timeout)"]
+    assert said == [
+        "node 0: waiting for node(s) 1 (joined: 0, 2); 9m59s left (--rdzv-timeout)",
+        "node 0: waiting for node(s) 1 (joined: 0, 2); 9m29s left (--rdzv-timeout)",
+    ]
 
 
 def test_the_time_out_names_the_missing_nodes() -> None:
@@ -71,8 +84,9 @@ def test_a_ctrl_c_while_waiting_is_one_line() -> None:
     wait = _wait(_Job({0: 0, 1: 1}, [599.0], interrupt=True), [0.0], [])
     with pytest.raises(Interrupted) as caught:
         wait.join()
-    assert str(caught.value) == ("node 0: interrupted (SIGINT) while waiting for node(s) 2 to join "
-                                 "(joined: 0, 1); no rank was started")
+    assert str(caught.value) == (
+        "node 0: interrupted (SIGINT) while waiting for node(s) 2 to join (joined: 0, 1); no rank was started"
+    )
 
 
 def test_the_elastic_round_wait_line() -> None:
@@ -80,7 +94,9 @@ def test_the_elastic_round_wait_line() -> None:
 
     config = RunConfig(target="t.py", rdzv=RendezvousConfig(min_nodes=2, max_nodes=3))
     assert round_wait_line(["n1 pid 7"], config, 297.5) == (
-        "waiting for 1 more node(s) for the round (2:3 nodes; joined: n1 pid 7); 4m57s left (join_timeout)")
+        "waiting for 1 more node(s) for the round (2:3 nodes; joined: n1 pid 7); 4m57s left (join_timeout)"
+    )
     assert round_wait_line(["n1 pid 7", "n2 pid 9"], config, 100).startswith(
         "the round has its 2 node(s); waiting for more up to last_call_timeout (2:3 nodes; joined: n1 pid 7, "
-        "n2 pid 9)")
+        "n2 pid 9)"
+    )

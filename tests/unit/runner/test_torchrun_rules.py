@@ -24,8 +24,7 @@ def specs(argv: list[str], tmp_path: Path, cvd: str | None = None) -> list[Worke
     script = tmp_path / "train.py"
     script.write_text("")
     config, _ = parse_run_args([*argv, str(script)], {})
-    context = AttemptContext("job1", tmp_path / "out", 1, "127.0.0.1", 1234, cvd,
-                             launcher_pid=4321)
+    context = AttemptContext("job1", tmp_path / "out", 1, "127.0.0.1", 1234, cvd, launcher_pid=4321)
     return build_specs(config, context, {"PATH": "/bin"})
 
 
@@ -59,13 +58,16 @@ def test_log_dir_alone_makes_the_rank_dirs_and_error_files(tmp_path: Path) -> No
 
 def test_tee_without_log_dir_writes_under_the_run_directory(tmp_path: Path) -> None:
     worker = specs(["--tee", "3"], tmp_path)[0]
-    assert worker.stream_files["stdout"] == tmp_path / "out" / "torchrun_logs" / "job1_4321" / "attempt_1" \
-        / "0" / "stdout.log"
+    assert (
+        worker.stream_files["stdout"]
+        == tmp_path / "out" / "torchrun_logs" / "job1_4321" / "attempt_1" / "0" / "stdout.log"
+    )
 
 
 def test_role_and_virtual_local_rank(tmp_path: Path) -> None:
-    workers = specs(["--nproc-per-node", "2", "--role", "trainer", "--virtual-local-rank"], tmp_path,
-                    cvd="3,5")
+    workers = specs(
+        ["--nproc-per-node", "2", "--role", "trainer", "--virtual-local-rank"], tmp_path, cvd="3,5"
+    )
     assert [w.env["ROLE_NAME"] for w in workers] == ["trainer", "trainer"]
     assert [w.env["LOCAL_RANK"] for w in workers] == ["0", "0"]
     assert [w.env["RANK"] for w in workers] == ["0", "1"]
@@ -89,14 +91,29 @@ def test_worker_argv_per_mode(tmp_path: Path) -> None:
 
 def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    argv = ["--nproc-per-node", "3", "--log-dir", str(logs), "-t", "1", "--local-ranks-filter", "0,2",
-            "--duplicate-stdout-filters", "loss,,acc", "--duplicate-stderr-filters", "warn",
-            "--role", "trainer"]
+    argv = [
+        "--nproc-per-node",
+        "3",
+        "--log-dir",
+        str(logs),
+        "-t",
+        "1",
+        "--local-ranks-filter",
+        "0,2",
+        "--duplicate-stdout-filters",
+        "loss,,acc",
+        "--duplicate-stderr-filters",
+        "warn",
+        "--role",
+        "trainer",
+    ]
     workers = specs(argv, tmp_path)
     attempt = logs / "job1_4321" / "attempt_1"
     by_rank = {w.local_rank: {c.stream: c for c in w.line_copies} for w in workers}
     assert {c.path for copies in by_rank.values() for c in copies.values()} == {
-        attempt / "filtered_stdout.log", attempt / "filtered_stderr.log"}
+        attempt / "filtered_stdout.log",
+        attempt / "filtered_stderr.log",
+    }
     assert by_rank[0]["stdout"].needles == (b"loss,acc",) and by_rank[0]["stdout"].header == b"[trainer0]:"
     assert by_rank[1]["stdout"].needles == ()  # --local-ranks-filter hides rank 1: nothing copied
     assert by_rank[2]["stderr"].needles == ()  # stderr is not teed (-t 1): nothing copied
@@ -111,5 +128,7 @@ def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path)
 
 
 def test_without_a_log_folder_duplicate_filters_copy_nothing(tmp_path: Path) -> None:
-    assert all(w.line_copies == () for w in specs(["--nproc-per-node", "2", "--duplicate-stdout-filters",
-                                                   "x"], tmp_path))
+    assert all(
+        w.line_copies == ()
+        for w in specs(["--nproc-per-node", "2", "--duplicate-stdout-filters", "x"], tmp_path)
+    )

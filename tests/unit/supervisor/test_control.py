@@ -52,8 +52,9 @@ def asked(server: ControlSocket, owner: int) -> tuple[list[object], threading.Th
     return got, thread
 
 
-def test_another_users_client_gets_the_refusal_line(server: ControlSocket,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_users_client_gets_the_refusal_line(
+    server: ControlSocket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pretend(monkeypatch, "server")
     got, thread = asked(server, owner=os.getuid())
     server.sock.setblocking(True)
@@ -76,8 +77,9 @@ def test_the_runs_user_is_answered(server: ControlSocket) -> None:
     assert got == ["rank 0 pid 1 running\n"]
 
 
-def test_a_socket_held_by_another_user_is_not_believed(server: ControlSocket,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_socket_held_by_another_user_is_not_believed(
+    server: ControlSocket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pretend(monkeypatch, "client")
     with pytest.raises(PermissionError, match=f"is held by user .*{OTHER}.*, not by the run's user"):
         ask(server.name, "status", owner=os.getuid(), timeout=10)

@@ -17,14 +17,22 @@ TAIL = """  File "<frozen runpy>", line 291 in run_path
   File "/work/main/src/multigpu/template/__main__.py", line 8 in <module>
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
-WAITS = WATCHER + f"""Current thread 0x00007fd6a9be2b80 (most recent call first):
+WAITS = (
+    WATCHER
+    + f"""Current thread 0x00007fd6a9be2b80 (most recent call first):
   File "{SITE}/distributed_c10d.py", line 3252 in all_reduce
   File "{SITE}/c10d_logger.py", line 83 in wrapper
   File "/job/train.py", line 9 in <module>
-""" + TAIL
-SLEEPS = WATCHER + """Current thread 0x00007fd6a9be2b80 (most recent call first):
+"""
+    + TAIL
+)
+SLEEPS = (
+    WATCHER
+    + """Current thread 0x00007fd6a9be2b80 (most recent call first):
   File "/job/train.py", line 8 in <module>
-""" + TAIL
+"""
+    + TAIL
+)
 
 
 def test_the_main_thread_is_the_one_not_started_by_threading() -> None:
@@ -35,8 +43,9 @@ def test_the_main_thread_is_the_one_not_started_by_threading() -> None:
 def test_the_rank_outside_the_collective_is_named_with_its_frame() -> None:
     found = find_culprits({0: WAITS.splitlines(), 1: SLEEPS.splitlines(), 2: WAITS.splitlines()})
     assert found is not None and found.ranks == [1]
-    assert found.line == ("rank 1 never reached the all_reduce that ranks 0, 2 wait in: "
-                          "rank 1 is in /job/train.py:8 (<module>)")
+    assert found.line == (
+        "rank 1 never reached the all_reduce that ranks 0, 2 wait in: rank 1 is in /job/train.py:8 (<module>)"
+    )
 
 
 def test_several_culprits_are_each_named() -> None:

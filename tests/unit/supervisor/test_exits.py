@@ -50,9 +50,14 @@ def test_a_sigabrt_after_nccls_watchdog_line_names_the_watchdog() -> None:
 
 def test_a_kill_the_file_timer_sent_is_named_before_any_oom_check() -> None:
     oom = SimpleNamespace(explain=lambda pid: "the kernel's OOM killer")
-    worker = SimpleNamespace(oom=oom, pid=40, end_time=5.0, lines=SimpleNamespace(tail=[]),
-                             own_record=lambda: None,
-                             ended_with=lambda rc, record: WorkerFailure.from_exit(0, 0, 0, 40, rc, record))
+    worker = SimpleNamespace(
+        oom=oom,
+        pid=40,
+        end_time=5.0,
+        lines=SimpleNamespace(tail=[]),
+        own_record=lambda: None,
+        ended_with=lambda rc, record: WorkerFailure.from_exit(0, 0, 0, 40, rc, record),
+    )
     output = SimpleNamespace(of=lambda w: w, drain=lambda stream: None)
     kills = TimerKills()
     kills.note(TimerKill(pid=41, group=40, scope="timer.py#7", seconds=2.0, signal=signal.SIGKILL))

@@ -98,8 +98,15 @@ def test_the_kill_reads_as_one_line_and_is_one_signature_per_scope() -> None:
     assert kills.of(42, signal.SIGKILL) is None
     kill = kills.of(40, signal.SIGKILL)
     assert kill is not None and kill.message == "overstayed its 2 s timer (scope timer.py#7); killed"
-    failure = WorkerFailure(rank=0, local_rank=0, pid=40, signal="SIGKILL",
-                            error_type=FailureKind.TIMER_EXPIRED, message=kill.message, killed_by=kill.killer)
+    failure = WorkerFailure(
+        rank=0,
+        local_rank=0,
+        pid=40,
+        signal="SIGKILL",
+        error_type=FailureKind.TIMER_EXPIRED,
+        message=kill.message,
+        killed_by=kill.killer,
+    )
     assert failure.describe() == "rank 0 (node 0, pid 40) overstayed its 2 s timer (scope timer.py#7); killed"
     again = WorkerFailure.from_dict(failure.to_dict())
     assert again.kind is FailureKind.TIMER_EXPIRED and again.describe() == failure.describe()
@@ -108,6 +115,7 @@ def test_the_kill_reads_as_one_line_and_is_one_signature_per_scope() -> None:
     verdict = policy.check(again, 1)
     assert verdict is not None and "file timer of scope timer.py#7" in verdict
     unnamed = TimerKill(1, 1, f"{threading.__file__.replace('threading', 'contextlib')}#137", 2.0, 9)
-    assert unnamed.message == ("overstayed its 2 s timer (scope contextlib.py#137: expires() was given no "
-                               "scope=); killed")
+    assert unnamed.message == (
+        "overstayed its 2 s timer (scope contextlib.py#137: expires() was given no scope=); killed"
+    )
     assert TimerKill(1, 1, "warmup", 0.3, 9).message == "overstayed its 0.3 s timer (scope warmup); killed"

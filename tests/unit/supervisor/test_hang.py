@@ -25,16 +25,24 @@ def step(n: int) -> list[Beat]:
     return [Beat("step", value=float(n))]
 
 
-def book(policy: HangPolicy, ranks: int = 2, store: Path | None = None,
-         notes: list[str] | None = None) -> tuple[ProgressBook, Clock]:
+def book(
+    policy: HangPolicy, ranks: int = 2, store: Path | None = None, notes: list[str] | None = None
+) -> tuple[ProgressBook, Clock]:
     clock = Clock()
-    b = ProgressBook(policy, range(ranks), store=store, clock=clock, wall=lambda: 5000.0,
-                     notify=(notes.append if notes is not None else None))
+    b = ProgressBook(
+        policy,
+        range(ranks),
+        store=store,
+        clock=clock,
+        wall=lambda: 5000.0,
+        notify=(notes.append if notes is not None else None),
+    )
     return b, clock
 
 
-def run_steps(b: ProgressBook, clock: Clock, steps: range, interval: float,
-              ranks: tuple[int, ...] = (0, 1)) -> None:
+def run_steps(
+    b: ProgressBook, clock: Clock, steps: range, interval: float, ranks: tuple[int, ...] = (0, 1)
+) -> None:
     for n in steps:
         clock.now += interval
         for r in ranks:
@@ -197,8 +205,10 @@ def test_straggler_warned_once_with_its_numbers() -> None:
             b.feed(r, [Beat("end", "forward", 0.3 if r == 2 else 0.1), *step(n)], clock.now)
         assert b.check([0, 1, 2], clock.now) is None  # no ceiling: never a hang
     assert len(notes) == 1, notes
-    assert notes[0] == ("rank 2 is a straggler: its section 'forward' takes 0.3s (median of the last 10) "
-                        "against 0.1s on the other ranks (3.0x)")
+    assert notes[0] == (
+        "rank 2 is a straggler: its section 'forward' takes 0.3s (median of the last 10) "
+        "against 0.1s on the other ranks (3.0x)"
+    )
     assert b.snapshot()["2"]["straggler"] == notes[0]
 
 

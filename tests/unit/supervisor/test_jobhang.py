@@ -132,43 +132,55 @@ def test_collectives_are_counted_over_every_process_group(monkeypatch: pytest.Mo
     assert progress.collectives_entered() is None
 
 
-STUCK = ['Thread 0x00007f0000000001 (most recent call first):',
-         '  File "/x/train.py", line 10 in <module>']
-WAITING = ['Thread 0x00007f0000000002 (most recent call first):',
-           '  File "/v/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
-           '  File "/x/train.py", line 7 in <module>']
+STUCK = ["Thread 0x00007f0000000001 (most recent call first):", '  File "/x/train.py", line 10 in <module>']
+WAITING = [
+    "Thread 0x00007f0000000002 (most recent call first):",
+    '  File "/v/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+    '  File "/x/train.py", line 7 in <module>',
+]
 
 
 def states() -> list[RankState]:
-    return [RankState(0, 0, 0, 1000, True, None, 5.1, WAITING),
-            RankState(1, 0, 1, 2000, True, None, 5.3, STUCK)]
+    return [
+        RankState(0, 0, 0, 1000, True, None, 5.1, WAITING),
+        RankState(1, 0, 1, 2000, True, None, 5.3, STUCK),
+    ]
 
 
 def notice(node: int = 0) -> WorkerFailure:
-    return WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG,
-                                        "no progress for 5.0s (--hang-timeout 5s)", node=node, at=1000.0)
+    return WorkerFailure.launcher_named(
+        Subject.NODE, FailureKind.HANG, "no progress for 5.0s (--hang-timeout 5s)", node=node, at=1000.0
+    )
 
 
 def test_the_verdict_names_the_rank_outside_the_collective_with_file_and_line() -> None:
     verdict = decide(states(), notice())
     assert verdict["culprits"] == [1, 0]
-    assert verdict["line"].startswith("rank 1 never reached the all_reduce that rank 0 waits in: "
-                                      "rank 1 is in /x/train.py:10 (<module>)")
+    assert verdict["line"].startswith(
+        "rank 1 never reached the all_reduce that rank 0 waits in: rank 1 is in /x/train.py:10 (<module>)"
+    )
     assert verdict["line"].endswith("; no progress for 5.0s (--hang-timeout 5s)")
     assert verdict["time"] < notice().time  # the failures are dated before the notice: they win the record
 
 
 def test_without_a_telling_stack_the_lowest_step_then_the_longest_silence_comes_first() -> None:
-    quiet = [RankState(0, 0, 0, 1, True, 29, 5.0, STUCK), RankState(1, 0, 1, 2, True, 28, 5.0, STUCK),
-             RankState(2, 0, 1, 3, True, 29, 6.0, STUCK), RankState(3, 1, 1, 4, False)]
+    quiet = [
+        RankState(0, 0, 0, 1, True, 29, 5.0, STUCK),
+        RankState(1, 0, 1, 2, True, 28, 5.0, STUCK),
+        RankState(2, 0, 1, 3, True, 29, 6.0, STUCK),
+        RankState(3, 1, 1, 4, False),
+    ]
     verdict = decide(quiet, notice())
     assert verdict["culprits"] == [1, 2, 0]
     assert verdict["line"].startswith("rank 1 stopped progressing first (at step 28")
 
 
 def worker(rank: int, node: int, tmp_path: Path) -> Worker:
-    return Worker(WorkerSpec(rank=rank, local_rank=0, argv=[], env={}, node=node,
-                             log_path=tmp_path / f"rank_{rank}.log"))
+    return Worker(
+        WorkerSpec(
+            rank=rank, local_rank=0, argv=[], env={}, node=node, log_path=tmp_path / f"rank_{rank}.log"
+        )
+    )
 
 
 def test_every_node_makes_the_same_failures_from_the_same_verdict(tmp_path: Path) -> None:
@@ -179,7 +191,7 @@ def test_every_node_makes_the_same_failures_from_the_same_verdict(tmp_path: Path
         assert [(f.rank, f.node, f.pid) for f in failures] == [(1, 1, 2000), (0, 0, 1000)]
         assert failures[0].message == verdict["line"] and failures[1].message == "no progress for 5.1s"
         assert all(f.kind is FailureKind.HANG for f in failures)
-        assert failures[0].traceback is not None and "train.py\", line 10" in failures[0].traceback
+        assert failures[0].traceback is not None and 'train.py", line 10' in failures[0].traceback
         assert failures[0].time is not None and failures[1].time is not None
         assert failures[0].time < failures[1].time < (notice().time or 0)
     assert [f.to_dict()["message"] for f in on0] == [f.to_dict()["message"] for f in on1]
@@ -281,19 +293,29 @@ class FakeExchange:
 
 @pytest.mark.integration
 def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "waits.py", """
+    script = write_script(
+        tmp_path,
+        "waits.py",
+        """
         import time
 
         def waiting_here():
             time.sleep(60)
 
         waiting_here()
-    """)
-    rank0 = WorkerSpec(rank=0, local_rank=0, argv=[PYTHON, "-m", "multigpu.rank", "script", str(script)],
-                       env=clean_env({"RANK": "0", "WORLD_SIZE": "2"}), log_path=tmp_path / "rank_0.log")
+    """,
+    )
+    rank0 = WorkerSpec(
+        rank=0,
+        local_rank=0,
+        argv=[PYTHON, "-m", "multigpu.rank", "script", str(script)],
+        env=clean_env({"RANK": "0", "WORLD_SIZE": "2"}),
+        log_path=tmp_path / "rank_0.log",
+    )
     exchange, notes = FakeExchange(), []
-    sup = Supervisor([rank0], **supervisor_arguments(notes, hang_timeout=1.0, grace_period=0.3,
-                                                     job_hang=exchange))
+    sup = Supervisor(
+        [rank0], **supervisor_arguments(notes, hang_timeout=1.0, grace_period=0.3, job_hang=exchange)
+    )
     exchange.supervisor = sup
     try:
         sup.start()
@@ -303,8 +325,9 @@ def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict
         sup.close(grace_period=0)
     assert result is not None and result.status is RunStatus.HUNG
     assert len(exchange.notices) == 1 and exchange.notices[0].startswith("no progress for ")
-    assert [n for n in notes if n.startswith("hang: ")] == [f"hang: {exchange.notices[0]}; "
-                                                            "collecting every rank's stacks"]
+    assert [n for n in notes if n.startswith("hang: ")] == [
+        f"hang: {exchange.notices[0]}; collecting every rank's stacks"
+    ]
     assert [s.rank for s in exchange.shared] == [0] and "waiting_here" in "\n".join(exchange.shared[0].dump)
     root = result.root_cause
     assert root is not None and (root.rank, root.node, root.pid) == (1, 1, 4242)

@@ -37,13 +37,19 @@ def entries(work: Work, ranks: int, count: int, seed: int = 0, start: float = 10
     return seen
 
 
-def feed_and_check(seen: list[list[float]], threshold: float = 0.2,
-                   every: int = 20) -> tuple[ProgressBook, list[str]]:
+def feed_and_check(
+    seen: list[list[float]], threshold: float = 0.2, every: int = 20
+) -> tuple[ProgressBook, list[str]]:
     """The book fed every rank's beats as they would come, judged once a second of the job."""
     notes: list[str] = []
     clock = [seen[0][0]]
-    b = ProgressBook(HangPolicy(straggler_threshold=threshold), range(len(seen)), clock=lambda: clock[0],
-                     wall=lambda: clock[0] + 1e9, notify=notes.append)
+    b = ProgressBook(
+        HangPolicy(straggler_threshold=threshold),
+        range(len(seen)),
+        clock=lambda: clock[0],
+        wall=lambda: clock[0] + 1e9,
+        notify=notes.append,
+    )
     for r in range(len(seen)):
         b.started(r, clock[0], pid=40 + r, node=0)
     for k in range(len(seen[0])):
@@ -63,8 +69,9 @@ def test_a_rank_40_percent_slower_is_named_with_its_numbers() -> None:
     b, notes = feed_and_check(entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 1 else 0), 2, 600))
     assert len(notes) == 1, notes
     assert notes[0].startswith("rank 1 (node 0, pid 41) is a straggler: it enters collectives 2")
-    assert re.search(r"after the others, over the last (\d+); the job runs at the pace of its slowest rank$",
-                     notes[0])
+    assert re.search(
+        r"after the others, over the last (\d+); the job runs at the pace of its slowest rank$", notes[0]
+    )
     assert int(re.findall(r"over the last (\d+)", notes[0])[0]) <= 100, "named as soon as it can be"
     share = int(notes[0].split("(")[2].split("%")[0])
     assert 30 <= share <= 50, notes[0]
@@ -84,6 +91,7 @@ def test_the_straggler_among_eight_ranks_is_the_one_named() -> None:
 def test_a_straggler_that_recovers_is_said_to_and_its_span_ends() -> None:
     def work(r: int, k: int, rng: random.Random) -> float:
         return healthy(r, k, rng) + (0.025 if r == 0 and k < 400 else 0)
+
     b, notes = feed_and_check(entries(work, 3, 1200))
     assert len(notes) == 2, notes
     assert "rank 0 (node 0, pid 40) is a straggler" in notes[0]
@@ -98,6 +106,7 @@ def test_a_straggler_that_recovers_is_said_to_and_its_span_ends() -> None:
 def test_healthy_jobs_with_noisy_steps_are_not_named(seed: int, ranks: int) -> None:
     def noisy(r: int, k: int, rng: random.Random) -> float:
         return max(0.001, rng.gauss(0.05, 0.02)) * (3 if rng.random() < 0.02 else 1)
+
     _, notes = feed_and_check(entries(noisy, ranks, 1000, seed=seed))
     assert notes == []
 
@@ -106,6 +115,7 @@ def test_checkpoint_pauses_on_every_rank_or_written_by_rank_0_are_not_named() ->
     def checkpoints(r: int, k: int, rng: random.Random) -> float:
         pause = 2.0 if k % 50 == 49 else 0.0
         return healthy(r, k, rng) + pause + (1.5 if r == 0 and k % 50 == 49 else 0.0)
+
     _, notes = feed_and_check(entries(checkpoints, 2, 800))
     assert notes == []
 
@@ -113,6 +123,7 @@ def test_checkpoint_pauses_on_every_rank_or_written_by_rank_0_are_not_named() ->
 def test_rank_0_logging_in_a_few_steps_is_not_named() -> None:
     def logging(r: int, k: int, rng: random.Random) -> float:
         return healthy(r, k, rng) + (0.04 if r == 0 and k % 10 == 0 else 0.0)
+
     _, notes = feed_and_check(entries(logging, 2, 800))
     assert notes == []
 
@@ -199,12 +210,21 @@ def test_indices_that_stop_naming_one_collective_are_not_judged() -> None:
 def test_an_index_off_by_one_on_some_ranks_is_not_a_straggler() -> None:
     """One send/recv between ranks 0 and 1 early on: their collective k is rank 2's k - 1."""
     seen = entries(healthy, 3, 400)
-    found = lateness({0: {k + 1: t for k, t in enumerate(seen[0], 1)},
-                      1: {k + 1: t for k, t in enumerate(seen[1], 1)}, 2: dict(enumerate(seen[2], 1))})
+    found = lateness(
+        {
+            0: {k + 1: t for k, t in enumerate(seen[0], 1)},
+            1: {k + 1: t for k, t in enumerate(seen[1], 1)},
+            2: dict(enumerate(seen[2], 1)),
+        }
+    )
     assert found is None
 
 
 def test_a_rank_three_times_slower_is_still_judged() -> None:
-    found = lateness({r: dict(enumerate(t, 1)) for r, t in
-                      enumerate(entries(lambda r, k, rng: 0.05 * (3 if r == 1 else 1), 3, 200))})
+    found = lateness(
+        {
+            r: dict(enumerate(t, 1))
+            for r, t in enumerate(entries(lambda r, k, rng: 0.05 * (3 if r == 1 else 1), 3, 200))
+        }
+    )
     assert found is not None and found.late[1] == pytest.approx(0.1, abs=0.006)

@@ -44,14 +44,21 @@ def py(code: str) -> list[str]:
     return [PYTHON, "-c", textwrap.dedent(code)]
 
 
-def spec(rank: int, argv: list[str], tmp_path: Path, *, world: int = 2,
-         error_file: bool = False) -> WorkerSpec:
+def spec(
+    rank: int, argv: list[str], tmp_path: Path, *, world: int = 2, error_file: bool = False
+) -> WorkerSpec:
     err = tmp_path / f"error_rank_{rank}.json"
     env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(world)})
     if error_file:
         env["MULTIGPU_ERROR_FILE"] = str(err)
-    return WorkerSpec(rank=rank, local_rank=rank, argv=argv, env=env,
-                      log_path=tmp_path / f"rank_{rank}.log", error_file=err if error_file else None)
+    return WorkerSpec(
+        rank=rank,
+        local_rank=rank,
+        argv=argv,
+        env=env,
+        log_path=tmp_path / f"rank_{rank}.log",
+        error_file=err if error_file else None,
+    )
 
 
 def bootstrap(script: Path) -> list[str]:
@@ -123,8 +130,13 @@ def test_all_succeed(make: Callable[..., Supervisor], tmp_path: Path) -> None:
 
 def test_one_exits_nonzero_others_stopped(make: Callable[..., Supervisor], tmp_path: Path) -> None:
     sleeper = py("import time; print('up', flush=True); time.sleep(30)")
-    sup = make([spec(0, sleeper, tmp_path), spec(1, py("import sys; sys.exit(3)"), tmp_path),
-                spec(2, sleeper, tmp_path)])
+    sup = make(
+        [
+            spec(0, sleeper, tmp_path),
+            spec(1, py("import sys; sys.exit(3)"), tmp_path),
+            spec(2, sleeper, tmp_path),
+        ]
+    )
     sup.start()
     pids = worker_pids(sup)
     result = finish(sup)
@@ -139,14 +151,17 @@ def test_one_exits_nonzero_others_stopped(make: Callable[..., Supervisor], tmp_p
     assert_gone(pids)
 
 
-@pytest.mark.parametrize(("failure", "expected"), [
-    (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=3), 3),
-    (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=1), 1),
-    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGSEGV"), 128 + signal.SIGSEGV),
-    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"), 137),
-    (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGTERM"), 143),
-    (WorkerFailure(rank=0, local_rank=0, pid=1), 1),  # a hang: neither code nor signal
-])
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=3), 3),
+        (WorkerFailure(rank=0, local_rank=0, pid=1, exit_code=1), 1),
+        (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGSEGV"), 128 + signal.SIGSEGV),
+        (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL"), 137),
+        (WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGTERM"), 143),
+        (WorkerFailure(rank=0, local_rank=0, pid=1), 1),  # a hang: neither code nor signal
+    ],
+)
 def test_launcher_exit_code_mapping(failure: WorkerFailure, expected: int) -> None:
     assert failure.launcher_exit_code == expected
 
@@ -164,8 +179,9 @@ def test_killed_by_signal_is_named(make: Callable[..., Supervisor], tmp_path: Pa
     assert_gone(pids)
 
 
-def test_ignored_sigterm_escalates_to_sigkill(make: Callable[..., Supervisor], tmp_path: Path,
-                                              notes: list[str]) -> None:
+def test_ignored_sigterm_escalates_to_sigkill(
+    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+) -> None:
     stubborn = py("""
         import signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -261,8 +277,9 @@ def test_request_sigterm_interrupts(make: Callable[..., Supervisor], tmp_path: P
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2], ids=["SIGUSR1", "SIGUSR2"])
-def test_user_signals_are_forwarded(make: Callable[..., Supervisor], tmp_path: Path,
-                                    sig: signal.Signals) -> None:
+def test_user_signals_are_forwarded(
+    make: Callable[..., Supervisor], tmp_path: Path, sig: signal.Signals
+) -> None:
     handler = py(f"""
         import signal, sys, time
         def on_signal(signum, frame):
@@ -288,16 +305,21 @@ def test_user_signals_are_forwarded(make: Callable[..., Supervisor], tmp_path: P
 # ---- hangs and stack dumps ----------------------------------------------------------------------------
 
 
-def test_hang_timeout_dumps_stacks_and_fails(make: Callable[..., Supervisor], tmp_path: Path,
-                                             notes: list[str]) -> None:
-    script = write_script(tmp_path, "silent.py", """
+def test_hang_timeout_dumps_stacks_and_fails(
+    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+) -> None:
+    script = write_script(
+        tmp_path,
+        "silent.py",
+        """
         import time
 
         def stuck_in_here():
             time.sleep(60)
 
         stuck_in_here()
-    """)
+    """,
+    )
     sup = make([spec(r, bootstrap(script), tmp_path) for r in range(2)], hang_timeout=1.0)
     sup.start()
     pids = worker_pids(sup)
@@ -343,7 +365,10 @@ def waiting_and_failing(tmp_path: Path, body: str, function: str) -> tuple[Path,
     """A script that runs ``body`` inside ``function`` for good, and a rank that fails (exit 1) once
     the script is inside it: a live rank to dump after a failure."""
     ready = tmp_path / "ready"
-    waiting = write_script(tmp_path, f"{function}.py", f"""
+    waiting = write_script(
+        tmp_path,
+        f"{function}.py",
+        f"""
         import pathlib, re, time
 
         def {function}():
@@ -351,7 +376,8 @@ def waiting_and_failing(tmp_path: Path, body: str, function: str) -> tuple[Path,
             {body}
 
         {function}()
-    """)
+    """,
+    )
     failing = py(f"""
         import os, sys, time
         while not os.path.exists({str(ready)!r}):
@@ -383,8 +409,9 @@ def answering(rank: int, script: Path, tmp_path: Path) -> WorkerSpec:
     return s
 
 
-def test_the_dump_thread_says_when_its_stacks_are_written(make: Callable[..., Supervisor],
-                                                          tmp_path: Path) -> None:
+def test_the_dump_thread_says_when_its_stacks_are_written(
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     """A rank with the dump thread answers FR_SIGNAL itself: its stacks are in its log, written by
     that thread (the current thread of the dump), and it said so with the "stacks" beat."""
     waiting, failing = waiting_and_failing(tmp_path, "time.sleep(60)", "waiting_for_peer")
@@ -396,17 +423,19 @@ def test_the_dump_thread_says_when_its_stacks_are_written(make: Callable[..., Su
     assert sup.workers[0].dumps.stacked
     log = (tmp_path / "rank_0.log").read_text()
     assert "waiting_for_peer" in log
-    current = log[log.index("Current thread"):]
+    current = log[log.index("Current thread") :]
     assert "_answer_dumps" in current.split("\n\n")[0], log  # the thread's dump, not faulthandler's handler
     assert_gone(pids)
 
 
-def test_a_rank_holding_the_gil_gets_faulthandlers_dump(make: Callable[..., Supervisor],
-                                                        tmp_path: Path) -> None:
+def test_a_rank_holding_the_gil_gets_faulthandlers_dump(
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     """The dump thread cannot run while the main thread holds the GIL (a regex that backtracks for
     ever): after ANSWER_S the launcher asks faulthandler's C handler, which still writes the stacks."""
-    spinning, failing = waiting_and_failing(tmp_path, 're.match(r"(a+)+$", "a" * 64 + "b")',
-                                            "backtracking_for_ever")
+    spinning, failing = waiting_and_failing(
+        tmp_path, 're.match(r"(a+)+$", "a" * 64 + "b")', "backtracking_for_ever"
+    )
     sup = make([answering(0, spinning, tmp_path), spec(1, failing, tmp_path)], dump_wait=5.0)
     sup.start()
     pids = worker_pids(sup)
@@ -414,7 +443,7 @@ def test_a_rank_holding_the_gil_gets_faulthandlers_dump(make: Callable[..., Supe
     sup.close(dump_stacks=True)
     assert not sup.workers[0].dumps.stacked
     log = (tmp_path / "rank_0.log").read_text()
-    current = log[log.index("Current thread"):].split("\n\n")[0]
+    current = log[log.index("Current thread") :].split("\n\n")[0]
     assert "backtracking_for_ever" in current, log  # the handler ran in the thread holding the GIL
     assert_gone(pids)
 
@@ -447,26 +476,39 @@ def test_output_lines_are_whole_and_logged(make: Callable[..., Supervisor], tmp_
     log_lines = (tmp_path / "rank_0.log").read_text().splitlines()
     assert len(log_lines) == 401
     pattern = re.compile(r"(out-\d{3}-x{40}|err-\d{3}-y{40}|no newline at the end)")
-    assert all(pattern.fullmatch(line) for line in log_lines), [ln for ln in log_lines
-                                                                  if not pattern.fullmatch(ln)][:3]
+    assert all(pattern.fullmatch(line) for line in log_lines), [
+        ln for ln in log_lines if not pattern.fullmatch(ln)
+    ][:3]
     assert sorted(log_lines) == sorted(line.decode() for line in out + err)
     assert_gone(pids)
 
 
 def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tmp_path: Path) -> None:
     """Both ranks fail before the loop looks: the earlier exception is the root cause, not rank 0."""
-    late = write_script(tmp_path, "late.py", """
+    late = write_script(
+        tmp_path,
+        "late.py",
+        """
         import time
         time.sleep(0.8)
         raise RuntimeError('second')
-    """)
-    early = write_script(tmp_path, "early.py", """
+    """,
+    )
+    early = write_script(
+        tmp_path,
+        "early.py",
+        """
         import time
         time.sleep(0.1)
         raise ValueError('first')
-    """)
-    sup = make([spec(0, bootstrap(late), tmp_path, error_file=True),
-                spec(1, bootstrap(early), tmp_path, error_file=True)])
+    """,
+    )
+    sup = make(
+        [
+            spec(0, bootstrap(late), tmp_path, error_file=True),
+            spec(1, bootstrap(early), tmp_path, error_file=True),
+        ]
+    )
     sup.start()
     pids = worker_pids(sup)
     deadline = time.monotonic() + 10
@@ -484,8 +526,9 @@ def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tm
     assert_gone(pids)
 
 
-def test_ranks_that_never_answer_the_dump_signal(make: Callable[..., Supervisor], tmp_path: Path,
-                                                 notes: list[str]) -> None:
+def test_ranks_that_never_answer_the_dump_signal(
+    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+) -> None:
     """No stack dump arrives (the signal is ignored): one hang report per rank, not a loop of them."""
     deaf = py("import signal, time; signal.signal(signal.SIGURG, signal.SIG_IGN); time.sleep(30)")
     sup = make([spec(r, deaf, tmp_path) for r in range(2)], hang_timeout=0.3, dump_wait=0.3)
@@ -502,8 +545,12 @@ def test_ranks_that_never_answer_the_dump_signal(make: Callable[..., Supervisor]
 
 def test_start_failure_cleans_up(make: Callable[..., Supervisor], tmp_path: Path) -> None:
     """A rank that cannot be started: start() raises, the ranks already started are ended."""
-    sup = make([spec(0, py("import time; time.sleep(30)"), tmp_path),
-                spec(1, [str(tmp_path / "no-such-program")], tmp_path)])
+    sup = make(
+        [
+            spec(0, py("import time; time.sleep(30)"), tmp_path),
+            spec(1, [str(tmp_path / "no-such-program")], tmp_path),
+        ]
+    )
     with pytest.raises(FileNotFoundError):
         sup.start()
     pid = sup.workers[0].pid
@@ -534,7 +581,8 @@ def test_abort_from_another_thread_fails_the_run(make: Callable[..., Supervisor]
 
 
 def test_root_cause_is_first_in_time_even_when_a_later_failure_is_reaped_first(
-        make: Callable[..., Supervisor], tmp_path: Path) -> None:
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     """The real cause (rank 0 raised first) is still finishing when a rank hit by it exits; after
     teardown the report names the first failure in time, not the first one reaped."""
     cause = py(f"""
@@ -568,8 +616,9 @@ def test_root_cause_is_first_in_time_even_when_a_later_failure_is_reaped_first(
     assert_gone(pids)
 
 
-def test_a_long_line_without_newline_reaches_the_sink(make: Callable[..., Supervisor],
-                                                      tmp_path: Path) -> None:
+def test_a_long_line_without_newline_reaches_the_sink(
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     seen: list[bytes] = []
 
     class Sink:
@@ -590,8 +639,14 @@ def test_a_long_line_without_newline_reaches_the_sink(make: Callable[..., Superv
 def test_a_failure_that_only_saw_a_peer_die_is_not_the_root_cause() -> None:
     """Rank 0's collective failed because rank 1 died (the OOM killer): rank 1 is the root cause even
     when rank 0's exit was reaped first; a peer-closed error alone stays the root cause."""
-    cut_off = WorkerFailure(rank=0, local_rank=0, pid=10, exit_code=1, error_type="RuntimeError",
-                            message="[pair.cc:553] Connection closed by peer [127.0.0.1]:15502. GLHF!")
+    cut_off = WorkerFailure(
+        rank=0,
+        local_rank=0,
+        pid=10,
+        exit_code=1,
+        error_type="RuntimeError",
+        message="[pair.cc:553] Connection closed by peer [127.0.0.1]:15502. GLHF!",
+    )
     killed = WorkerFailure(rank=1, local_rank=1, pid=11, signal="SIGKILL")
     assert RunResult(RunStatus.FAILED, [cut_off, killed]).root_cause is killed
     assert RunResult(RunStatus.FAILED, [killed, cut_off]).root_cause is killed
@@ -601,8 +656,9 @@ def test_a_failure_that_only_saw_a_peer_die_is_not_the_root_cause() -> None:
 
 
 @pytest.mark.parametrize("ours", [True, False], ids=["then-ours", "alone"])
-def test_a_rank_killed_by_an_outside_sigterm_waits_for_ours(make: Callable[..., Supervisor], tmp_path: Path,
-                                                            ours: bool) -> None:
+def test_a_rank_killed_by_an_outside_sigterm_waits_for_ours(
+    make: Callable[..., Supervisor], tmp_path: Path, ours: bool
+) -> None:
     """SLURM's scancel signals every process of the step, a rank sometimes before its launcher: the
     run is interrupted, not failed. A rank SIGTERMed by someone else, with no stop signal for us,
     fails (named) once the short race window has passed."""

@@ -9,8 +9,10 @@ from multigpu.contract.errors import WorkerFailure
 from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.supervisor.oom import MemoryCgroup, OomWatch, kernel_kill_rss, size
 
-KMSG = ("6,1,1,-;Out of memory: Killed process 4242 (python) total-vm:2000000kB, anon-rss:589500kB, "
-        "file-rss:0kB, shmem-rss:12kB, UID:0 pgtables:1200kB oom_score_adj:0\n")
+KMSG = (
+    "6,1,1,-;Out of memory: Killed process 4242 (python) total-vm:2000000kB, anon-rss:589500kB, "
+    "file-rss:0kB, shmem-rss:12kB, UID:0 pgtables:1200kB oom_score_adj:0\n"
+)
 
 
 def test_the_kernels_line_gives_the_killed_process_resident_memory(tmp_path: Path) -> None:

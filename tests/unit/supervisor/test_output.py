@@ -76,8 +76,10 @@ def run_to_end(sup: Supervisor) -> RunStatus:
 # ---- pure pieces ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("line", "shown"), [(b"plain", b"plain"), (b"\r10%\r20%", b"20%"),
-                                             (b"done\r\n"[:-1], b"done"), (b"\r\r", b"")])
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [(b"plain", b"plain"), (b"\r10%\r20%", b"20%"), (b"done\r\n"[:-1], b"done"), (b"\r\r", b"")],
+)
 def test_display_text_is_what_a_terminal_leaves(line: bytes, shown: bytes) -> None:
     assert display_text(line) == shown
 
@@ -224,8 +226,9 @@ def test_prefixed_console_redraws_a_bar_in_place_on_a_terminal() -> None:
 
 
 @pytest.mark.integration
-def test_stream_files_get_exactly_their_streams_bytes(make: Callable[..., Supervisor],
-                                                      tmp_path: Path) -> None:
+def test_stream_files_get_exactly_their_streams_bytes(
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     argv = py("""
         import sys
         sys.stdout.write('out-1\\nout-2 no newline'); sys.stdout.flush()
@@ -233,8 +236,15 @@ def test_stream_files_get_exactly_their_streams_bytes(make: Callable[..., Superv
     """)
     files = {"stdout": tmp_path / "0" / "stdout.log", "stderr": tmp_path / "0" / "stderr.log"}
     sink = Sink()
-    spec = WorkerSpec(rank=0, local_rank=0, argv=argv, env=clean_env(), log_path=tmp_path / "rank_0.log",
-                      stream_files=files, console_streams=frozenset({"stderr"}))
+    spec = WorkerSpec(
+        rank=0,
+        local_rank=0,
+        argv=argv,
+        env=clean_env(),
+        log_path=tmp_path / "rank_0.log",
+        stream_files=files,
+        console_streams=frozenset({"stderr"}),
+    )
     sup = make([spec], sink=sink)
     assert run_to_end(sup) is RunStatus.SUCCEEDED
     assert files["stdout"].read_bytes() == b"out-1\nout-2 no newline"
@@ -248,8 +258,9 @@ def test_stream_files_get_exactly_their_streams_bytes(make: Callable[..., Superv
 
 
 @pytest.mark.integration
-def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(make: Callable[..., Supervisor],
-                                                                 tmp_path: Path) -> None:
+def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(
+    make: Callable[..., Supervisor], tmp_path: Path
+) -> None:
     go = tmp_path / "go"
     argv = py(f"""
         import os, sys, time
@@ -275,13 +286,14 @@ def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(make: Callable[
 
 
 @pytest.mark.integration
-def test_a_rank_that_survives_sigkill_is_named_not_waited_on(make: Callable[..., Supervisor],
-                                                            tmp_path: Path, notes: list[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_that_survives_sigkill_is_named_not_waited_on(
+    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Uninterruptible sleep, simulated: SIGKILL does not reach the rank. The wait is bounded."""
     real = reaping.signal_group
-    monkeypatch.setattr(reaping, "signal_group",
-                        lambda pgid, sig: None if sig == signal.SIGKILL else real(pgid, sig))
+    monkeypatch.setattr(
+        reaping, "signal_group", lambda pgid, sig: None if sig == signal.SIGKILL else real(pgid, sig)
+    )
     monkeypatch.setattr(reaping, "KILL_WAIT_S", 0.3)
     argv = py("""
         import signal, time
@@ -325,11 +337,18 @@ def test_no_console_thread_outlives_its_writer() -> None:
 def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
     import subprocess
 
-    code = ("import os, sys\nfrom multigpu.console.writer import ensure_std_fds\nensure_std_fds()\n"
-            "r, w = os.pipe()\nprint(r, w, file=open('fds.txt', 'w'))\n")
+    code = (
+        "import os, sys\nfrom multigpu.console.writer import ensure_std_fds\nensure_std_fds()\n"
+        "r, w = os.pipe()\nprint(r, w, file=open('fds.txt', 'w'))\n"
+    )
     for closed in ("<&-", ">&-", "2>&-", "<&- >&- 2>&-"):
-        res = subprocess.run(["bash", "-c", f"exec {PYTHON} -c \"$0\" {closed}", code], cwd=tmp_path,
-                             env=clean_env(), capture_output=True, timeout=30)
+        res = subprocess.run(
+            ["bash", "-c", f'exec {PYTHON} -c "$0" {closed}', code],
+            cwd=tmp_path,
+            env=clean_env(),
+            capture_output=True,
+            timeout=30,
+        )
         assert res.returncode == 0, res.stderr
         assert min(int(x) for x in (tmp_path / "fds.txt").read_text().split()) > 2, closed
 
@@ -338,6 +357,7 @@ def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: py
     """Found under a full disk: the launcher's last lines came after a quiet spell longer than the stall
     limit, and close() took the idle console for a stalled one and dropped them."""
     from multigpu.console import writer as console
+
     now = [100.0]
     monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
     r, w = os.pipe()
@@ -353,7 +373,8 @@ def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: py
 
 
 def test_function_mode_console_never_splices_a_child_line_into_the_callers_half_printed_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Found in CI: rank 0 (the caller) printed "REPORT {...}" while a child's line arrived; print()
     writes the text and the newline separately, and the console's flush put the child's line between."""
     import io
@@ -377,7 +398,8 @@ def test_function_mode_console_never_splices_a_child_line_into_the_callers_half_
 
 @pytest.mark.parametrize("write_through", [True, False], ids=["unbuffered", "block-buffered"])
 def test_caller_lines_keep_the_callers_print_whole_when_its_stdout_is_unbuffered(
-        monkeypatch: pytest.MonkeyPatch, write_through: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, write_through: bool
+) -> None:
     """Found in CI (PYTHONUNBUFFERED=1): print()'s text and newline were two writes to the descriptor,
     and a child's line from the watcher thread landed between them. A block-buffered stream has the
     same hole at its 8 KiB boundary. Under ``caller_lines`` only whole lines reach the descriptor."""

@@ -33,9 +33,13 @@ def spawned(code: str) -> AdoptedProcess:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("code", "expected"), [("import sys; sys.exit(3)", 3),
-                                                ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
-                                                 -signal.SIGTERM)])
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("import sys; sys.exit(3)", 3),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM),
+    ],
+)
 def test_an_adopted_child_reports_its_status_as_popen_would(code: str, expected: int) -> None:
     child = spawned(code)
     try:
@@ -63,13 +67,16 @@ def test_an_adopted_child_times_out_like_popen() -> None:
 
 
 def spec(rank: int, env: dict[str, str], mode: str = "script") -> WorkerSpec:
-    return WorkerSpec(rank=rank, local_rank=rank, env=env,
-                      argv=[sys.executable, "-m", "multigpu.rank", mode, "job.py"])
+    return WorkerSpec(
+        rank=rank, local_rank=rank, env=env, argv=[sys.executable, "-m", "multigpu.rank", mode, "job.py"]
+    )
 
 
 def test_the_template_gets_what_every_rank_shares() -> None:
-    specs = [spec(0, {"RANK": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"}),
-             spec(1, {"RANK": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin", "ONLY": "1"})]
+    specs = [
+        spec(0, {"RANK": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"}),
+        spec(1, {"RANK": "1", "OMP_NUM_THREADS": "1", "PATH": "/bin", "ONLY": "1"}),
+    ]
     assert shared_env(specs) == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
 
 
@@ -119,8 +126,13 @@ with open("fds.json", "w") as out:  # stdout and stderr are pipes nobody reads n
 
 @pytest.mark.integration
 def test_a_forked_rank_keeps_exactly_its_descriptors(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(PLACE)], capture_output=True, timeout=30,
-                         pass_fds=(), cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PLACE)],
+        capture_output=True,
+        timeout=30,
+        pass_fds=(),
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     fds = {int(k): v for k, v in json.loads((tmp_path / "fds.json").read_text()).items()}
     assert set(fds) == {0, 1, 2, 9}  # listdir's own descriptor is closed by now
@@ -131,7 +143,8 @@ def test_a_forked_rank_keeps_exactly_its_descriptors(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("code", "status"), [(None, 0), (0, 0), (3, 3), (256 + 7, 7), ("bye", 1)])
 def test_a_forked_rank_ends_with_the_status_a_fresh_interpreter_would(
-        code: object, status: int, capsys: pytest.CaptureFixture[str]) -> None:
+    code: object, status: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert exit_code(SystemExit(code)) == status
     if isinstance(code, str):
         assert capsys.readouterr().err == "bye\n"
@@ -176,8 +189,13 @@ print(json.dumps({"launcher": os.getpid(), **answer}))
 def test_a_forked_rank_is_told_its_middle_process_by_the_middle_itself(tmp_path: Path) -> None:
     """Read by the rank, the middle's pid was the launcher's whenever the middle exited first, and
     the rank then waited 5 s for a re-parenting that had already happened."""
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(FORK)], capture_output=True, text=True,
-                         timeout=30, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORK)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     launcher = json.loads(res.stdout)
     rank = json.loads((tmp_path / "rank.json").read_text())
