@@ -31,6 +31,7 @@ from multigpu.function import launcher_handle, rank_call
 from multigpu.function.launch_config import launch_config
 from multigpu.function.launch_errors import failure_of
 from multigpu.function.launcher_handle import launcher
+from multigpu.function.prepare import write_private
 
 PAYLOAD_DIR = ".multigpu"
 RESULTS_DIR = "results"
@@ -80,14 +81,14 @@ class Launch:
         self.config: RunConfig = dataclasses.replace(config, target=str(payload))
         self.results = out / RESULTS_DIR
         self.results.mkdir(parents=True, exist_ok=True)
-        payload.parent.mkdir(exist_ok=True)
         preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
-        payload.write_bytes(
-            pickle.dumps(preparation) + pickle.dumps((rank_call.call_in_rank, (blob, str(self.results))))
+        write_private(
+            payload,
+            pickle.dumps(preparation) + pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))),
         )
         self.request = out / PAYLOAD_DIR / "request.pkl"
-        self.request.write_bytes(
-            pickle.dumps({"config": self.config, "env": dict(os.environ), "cwd": os.getcwd()})
+        write_private(
+            self.request, pickle.dumps({"config": self.config, "env": dict(os.environ), "cwd": os.getcwd()})
         )
 
     def wait(self) -> list[Any]:

@@ -145,16 +145,23 @@ def _pickled(obj: Any, what: str) -> bytes:
         ) from None
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """``data`` in a new file only this user can read (0600), in a folder made 0700: a payload is code
+    the ranks run (each checks the mode before loading it: ``rank/bootstrap.open_payload``), a launch
+    request holds the caller's environment. One left by an earlier run is removed, never reused."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    with os.fdopen(create_new(path, 0o600), "wb") as f:
+        f.write(data)
+
+
 def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any, ...]) -> Path:
     """The payload every child loads, and the hyper-parameters as OTX writes them. The payload is code
     the ranks run: it is created anew, 0600, and each rank checks that before loading it
     (``rank/bootstrap.py``)."""
     payload = prepared.output_dir / PAYLOAD_DIR / "payload.pkl"
-    data = prepared.preparation + _pickled((child, args), "train_func's arguments")
-    with contextlib.suppress(FileNotFoundError):
-        payload.unlink()  # one left by a run before: made anew, 0600, never reused as it is
-    with os.fdopen(create_new(payload, 0o600), "wb") as f:
-        f.write(data)
+    write_private(payload, prepared.preparation + _pickled((child, args), "train_func's arguments"))
     if prepared.hyper_parameters:
         (prepared.output_dir / HPO_FILE).write_text(
             json.dumps(prepared.hyper_parameters, indent=2, default=str)

@@ -277,6 +277,8 @@ def test_a_published_abort_wakes_every_blocked_waiter_and_the_earliest_failure_w
     assert record["rank"] == 1, "the earliest failure stands, whichever wrote last"
     abort_reads = [arg for name, arg in store.log if name == "check" and arg == [jobs[0].key("abort")]]
     assert len(abort_reads) <= 6, "the waiters read the record when woken, not once per beat"
+    for thread in (t for m in monitors for t in m._threads):  # stop() waits one beat; a loaded machine
+        thread.join(5.0)  # may take longer to schedule the thread's exit: bounded, not slept for
     assert not any(t.is_alive() for m in monitors for t in m._threads)
 
 
