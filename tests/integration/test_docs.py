@@ -390,6 +390,7 @@ def python_cells(page: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", (DOCS / page).read_text(), flags=re.S | re.M)
 
 
+@pytest.mark.matrix  # a real kernel: the heavy tier after the suite (scripts/fault_matrix.sh)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("page", NOTEBOOK_PAGES)
 def test_notebook_page_runs_in_a_kernel(page: str, tmp_path: Path) -> None:

@@ -169,9 +169,17 @@ class Supervisor:
     def _read_beats(self, worker: Worker) -> None:
         kinds = read_beats(worker, self._events, self.progress, self._clock)
         if "failing" in kinds and self._stops.signal is None:
-            mute_all_but(self.workers, worker)
+            self._mute_others(worker)
         if "failing" in kinds and self.hooks.on_failing is not None:
             self.hooks.on_failing(worker)
+
+    def _mute_others(self, failed: Worker) -> None:
+        """The others' output from here on is a consequence, for their logs only; what their pipes hold
+        already was written before the failure was seen, and shows (a line is never lost to the order
+        in which the loop read the pipes)."""
+        others = [w for w in self.workers if w is not failed and not w.lines.muted]
+        self._output.drain(s for w in others for s in self._output.of(w))
+        mute_all_but(self.workers, failed)
 
     def reap(self, worker: Worker) -> None:
         """Collect a rank that exited and judge its exit (``exits.settle``)."""
@@ -209,7 +217,7 @@ class Supervisor:
         )
         if failure is not None:
             self._outcome.failures.append(failure)
-            mute_all_but(self.workers, worker)
+            self._mute_others(worker)
         elif worker.state is WorkerState.SUCCEEDED and not (self._closing or interrupted):
             self.progress.finished(worker.rank, self._clock())
         self._news.changed(worker)

@@ -25,7 +25,12 @@ import pytest
 
 from helpers import assert_gone, clean_env, free_port, write_script
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.matrix,
+]  # the heavy tier
 
 ROOT = Path(__file__).resolve().parents[3]
 LAUNCHERS = {

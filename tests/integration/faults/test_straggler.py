@@ -13,7 +13,12 @@ import pytest
 
 from helpers import run_cli, write_script
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.matrix,
+]  # the heavy tier
 
 JOB = """
 import random, sys, time

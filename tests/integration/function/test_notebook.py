@@ -17,7 +17,11 @@ import pytest
 from helpers import assert_gone, clean_env, pids_in
 from notebook_kernel import Kernel
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.matrix,
+]  # heavy: the tier after the suite
 
 DEFINE = """
 import os, time
