@@ -153,7 +153,7 @@ class Supervisor:
             elif kind == "exit":
                 self.reap(obj)
             elif kind == "control":
-                answer(obj, self.workers, self.dump_stacks, self.progress, self._clock())
+                answer(obj, self.workers, self._dump_for_a_request, self.progress, self._clock())
             else:
                 self._read_beats(obj)
         for worker in reaping.unwatched_exits(self.workers):
@@ -273,8 +273,16 @@ class Supervisor:
 
     # ---- teardown ----------------------------------------------------------------------------------
 
-    def dump_stacks(self, workers: Sequence[Worker] | None = None) -> DumpRequest | None:
-        """Ask live ranks for their Python stacks (to their logs) and flight records; wait briefly."""
+    def _dump_for_a_request(self, workers: Sequence[Worker]) -> DumpRequest | None:
+        """``multigpu stacks`` from another shell: the job goes on, its console too."""
+        return self.dump_stacks(workers, goes_on=True)
+
+    def dump_stacks(
+        self, workers: Sequence[Worker] | None = None, *, goes_on: bool = False
+    ) -> DumpRequest | None:
+        """Ask live ranks for their Python stacks (to their logs) and flight records; wait briefly.
+        Their consoles are muted meanwhile; after a hang or a failure they stay muted (what follows is
+        the teardown's consequence), but when the job ``goes_on`` they show again."""
         targets = [w for w in (workers or self.workers) if w.alive and w.pid is not None]
         if not targets:
             return None
@@ -282,7 +290,7 @@ class Supervisor:
         while not request.done():
             self.turn(request.next_check_in())
         self._output.drain(s for w in targets for s in self._output.of(w))  # a beat can pass its stacks
-        request.finish()
+        request.finish(unmute=goes_on)
         return request
 
     def close(

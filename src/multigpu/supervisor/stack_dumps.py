@@ -51,6 +51,7 @@ class DumpRequest:
         ]
         self.recording = [w for w in self._answering if w.spec.env[FR_DUMP_ENV]]
         self._quiet = [w for w in self.targets if w not in self._answering]
+        self._was_muted = {w.rank: w.lines.muted for w in self.targets}
         for w in self.targets:
             w.dumps.capture, w.dumps.recorded, w.dumps.stacked = [], False, False
             w.lines.muted = True  # the stacks go to the log; the report shows them where they are the point
@@ -94,9 +95,13 @@ class DumpRequest:
             self._activity[w.rank] = w.lines.last_at
             _send(w, DUMP_SIGNAL)
 
-    def finish(self) -> None:
+    def finish(self, *, unmute: bool) -> None:
+        """Keep what each rank answered; ``unmute``: the job goes on (``multigpu stacks`` from another
+        shell), so each rank's console shows again as it did before the request."""
         for w in self.targets:
             w.dumps.stacks, w.dumps.capture = w.dumps.capture or [], None
+            if unmute:
+                w.lines.muted = self._was_muted[w.rank]
 
 
 def _send(worker: Worker, signum: int) -> None:

@@ -153,10 +153,15 @@ def test_the_timeline_draws_every_rank_in_a_real_browser(restarted_run: Path, tm
 LONG = """
     import os, pathlib, time, multigpu
     print(f"pid={os.getpid()}", flush=True)
+    rank, spoke = os.environ["RANK"], False
     for step in range(100000):
         multigpu.heartbeat(step=step)
         if step == 3:
-            pathlib.Path(f"ready_{os.environ['RANK']}").touch()
+            pathlib.Path(f"ready_{rank}").touch()
+        if not spoke and os.path.exists("speak"):  # a line written after the test's request
+            print(f"rank {rank} still speaks", flush=True)
+            pathlib.Path(f"spoke_{rank}").touch()
+            spoke = True
         time.sleep(0.02)
 """
 
@@ -184,12 +189,18 @@ def test_stacks_and_status_from_another_shell_leave_the_job_running(tmp_path: Pa
         assert stacks.stdout.count('job.py", line') == 2 and "rank 1 (pid" in stacks.stdout
         assert "_answer_dumps" not in stacks.stdout and "multigpu threads ..." in stacks.stdout
         assert proc.poll() is None, "asking must not stop the job"
+        (tmp_path / "speak").touch()
+        while not all((tmp_path / f"spoke_{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline + 60 and proc.poll() is None, "the ranks stopped"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        console, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+    # the job's console shows its ranks again once their stacks are taken
+    assert "rank 0 still speaks" in console and "rank 1 still speaks" in console, console
     after = run_cli(["status", str(out)], cwd=tmp_path)
     assert after.returncode == 2 and "is not running (interrupted)" in after.stderr
     data = json.loads((out / "run.json").read_text())
