@@ -251,7 +251,18 @@ def work(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("line", MATRIX, ids=[line.name for line in MATRIX])
+SUITE_LINES = frozenset({"torchtitan", "no-python", "k8s-pet-env", "elastic-quickstart"})
+"""The lines the README's suite runs, one per way of starting (``-m`` with --tee/--role/--local-ranks-filter
+and c10d on port 0; --no-python; a PET_* environment over two static nodes; c10d over two nodes); the
+others run in the heavy tier (scripts/fault_matrix.sh), so the suite stays under 8 minutes."""
+
+
+def _tier(line: Line) -> object:
+    marks = [] if line.name in SUITE_LINES else [pytest.mark.matrix]
+    return pytest.param(line, id=line.name, marks=marks)
+
+
+@pytest.mark.parametrize("line", [_tier(line) for line in MATRIX])
 def test_line_runs_the_same_under_both_launchers(line: Line, work: Path) -> None:
     started = time.monotonic()
     ports = [str(free_port())]
