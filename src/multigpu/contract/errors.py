@@ -87,12 +87,19 @@ def subject_without_rank(kind: FailureKind | None) -> Subject:
 _KINDS = {kind.value: kind for kind in FailureKind}
 
 
-def _as_kind(error_type: str | None) -> str | None:
-    """``error_type`` as its ``FailureKind`` when it names one (a record read back, or a plain string),
-    else as it is: an exception's type name, or None."""
-    if not isinstance(error_type, str) or isinstance(error_type, FailureKind):
-        return error_type  # None, a kind, or what a garbled record holds: kept as it is
-    return _KINDS.get(error_type, error_type)
+def _read_kind(data: dict[str, Any], rank: int) -> str | None:
+    """A record's ``error_type`` read back. A record that names no rank (a node, the store, the job)
+    holds a ``FailureKind`` there: every such record is the launcher's. A rank's record holds the type
+    name of the exception it raised, which may be called ``Hang`` or ``Interrupted`` too; the launcher
+    marks its own kinds on a rank (a hang, a file timer's kill) with a ``kind`` key, so a user's
+    exception is never taken for one."""
+    error_type = data.get("error_type")
+    if error_type is None and isinstance(data.get("type"), str):
+        error_type = data["type"]  # the bootstrap's older key
+    if not isinstance(error_type, str):
+        return None if error_type is None else str(error_type)
+    named = error_type if rank == NO_RANK else data.get("kind")
+    return _KINDS.get(named, error_type) if isinstance(named, str) else error_type
 
 
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer")
@@ -159,7 +166,7 @@ class WorkerFailure:
     node: int = 0
     error_type: str | None = None
     """The type name of the exception a rank raised ("ValueError"), or the ``FailureKind`` the launcher
-    named the failure with (``kind``); a kind's name given as a plain string is taken as the kind."""
+    named the failure with (``kind``): only a ``FailureKind`` is a kind, never a plain string."""
     message: str | None = None
     traceback: str | None = None
     time: float | None = None
@@ -169,9 +176,6 @@ class WorkerFailure:
     """Who sent the signal, where the launcher could tell: "the kernel's OOM killer (resident ...)"."""
     subject: Subject = Subject.RANK
     """Whom the failure is about; never written: a record says it by its rank and kind (``to_dict``)."""
-
-    def __post_init__(self) -> None:
-        self.error_type = _as_kind(self.error_type)
 
     @property
     def kind(self) -> FailureKind | None:
@@ -250,6 +254,8 @@ class WorkerFailure:
             data.update(rank=NO_RANK, local_rank=NO_RANK)
         if self.kind is not None:
             data["error_type"] = self.kind.value
+            if self.subject is Subject.RANK:  # a rank's own exception could have the kind's name
+                data["kind"] = self.kind.value
         if log_tail_lines is not None:
             data["log_tail"] = data["log_tail"][-log_tail_lines:] if log_tail_lines else []
         return data
@@ -259,15 +265,13 @@ class WorkerFailure:
         """Tolerant of missing keys and of the bootstrap's older ``type`` key: records cross versions."""
         known = {f.name for f in fields(cls)} - {"subject"}
         values = {k: v for k, v in data.items() if k in known}
-        if values.get("error_type") is None and isinstance(data.get("type"), str):
-            values["error_type"] = data["type"]
         for key in ("rank", "local_rank"):
             values[key] = _int_or(values.get(key), NO_RANK)
         values["node"] = _int_or(values.get("node"), 0)
         values["pid"] = _int_or(values.get("pid"), None)
         values["log_tail"] = [str(line) for line in values.get("log_tail") or []]
-        error_type = _as_kind(values.get("error_type"))
-        return cls(**values, subject=_subject_of(values["rank"], error_type))
+        values["error_type"] = _read_kind(data, values["rank"])
+        return cls(**values, subject=_subject_of(values["rank"], values["error_type"]))
 
     @classmethod
     def from_exit(

@@ -151,8 +151,33 @@ def test_an_older_launcher_s_records_read_to_the_same_subjects_and_kinds() -> No
     assert old(-1, -1, "MembershipChange").subject is Subject.JOB
     assert old(-1, 1, "Hang").subject is Subject.NODE
     assert old(-1, 0, None).subject is Subject.JOB  # a record that names no rank (torch's @record)
-    assert old(0, 0, "Hang").subject is Subject.RANK and old(0, 0, "Hang").kind is FailureKind.HANG
+    # a rank's record names the launcher's kind in its "kind" key; without it, "Hang" is what it raised
+    assert old(0, 0, "Hang", kind="Hang").subject is Subject.RANK
+    assert old(0, 0, "Hang", kind="Hang").kind is FailureKind.HANG
+    assert old(0, 0, "Hang").kind is None and old(0, 0, "Hang").error_type == "Hang"
     assert old(4, 1, "OSError").kind is None and old(4, 1, "OSError").subject is Subject.RANK
     assert old(-1, 1, "Interrupted", signal="SIGINT").describe() == (
         "node 1 was stopped: its launcher received SIGINT"
     )
+
+
+@pytest.mark.parametrize("name", [kind.value for kind in FailureKind])
+def test_a_ranks_exception_named_like_a_kind_stays_the_ranks_own(name: str) -> None:
+    """A user's ``class Hang(Exception)`` (or ``Interrupted``, ``NodeLost`` ...) raised in a rank is that
+    rank's exception, in memory and read back from its record: never the launcher's kind, which would
+    stop restarts and keep the failure from the other nodes (found by review)."""
+    own = type(name, (Exception,), {})
+    try:
+        raise own("the user's")
+    except Exception as exc:
+        failure = WorkerFailure.from_exception(exc, {"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"})
+    back = WorkerFailure.from_dict(json.loads(json.dumps(failure.to_dict())))
+    for record in (failure, back):
+        assert record.kind is None and record.error_type == name and record.subject is Subject.RANK
+    assert "kind" not in failure.to_dict()
+
+
+def test_the_launchers_kind_on_a_rank_reads_back_as_the_kind() -> None:
+    hung = WorkerFailure(rank=1, local_rank=1, pid=7, error_type=FailureKind.HANG, message="no progress")
+    back = WorkerFailure.from_dict(json.loads(json.dumps(hung.to_dict())))
+    assert back.kind is FailureKind.HANG and back.subject is Subject.RANK and back.to_dict() == hung.to_dict()

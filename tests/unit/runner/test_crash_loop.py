@@ -46,7 +46,9 @@ def test_failures_that_name_no_place_have_no_signature() -> None:
     assert signature(failure(frames=())) is None
     killed = WorkerFailure(rank=0, local_rank=0, pid=1, signal="SIGKILL")
     dump = 'Thread 0x1 (most recent call first):\n  File "/w/train.py", line 9 in f\n'  # faulthandler's
-    hung = WorkerFailure(rank=0, local_rank=0, pid=1, error_type="Hang", message="stuck", traceback=dump)
+    hung = WorkerFailure(
+        rank=0, local_rank=0, pid=1, error_type=FailureKind.HANG, message="stuck", traceback=dump
+    )
     assert signature(killed) is None and signature(hung) is None
 
 
