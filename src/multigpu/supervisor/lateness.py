@@ -23,6 +23,7 @@ Runs in the launcher (and function mode's caller), inside ``hang.ProgressBook``;
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from collections.abc import Mapping
@@ -86,17 +87,37 @@ def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = No
     window = sorted(k for k in common if k > WARMUP)[-WINDOW:]
     if len(window) < MIN_COLLECTIVES:
         return None
+    ranks = list(entries)
+    each: dict[int, list[float]] = {r: [] for r in ranks}
+    medians = []
+    for k in window:  # one sort per collective: O(W R log R), not a median of the others per rank
+        column = sorted(entries[r][k] for r in ranks)
+        medians.append(statistics.median(column))
+        for r in ranks:
+            mine = entries[r][k]
+            each[r].append(mine - _median_without(column, mine))
     late, halves = {}, {}
-    for r, mine in entries.items():
-        others = [times for q, times in entries.items() if q != r]
-        each = [mine[k] - statistics.median(t[k] for t in others) for k in window]
-        late[r] = statistics.median(each)
-        halves[r] = abs(statistics.median(each[: len(each) // 2]) - statistics.median(each[len(each) // 2 :]))
+    for r, diffs in each.items():
+        late[r] = statistics.median(diffs)
+        halves[r] = abs(
+            statistics.median(diffs[: len(diffs) // 2]) - statistics.median(diffs[len(diffs) // 2 :])
+        )
     if step is None:
-        step = step_from_entries([statistics.median(t[k] for t in entries.values()) for k in window])
+        step = step_from_entries(medians)
     if step is None or max(halves.values()) > step or max(map(abs, late.values())) > ALIGNED * step:
         return None  # the ranks' indices do not name the same collectives
     return Lateness(late, step, len(window))
+
+
+def _median_without(column: list[float], value: float) -> float:
+    """The median of sorted ``column`` with one occurrence of ``value`` left out: the others' median."""
+    gone = bisect.bisect_left(column, value)
+    n = len(column) - 1
+
+    def at(j: int) -> float:
+        return column[j if j < gone else j + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 @dataclass
@@ -126,10 +147,14 @@ class LatenessWatch:
     threshold: float
     entries: dict[int, dict[int, float]] = field(default_factory=dict)
     straggles: dict[int, list[Straggle]] = field(default_factory=dict)
+    _noted: int = 0
+    _judged: int = -1
+    """Entry times noted in all, and at the last judgement: with nothing new, nothing to judge again."""
 
     def note(self, rank: int, index: int, when: float) -> None:
         if self.threshold <= 0:
             return
+        self._noted += 1
         times = self.entries.setdefault(rank, {})
         times[index] = when
         if len(times) > KEEP:
@@ -140,10 +165,12 @@ class LatenessWatch:
     ) -> list[tuple[int, str]]:
         """Judge the running ranks' latest collectives; the lines to say (rank, line): a straggler
         found, or one no longer."""
+        if self._noted == self._judged:
+            return []  # the same entries judge the same: nothing to say again
+        self._judged = self._noted
         here = {r: self.entries[r] for r in running if r in self.entries}
-
         steps = [m for r in running if (m := ranks[r].median_interval()) is not None]
-        found = lateness(here, statistics.median(steps) if steps else None) if self.threshold > 0 else None
+        found = lateness(here, statistics.median(steps) if steps else None)
         if found is None:
             return []
         lines = []

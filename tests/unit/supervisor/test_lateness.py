@@ -15,7 +15,7 @@ import pytest
 
 from multigpu.contract.beats import Beat, BeatDecoder
 from multigpu.supervisor.hang import HangPolicy, ProgressBook
-from multigpu.supervisor.lateness import Lateness, lateness, step_from_entries
+from multigpu.supervisor.lateness import Lateness, LatenessWatch, _median_without, lateness, step_from_entries
 
 Work = Callable[[int, int, random.Random], float]
 """(rank, collective index, random) -> the rank's seconds of work before it enters that collective."""
@@ -228,3 +228,33 @@ def test_a_rank_three_times_slower_is_still_judged() -> None:
         }
     )
     assert found is not None and found.late[1] == pytest.approx(0.1, abs=0.006)
+
+
+def test_the_others_median_from_one_sorted_column_is_the_median_of_the_others() -> None:
+    """``lateness`` sorts each collective's entry times once and leaves each rank out of that column;
+    the result equals the plain median of the other ranks', ties and odd or even counts included."""
+    import statistics
+
+    rng = random.Random(7)
+    for size in range(2, 12):
+        for _ in range(50):
+            values = [rng.choice((0.0, 0.5, 1.0, rng.random())) for _ in range(size)]
+            column = sorted(values)
+            for i, mine in enumerate(values):
+                others = values[:i] + values[i + 1 :]
+                assert _median_without(column, mine) == statistics.median(others)
+
+
+def test_nothing_new_is_not_judged_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop asks every second; with no entry time noted since, the judgement is not redone."""
+    import multigpu.supervisor.lateness as module
+
+    calls: list[int] = []
+    monkeypatch.setattr(module, "lateness", lambda *a, **k: calls.append(1))
+    watch = LatenessWatch(threshold=0.2)
+    watch.note(0, 1, 1.0)
+    watch.check({}, [], 0.0)
+    watch.check({}, [], 1.0)
+    watch.note(0, 2, 2.0)
+    watch.check({}, [], 2.0)
+    assert len(calls) == 2
