@@ -36,6 +36,8 @@ from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.states import RunResult, RunStatus
 
 POLL_S = 1.0
+JOIN_S = 2 * POLL_S
+"""How long the end of an attempt waits for the watch thread: a poll and its store call, normally."""
 
 
 class _Target(Protocol):
@@ -109,7 +111,9 @@ class PreemptWatch:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
         if self._thread is not None:
-            self._thread.join()
+            # bounded: the thread may be inside a store call over a cut link, which has no time-out;
+            # it is a daemon, left behind as ``FateMonitor.stop`` leaves its own
+            self._thread.join(JOIN_S)
             self._thread = None
 
     def close(self) -> None:

@@ -48,8 +48,10 @@ class StopRequests:
         self._wake()
 
     def seen(self) -> bool:
-        """A stop signal came: handled, or recorded by the handler and not yet handled."""
-        return self.signal is not None or any(sig in STOP_SIGNALS for sig, _ in self._queue)
+        """A stop signal came: handled, or recorded by the handler and not yet handled. The queue is
+        copied first, in one C call: a handler (or another thread) appending while a Python loop
+        iterates it would raise "deque mutated during iteration" in the supervisor's loop."""
+        return self.signal is not None or any(sig in STOP_SIGNALS for sig, _ in list(self._queue))
 
     def take(self, closing: bool) -> list[int]:
         """Handle what was recorded; the signals that are not stop signals, for the ranks."""
