@@ -22,6 +22,8 @@ CHAINED = (
     b"During handling of the above exception, another exception occurred:",
     b"The above exception was the direct cause of the following exception:",
 )
+CPP_STACK_MARK = b"Exception raised from "
+"""What every line that begins a C++ backtrace holds (``CPP_STACK_HEAD``), found without a regex."""
 CPP_STACK_HEAD = re.compile(rb"Exception raised from (?P<where>\S+) at .*\(most recent call first\):\s*$")
 CPP_STACK_LINE = re.compile(rb"^\s*(frame #\d+: |<omitting python frames>)")
 
@@ -34,6 +36,8 @@ class CppStacks:
         self.inside = False
 
     def feed(self, lines: list[bytes]) -> list[bytes]:
+        if not self.inside and not any(CPP_STACK_MARK in line for line in lines):
+            return lines  # every line a rank writes passes here: no regex unless a stack begins
         shown: list[bytes] = []
         for line in lines:
             text = TORCH_RANK_PREFIX.sub(b"", line, count=1)

@@ -72,7 +72,7 @@ class PrefixedConsole:
             return
         fd = 2 if stream == "stderr" else 1
         p = self.prefix(worker)
-        data = b"".join(p + line + b"\n" for line in lines)
+        data = p + (b"\n" + p).join(lines) + b"\n"
         bar = self._bars.get(fd)
         if bar is not None:
             owner, drawn = bar

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
 
 READ_SIZE = 1 << 16
+DRAIN_READS = 16
+"""Reads of ``READ_SIZE`` per pipe in one drain: 1 MiB, the most a Linux pipe holds unless raised."""
 MAX_PENDING = 64 << 20
 """An unfinished line longer than this is passed on as a line: memory stays bounded, the log exact."""
 TAIL_LINE_CHARS = 4000
@@ -199,10 +201,12 @@ class WorkerOutput:
         return self._read_once(stream) >= 0
 
     def drain(self, streams: Iterable[Stream]) -> None:
-        """Read what the pipes hold right now, without waiting (a grandchild may keep them open)."""
+        """Read what the pipes hold right now, without waiting (a grandchild may keep them open), at
+        most a full pipe's worth each: a rank that writes faster than this reads cannot hold it."""
         for stream in list(streams):
-            while stream.fd in self.streams and self._read_once(stream) > 0:
-                pass
+            for _ in range(DRAIN_READS):
+                if stream.fd not in self.streams or self._read_once(stream) <= 0:
+                    break
 
     def take(self, stream: Stream, events: Events) -> bool:
         """Read a ready pipe unless the console is full (``hold``); True when it was read. A pipe at

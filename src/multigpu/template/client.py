@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.environment import omp_threads, usable_cpu_count
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
@@ -184,8 +183,9 @@ def spawner_for(
     ``multigpu.launch`` (function mode), started.
 
     The template gets what every rank's environment shares that torch may read at import: the
-    launcher's environment, ``--env`` settings, and the ranks' default ``OMP_NUM_THREADS``. A rank
-    whose value differs still gets it (``pools.Pools.apply`` sizes its pools as torch would have).
+    launcher's environment and ``--env`` settings. Its own thread pools are held at one
+    (``pools.held``); each forked rank sizes them from its own ``OMP_NUM_THREADS``
+    (``pools.Pools.apply``), as torch would have at start.
     """
     use = config.supervision.template and config.start.run_mode == "python"
     why = "--no-python" if config.start.run_mode == "exec" else "--no-template"
@@ -194,7 +194,5 @@ def spawner_for(
     spawner = NodeSpawner(
         use_template=use, store=store, preload=config.supervision.preload, notify=notify, why_not=why
     )
-    env = {**base_env, **config.extra_env}
-    env.setdefault("OMP_NUM_THREADS", str(omp_threads(usable_cpu_count(), config.nproc)))
-    spawner.start(env)
+    spawner.start({**base_env, **config.extra_env})
     return spawner

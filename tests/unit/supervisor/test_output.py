@@ -426,3 +426,26 @@ def test_caller_lines_keep_the_callers_print_whole_when_its_stdout_is_unbuffered
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_drain_reads_a_pipe_that_never_empties_a_bounded_number_of_times(
+    make: Callable[..., Supervisor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failure the loop drains the others' pipes before muting them; a rank that writes faster
+    than the loop reads must not keep it there (found by review)."""
+    from multigpu.supervisor.output import DRAIN_READS
+
+    argv = py("import time; print('ready', flush=True); time.sleep(60)")
+    sup = make([WorkerSpec(rank=0, local_rank=0, argv=argv, env=clean_env())])
+    sup.start()
+    try:
+        output = sup._output
+        streams = list(output.of(sup.workers[0]))
+        reads: list[int] = []
+        monkeypatch.setattr(output, "_read_once", lambda stream: reads.append(stream.fd) or 1)  # never empty
+        output.drain(streams)
+        assert len(reads) == DRAIN_READS * len(streams) and streams
+    finally:
+        monkeypatch.undo()
+        sup.close()
+    assert_gone([p for p in [sup.workers[0].pid] if p is not None])
