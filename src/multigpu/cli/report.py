@@ -13,28 +13,65 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from multigpu.cli.run_parser import Parser
 from multigpu.contract.errors import MultiGPUError, UsageError
 from multigpu.record.report_page import find_run, page, table
 from multigpu.record.run_json import LOST, read_fate
 
+READ_KEYS = ("run_id", "status", "attempts")
+"""What every command here reads of a record; one without them is refused in one line."""
 
-def cmd_report(argv: Sequence[str]) -> int:
-    import argparse
 
-    parser = argparse.ArgumentParser(
-        prog="multigpu report",
-        description=(
-            "Where a run's time went: its incidents as a table, and report.html beside its run.json."
-        ),
-    )
+def read_runs(prog: str, description: str, argv: Sequence[str]) -> list[tuple[Path, dict[str, Any]]]:
+    """The records the command line names (``run_dir``, or the newest run here), read: a usage
+    mistake or a record that cannot be read is one line, never a traceback."""
+    parser = Parser(prog=prog, description=description)
     parser.add_argument(
         "run_dir", nargs="?", help="a run's output folder (default: the newest under ./multigpu_runs)"
     )
-    folder = find_run(parser.parse_args(argv).run_dir)
-    data = json.loads((folder / "run.json").read_text())
-    fate = read_fate(folder / "run.json", data)
-    print("\n".join(table(data)))
+    runs = []
+    for path in find_run(parser.parse_args(argv).run_dir):
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise MultiGPUError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise MultiGPUError(f"{path} is not a run record multigpu can read ({exc})") from None
+        missing = [key for key in READ_KEYS if not isinstance(data, dict) or key not in data]
+        if missing:
+            raise MultiGPUError(f"{path} is not a run record multigpu can read (no {', '.join(missing)})")
+        runs.append((path, data))
+    return runs
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    runs = read_runs(
+        "multigpu report",
+        "Where a run's time went: its incidents as a table, and report.html beside its run.json.",
+        argv,
+    )
+    code = 0
+    for path, data in runs:
+        if len(runs) > 1:
+            print(f"{path.name}:")
+        print("\n".join(table(data)))
+        _print_fate(path, data)
+        out = path.parent / ("report.html" if len(runs) == 1 else path.with_suffix(".html").name)
+        try:
+            out.write_text(page(data))
+        except OSError as exc:
+            print(f"multigpu: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+            code = 1
+            continue
+        print(f"timeline: {out}")
+    return code
+
+
+def _print_fate(path: Path, data: dict[str, Any]) -> None:
+    fate = read_fate(path, data)
     if fate is not None and fate.state != "alive":
         print(fate.line)
     elif data["status"] == LOST:
@@ -43,29 +80,29 @@ def cmd_report(argv: Sequence[str]) -> int:
             f"{LOST}: pid {launcher['pid']} on {launcher['host']} was found gone at "
             f"{launcher.get('lost_found_time_utc', '?')}; the record keeps what it last wrote"
         )
-    out = folder / "report.html"
-    out.write_text(page(data))
-    print(f"timeline: {out}")
-    return 0
 
 
 def cmd_ask(request: str, argv: Sequence[str]) -> int:
-    """``multigpu stacks`` / ``multigpu status``: ask a running launcher, from any shell of its user."""
-    import argparse
-
-    from multigpu.supervisor.control import ask
-
+    """``multigpu stacks`` / ``multigpu status``: ask a running launcher, from any shell of its user
+    (each node's launcher whose record is in the folder, for a job over several nodes)."""
     what = {
         "stacks": "every live rank's Python stacks, now, without stopping the job",
         "status": "one line per rank of a running job: its state, step and last progress",
     }[request]
-    parser = argparse.ArgumentParser(prog=f"multigpu {request}", description=f"Print {what}.")
-    parser.add_argument(
-        "run_dir", nargs="?", help="a run's output folder (default: the newest under ./multigpu_runs)"
-    )
-    folder = find_run(parser.parse_args(argv).run_dir)
-    data = json.loads((folder / "run.json").read_text())
-    fate = read_fate(folder / "run.json", data)
+    runs = read_runs(f"multigpu {request}", f"Print {what}.", argv)
+    code = 0
+    for path, data in runs:
+        if len(runs) > 1:
+            print(f"{path.name}:")
+        code = max(code, _ask_one(request, path, data))
+    return code
+
+
+def _ask_one(request: str, path: Path, data: dict[str, Any]) -> int:
+    from multigpu.supervisor.control import ask
+
+    folder = path.parent
+    fate = read_fate(path, data)
     if fate is not None and fate.state != "alive":
         raise MultiGPUError(
             f"run {data['run_id']}: {fate.line}; multigpu report {folder} says what it last recorded"
@@ -77,7 +114,7 @@ def cmd_ask(request: str, argv: Sequence[str]) -> int:
             f"{folder} says what happened"
         )
     try:
-        text = ask(name, request, owner=(folder / "run.json").stat().st_uid)
+        text = ask(name, request, owner=path.stat().st_uid)
     except PermissionError as exc:
         raise MultiGPUError(f"run {data['run_id']}: {exc}") from None
     except OSError as exc:

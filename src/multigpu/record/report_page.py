@@ -27,17 +27,29 @@ COLOURS = {
 }
 
 
-def find_run(arg: str | None) -> Path:
-    """The run folder asked for, or the newest under ./multigpu_runs; a UsageError naming what is missing."""
+def run_records(folder: Path) -> list[Path]:
+    """A run folder's records: its ``run.json``, or, for a job over several nodes, each node's
+    ``run_node<N>.json`` that this machine holds (one per node whose output is here)."""
+    if (folder / "run.json").is_file():
+        return [folder / "run.json"]
+    return sorted(folder.glob("run_node*.json"), key=lambda p: (len(p.name), p.name))
+
+
+def find_run(arg: str | None) -> list[Path]:
+    """The records of the run folder asked for, or of the newest under ./multigpu_runs; a UsageError
+    naming what is missing."""
     if arg is not None:
-        folder = Path(arg)
-        if not (folder / "run.json").is_file():
+        records = run_records(Path(arg))
+        if not records:
             raise UsageError(f"{arg}: no run.json there; give a run's output folder")
-        return folder
-    runs = sorted(Path("multigpu_runs").glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+        return records
+    runs = sorted(
+        (p for p in Path("multigpu_runs").glob("*/run*.json") if run_records(p.parent)),
+        key=lambda p: p.stat().st_mtime,
+    )
     if not runs:
         raise UsageError("no run under ./multigpu_runs; give a run's output folder")
-    return runs[-1].parent
+    return run_records(runs[-1].parent)
 
 
 def seconds_text(value: float | None) -> str:
