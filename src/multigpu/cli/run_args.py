@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
 import os
 import secrets
 import shutil
@@ -37,33 +36,9 @@ from multigpu.config.run import (
 from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV
-from multigpu.contract.values import integer, seconds
+from multigpu.contract.values import integer, number, seconds
 
-
-def _factor(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = 0.0
-    if not number >= 1:
-        raise UsageError(f"--hang-factor must be a number of at least 1, got {value!r}")
-    return number
-
-
-def _threshold(value: str | None) -> float:
-    """--straggler-threshold: a share of the step, 0 (off) or more."""
-    if value is None:
-        return HangConfig.straggler_threshold
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not 0 <= number < math.inf:
-        raise UsageError(
-            f"--straggler-threshold must be a number of at least 0 (a share of the step, "
-            f"0: off), got {value!r}"
-        )
-    return number
+THRESHOLD_MEANS = " (a share of the step, 0: off)"
 
 
 def _choose_devices(
@@ -222,7 +197,11 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
             timeout=hang_timeout,
             factor=factor,
             floor=floor,
-            straggler_threshold=_threshold(values.straggler_threshold),
+            straggler_threshold=HangConfig.straggler_threshold
+            if values.straggler_threshold is None
+            else number(
+                values.straggler_threshold, "--straggler-threshold", 0, " (a share of the step, 0: off)"
+            ),
         ),
         output=OutputConfig(
             dir=Path(values.output) if values.output else None, run_id=values.run_id, status=status
@@ -247,7 +226,7 @@ def _our_values(values: RunOptions) -> tuple[float, float | None, int, LiveView,
         seconds(timeout, "--hang-timeout", positive=True) if timeout else None,
         integer(restarts, "--max-restarts", 0) if restarts else SupervisionConfig.max_restarts,
         _status(values.status),
-        _factor(values.hang_factor) if values.hang_factor else HangConfig.factor,
+        number(values.hang_factor, "--hang-factor", 1, "") if values.hang_factor else HangConfig.factor,
         seconds(values.hang_floor, "--hang-floor") if values.hang_floor else HangConfig.floor,
     )
 

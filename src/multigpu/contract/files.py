@@ -13,11 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import stat
 import tempfile
 from pathlib import Path
 
 NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def user_name(uid: int) -> str:
+    """A uid as the refusals name its user (``uid N`` where it has no name here)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def current_umask() -> int:

@@ -1,4 +1,4 @@
-"""The one parser of each kind of value a user types: seconds, integers and signal lists.
+"""The one parser of each kind of value a user types: seconds, integers, numbers, signal lists.
 
 Shared by every process (the command line, function mode's arguments, and the rank, which reads the
 warning signals from its environment), so it needs the standard library only. Each raises
@@ -50,6 +50,17 @@ def integer(value: str, flag: str, minimum: int) -> int:
     if number < minimum:
         raise _usage(f"{flag} must be at least {minimum}, got {number}")
     return number
+
+
+def number(value: str, flag: str, minimum: float, what: str) -> float:
+    """A finite number of at least ``minimum``; ``what`` says what it means, in the one-line error."""
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = math.nan
+    if not minimum <= parsed < math.inf:
+        raise _usage(f"{flag} must be a number of at least {minimum:g}{what}, got {value!r}")
+    return parsed
 
 
 def signal_numbers(text: str, flag: str) -> tuple[int, ...]:

@@ -27,13 +27,13 @@ import contextlib
 import errno
 import fcntl
 import os
-import pwd
 import resource
 import shutil
 import stat
 from pathlib import Path
 
 from multigpu.contract.errors import UsageError
+from multigpu.contract.files import user_name
 from multigpu.contract.limits import lift_open_file_limit
 
 MIN_FREE_BYTES = 64 << 10
@@ -116,20 +116,13 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
-
-
 def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
     """A UsageError unless ``folder`` belongs to one of ``owners`` and is not writable by every user
     without the sticky bit (the one-line refusal names ``path``, the folder asked for)."""
     st = os.stat(folder)
     if st.st_uid not in owners:
         raise UsageError(
-            f"output folder {path}: {folder} belongs to user {_user_name(st.st_uid)}, who "
+            f"output folder {path}: {folder} belongs to user {user_name(st.st_uid)}, who "
             f"could redirect what this run writes; give the run a folder of your own"
         )
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import socket
 import struct
 from collections.abc import Callable, Sequence
 
+from multigpu.contract.files import user_name
 from multigpu.contract.frames import fold_own_threads
 from multigpu.supervisor.hang import ProgressBook
 from multigpu.supervisor.states import Worker
@@ -37,13 +37,6 @@ def socket_name(run_id: str, pid: int | None = None) -> str:
 def run_id_of(name: str) -> str:
     """The run id in a ``socket_name``."""
     return name.removeprefix("multigpu-").rsplit("-", 1)[0]
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def peer_uid(sock: socket.socket) -> int:

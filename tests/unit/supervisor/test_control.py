@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from multigpu.contract import files
 from multigpu.supervisor import control
 from multigpu.supervisor.control import ControlSocket, ask, socket_name
 
@@ -61,7 +62,7 @@ def test_another_users_client_gets_the_refusal_line(
     server.sock.settimeout(10)
     assert server.accept() is None  # refused: nothing for the loop to answer
     thread.join(10)
-    user = control.user_name(os.getuid())
+    user = files.user_name(os.getuid())
     assert got == [f"refused: run 20261206-000000-abcdef belongs to user {user}\n"]
 
 
