@@ -194,25 +194,39 @@ class ProgressBook:
 
     def timeout(self, rank: int) -> Timeout | None:
         """This rank's hang timeout now, and why; None without a ceiling (no hang detection)."""
+        limit = self._limit(rank)
+        if limit is None:
+            return None
+        seconds, reason, learned = limit
+        if learned is None:
+            return Timeout(seconds, f"--hang-timeout {seconds:g}s: {reason}")
+        return Timeout(seconds, self._explain(reason, learned))
+
+    def timeout_seconds(self, rank: int) -> float | None:
+        """``timeout(rank).seconds`` with no text made: the loop asks for every rank, every turn."""
+        limit = self._limit(rank)
+        return None if limit is None else limit[0]
+
+    def _limit(self, rank: int) -> tuple[float, str, float | None] | None:
+        """(seconds, reason, the learned time it comes from or None for the ceiling); None: no ceiling."""
         policy, p = self.policy, self.ranks[rank]
         ceiling = policy.ceiling
         if ceiling is None:
             return None
         if not p.reports_steps:
-            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: no step reported yet")
+            return ceiling, "no step reported yet", None
         if self.last_finish > -math.inf:
-            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: a rank has finished")
+            return ceiling, "a rank has finished", None
         if p.section is not None:
             known = self.learned.sections.get(p.section)
             if known is None:
-                why = f"section {p.section!r} never seen to end"
-                return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: {why}")
-            return Timeout(policy.clamp(known), self._explain(f"section {p.section!r}", known))
+                return ceiling, f"section {p.section!r} never seen to end", None
+            return policy.clamp(known), f"section {p.section!r}", known
         slowest = self.learned.slowest_step
         trusted = self._inherited or len(p.intervals) >= policy.warmup
         if slowest is None or not trusted:
-            return Timeout(ceiling, f"--hang-timeout {ceiling:g}s: step time not learned yet")
-        return Timeout(policy.clamp(slowest), self._explain("step", slowest))
+            return ceiling, "step time not learned yet", None
+        return policy.clamp(slowest), "step", slowest
 
     def _explain(self, what: str, slowest: float) -> str:
         p = self.policy
@@ -233,8 +247,8 @@ class ProgressBook:
         quiet = {r: now - self.ranks[r].last_progress for r in running}
         late = []
         for r in running:
-            limit = self.timeout(r)
-            if self.ranks[r].reports_steps and limit is not None and quiet[r] >= limit.seconds:
+            seconds = self.timeout_seconds(r) if self.ranks[r].reports_steps else None
+            if seconds is not None and quiet[r] >= seconds and (limit := self.timeout(r)) is not None:
                 late.append((r, limit))
         if late:
             # A rank that reports no steps and has been quiet at least as long is as suspect.
@@ -296,7 +310,7 @@ class ProgressBook:
 
     def shortest_timeout(self) -> float | None:
         """The shortest timeout any rank has now: how often the loop must look."""
-        limits = [t.seconds for r in self.ranks if (t := self.timeout(r)) is not None]
+        limits = [t for r in self.ranks if (t := self.timeout_seconds(r)) is not None]
         return min(limits, default=None)
 
     def _at(self, rank: int) -> str:

@@ -265,7 +265,7 @@ class WorkerOutput:
             self._emit(stream, chunk + b"\n", logged=chunk)
         if stream.pending and b"\r" in stream.pending and stream.partial_due is None:
             stream.partial_due = self._clock()
-        self.show_partials()
+        self._show_partial(stream, self._clock())  # this stream's bar; the loop's turn shows the others'
         return len(data)
 
     def of(self, worker: Worker) -> list[Stream]:
@@ -293,17 +293,20 @@ class WorkerOutput:
         """Hand the latest state of each unfinished progress line to the sink, rate-limited."""
         now = self._clock()
         for stream in self.streams.values():
-            if stream.partial_due is None or stream.partial_due > now:
-                continue
-            stream.partial_due = None
-            text = display_text(bytes(stream.pending))
-            if text and text != stream.partial_shown:
-                stream.partial_shown = text
-                # a PartialSink (the console, the live view) shows it; another sink gets whole lines only
-                show = getattr(self._sink, "write_partial", None) if self._shows(stream) else None
-                if show is not None:
-                    show(stream.worker, stream.name, text)
-                stream.partial_due = now + PARTIAL_INTERVAL  # the next update waits its turn
+            self._show_partial(stream, now)
+
+    def _show_partial(self, stream: Stream, now: float) -> None:
+        if stream.partial_due is None or stream.partial_due > now:
+            return
+        stream.partial_due = None
+        text = display_text(bytes(stream.pending))
+        if text and text != stream.partial_shown:
+            stream.partial_shown = text
+            # a PartialSink (the console, the live view) shows it; another sink gets whole lines only
+            show = getattr(self._sink, "write_partial", None) if self._shows(stream) else None
+            if show is not None:
+                show(stream.worker, stream.name, text)
+            stream.partial_due = now + PARTIAL_INTERVAL  # the next update waits its turn
 
     def _shows(self, stream: Stream) -> bool:
         worker = stream.worker
