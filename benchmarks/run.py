@@ -84,9 +84,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--runs must be at least 1")
     if args.quick and args.out is not None and args.out.resolve() == (HERE / "results").resolve():
         p.error("--quick never writes into benchmarks/results (the committed numbers); leave out --out")
-    if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix="multigpu-bench-quick-")) if args.quick else HERE / "results"
+    if args.out is None and not args.quick:
+        args.out = HERE / "results"
     return args
+
+
+def output_folder(args: argparse.Namespace) -> Path:
+    """Where the results go: ``--out``, the committed results, or for ``--quick`` a scratch folder made
+    here, once the run is sure to start (a refused run leaves none behind)."""
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="multigpu-bench-quick-"))
+    out: Path = args.out
+    return out
 
 
 NEEDS = ("psutil", "torch", "multigpu")
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _stop)
     runs = args.runs or (QUICK_RUNS if args.quick else FULL_RUNS)
-    args.out.mkdir(parents=True, exist_ok=True)
+    output_folder(args).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="multigpu-bench-"))
     ctx = Ctx(runs=runs, quick=args.quick, root=scratch)
     mods = [BY_NAME[n] for n in args.names]

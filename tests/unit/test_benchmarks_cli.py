@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,13 @@ def test_help_works_without_the_venv() -> None:
 
 @pytest.mark.integration
 def test_a_run_without_the_venv_is_one_line_naming_the_fix() -> None:
+    before = set(Path(tempfile.gettempdir()).glob("multigpu-bench-quick-*"))
     result = bare("--quick", "--only", "badinput")
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.splitlines()
     assert "psutil" in line and ".venv/bin/python benchmarks/run.py" in line
     assert ".venv/bin/pip install -e '.[dev]'" in line
+    assert not set(Path(tempfile.gettempdir()).glob("multigpu-bench-quick-*")) - before, "a folder left"
 
 
 def test_quick_writes_to_a_scratch_folder_never_the_committed_results(
@@ -43,9 +46,11 @@ def test_quick_writes_to_a_scratch_folder_never_the_committed_results(
     monkeypatch.delitem(sys.modules, "run")
 
     args = run.parse_args(["--quick", "--only", "badinput"])
+    assert args.out is None  # nothing made yet: a run refused for a missing package leaves no folder
+    out = run.output_folder(args)
     try:
-        assert args.out.resolve() != (ROOT / "benchmarks" / "results").resolve() and args.out.is_dir()
+        assert out.resolve() != (ROOT / "benchmarks" / "results").resolve() and out.is_dir()
     finally:
-        args.out.rmdir()
+        out.rmdir()
     with pytest.raises(SystemExit):
         run.parse_args(["--quick", "--out", str(ROOT / "benchmarks" / "results")])
