@@ -37,10 +37,9 @@ from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
 from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.supervisor.culprit import find_culprits
-from multigpu.supervisor.lateness import LatenessWatch
+from multigpu.supervisor.lateness import StragglerWatch
 from multigpu.supervisor.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
-from multigpu.supervisor.stragglers import find_stragglers
 
 if TYPE_CHECKING:
     from multigpu.config.run import RunConfig
@@ -51,7 +50,6 @@ SAVE_EVERY_S = 2.0
 """Learned numbers go to the output folder at most this often (and at the attempt's end)."""
 TIE_S = 0.01
 """Ranks whose last progress at the same step is this close are named together: no one is first."""
-STRAGGLER_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,9 +116,9 @@ class ProgressBook:
         """When another node of the job last showed progress (this clock); set from the fate thread."""
         self._dirty = False
         self._saved_at = -math.inf
-        self._straggler_at = -math.inf
-        self.stragglers: dict[int, str] = {}
-        self.lateness = LatenessWatch(policy.straggler_threshold)
+        self.stragglers = StragglerWatch(
+            policy.straggler_threshold, policy.straggler_window, policy.straggler_ratio
+        )
 
     # ---- feeding -----------------------------------------------------------------------------------
 
@@ -130,7 +128,7 @@ class ProgressBook:
         """The rank's process started: its progress starts afresh (its record, for ``Worker.progress``)."""
         now = self._clock() if now is None else now
         self.ranks[rank] = progress = RankProgress(rank, now, now, pid=pid, node=node)
-        self.lateness.entries.pop(rank, None)
+        self.stragglers.lateness.entries.pop(rank, None)
         return progress
 
     def output(self, rank: int, now: float | None = None) -> None:
@@ -170,7 +168,7 @@ class ProgressBook:
             elif beat.kind == "end":
                 self._section_end(p, beat.name, beat.value, now)
             elif beat.kind == "entered":
-                self.lateness.note(rank, beat.index, beat.value)
+                self.stragglers.lateness.note(rank, beat.index, beat.value)
             elif beat.kind == "done":
                 p.finished = True
 
@@ -240,7 +238,8 @@ class ProgressBook:
         shown progress for the ceiling; None otherwise (and always without a ceiling)."""
         now = self._clock() if now is None else now
         self.maybe_save(now)
-        self._check_stragglers(running, now)
+        for line in self.stragglers.check(self.ranks, running, now, now + self._wall_offset):
+            self._notify(line)
         ceiling = self.policy.ceiling
         if ceiling is None or not running:
             return None
@@ -333,28 +332,6 @@ class ProgressBook:
 
     # ---- stragglers, persistence, stats -------------------------------------------------------------
 
-    def _check_stragglers(self, running: list[int], now: float) -> None:
-        """Steps and sections (``stragglers.py``) and collective entry times (``lateness.py``)."""
-        if (
-            now - self._straggler_at < STRAGGLER_EVERY_S
-            or len(running) < 2
-            or self.policy.straggler_threshold <= 0
-        ):
-            return
-        self._straggler_at = now
-        for rank, line in find_stragglers(
-            self.ranks, self.policy.straggler_window, self.policy.straggler_ratio
-        ).items():
-            if rank not in self.stragglers:
-                self.stragglers[rank] = line
-                self._notify(line)
-        for rank, line in self.lateness.check(
-            self.ranks, [r for r in running if not self.ranks[r].finished], now + self._wall_offset
-        ):
-            if self.lateness.straggling(rank) is not None:
-                self.stragglers[rank] = line
-            self._notify(line)
-
     def maybe_save(self, now: float, force: bool = False) -> None:
         if self._store is None or not self._dirty:
             return
@@ -369,12 +346,9 @@ class ProgressBook:
             data = p.stats(self._wall_offset)
             limit = self.timeout(r) if p.reports_steps else None
             data["hang_timeout_s"] = rounded(limit.seconds) if limit is not None else None
-            if r in self.stragglers:
-                data["straggler"] = self.stragglers[r]
             if p.late_s is not None:
                 data["collective_late_s"] = rounded(p.late_s)
-            if r in self.lateness.straggles:
-                data["straggling"] = [s.record() for s in self.lateness.straggles[r]]
+            data.update(self.stragglers.fields(r))
             out[str(r)] = data
         return out
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from multigpu.supervisor.states import RankProgress, rounded
-from multigpu.supervisor.stragglers import STRAGGLER_MIN_GAP_S
+from multigpu.supervisor.stragglers import STRAGGLER_MIN_GAP_S, find_stragglers
 
 WINDOW = 300
 """Collectives judged: the latest this many that every rank here entered."""
@@ -41,6 +42,8 @@ WARMUP = 20
 """The job's first collectives (its start-up, the first steps) are never judged."""
 ALIGNED = 0.9
 """Lateness over this share of the step is an index off by one, not a rank (it would be 10x slower)."""
+EVERY_S = 1.0
+"""How often the launcher looks for stragglers (each look costs ~1 ms per rank pair on 300 collectives)."""
 KEEP = 4 * WINDOW
 """Entry times kept per rank."""
 PAUSE = 10.0
@@ -206,6 +209,50 @@ class LatenessWatch:
     def straggling(self, rank: int) -> Straggle | None:
         spans = self.straggles.get(rank)
         return spans[-1] if spans and spans[-1].end is None else None
+
+
+@dataclass
+class StragglerWatch:
+    """Both sources of a straggler, for ``hang.ProgressBook``: step and section times the script
+    reports (``stragglers.find_stragglers``) and collective entry times (``LatenessWatch``). ``lines``:
+    each rank's straggler line, as run.json and the live view show it."""
+
+    threshold: float
+    window: int
+    ratio: float
+    lines: dict[int, str] = field(default_factory=dict)
+    lateness: LatenessWatch = field(init=False)
+    _at: float = -math.inf
+
+    def __post_init__(self) -> None:
+        self.lateness = LatenessWatch(self.threshold)
+
+    def check(
+        self, ranks: Mapping[int, RankProgress], running: list[int], now: float, wall: float
+    ) -> list[str]:
+        """At most once every ``EVERY_S``: the lines to say (a straggler found, or one no longer)."""
+        if now - self._at < EVERY_S or len(running) < 2 or self.threshold <= 0:
+            return []
+        self._at = now
+        said = []
+        for rank, line in find_stragglers(dict(ranks), self.window, self.ratio).items():
+            if rank not in self.lines:
+                self.lines[rank] = line
+                said.append(line)
+        for rank, line in self.lateness.check(ranks, [r for r in running if not ranks[r].finished], wall):
+            if self.lateness.straggling(rank) is not None:
+                self.lines[rank] = line
+            said.append(line)
+        return said
+
+    def fields(self, rank: int) -> dict[str, Any]:
+        """What run.json's progress says of the rank's straggling."""
+        data: dict[str, Any] = {}
+        if rank in self.lines:
+            data["straggler"] = self.lines[rank]
+        if rank in self.lateness.straggles:
+            data["straggling"] = [s.record() for s in self.lateness.straggles[rank]]
+        return data
 
 
 def _who(p: RankProgress) -> str:

@@ -136,7 +136,7 @@ def test_a_small_lateness_under_the_threshold_is_not_named() -> None:
 
 def test_threshold_0_turns_detection_off() -> None:
     b, notes = feed_and_check(entries(lambda r, k, rng: 0.05 + (0.05 if r == 1 else 0), 2, 400), threshold=0)
-    assert notes == [] and b.lateness.entries == {}
+    assert notes == [] and b.stragglers.lateness.entries == {}
 
 
 def test_the_first_collectives_and_a_short_job_are_not_judged() -> None:
