@@ -31,7 +31,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from multigpu.contract.names import debug_server_settings
+from multigpu.contract.names import DEBUG_SOCKETS_ENV, debug_server_settings
 
 _KEEP: list[Any] = []
 """The worker server (and rank 0's page process): alive as long as the rank."""
@@ -127,7 +127,12 @@ def _start(host: str, port: int, token: str) -> None:
     from torch._C._distributed_c10d import _WorkerServer
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
-    private = tempfile.mkdtemp(prefix="multigpu-debug-")  # 0700: only this user reaches the socket
+    # 0700: only this user reaches the socket; inside the launcher's folder, which it removes even
+    # when this rank is SIGKILLed (``atexit`` covers a rank run without one)
+    parent = os.environ.get(DEBUG_SOCKETS_ENV) or None
+    private = tempfile.mkdtemp(
+        prefix=f"rank{os.environ['RANK']}-" if parent else "multigpu-debug-", dir=parent
+    )
     atexit.register(shutil.rmtree, private, True)
     target = os.path.join(private, "worker.sock")
     server = _WorkerServer(target)

@@ -8,9 +8,12 @@ launcher.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from multigpu.config.run import RunConfig
 from multigpu.console.writer import Console, ConsoleWriter
 from multigpu.contract.errors import FailureKind, Interrupted, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
-from multigpu.contract.names import PREVIOUS_OUTPUT_ENV, RESUMED_ENV
+from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.record.failure_report import format_report
 from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit
@@ -48,8 +51,9 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     Ctrl-C the launcher ends itself with SIGINT once everything is torn down, as Python does for
     KeyboardInterrupt, so a shell loop around it stops too.
     """
+    base_env = dict(os.environ if base_env is None else base_env)
     try:
-        with ConsoleWriter() as writer:
+        with ConsoleWriter() as writer, _debug_sockets(config, base_env):
             code, record = _launch(config, base_env, Console(writer))
     finally:
         close_node_sentinel()  # every rank is reaped: nothing left for it to guard
@@ -58,10 +62,22 @@ def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     return code
 
 
-def _launch(
-    config: RunConfig, base_env: Mapping[str, str] | None, console: Console
-) -> tuple[int, RunRecord | None]:
-    base_env = dict(os.environ if base_env is None else base_env)
+@contextlib.contextmanager
+def _debug_sockets(config: RunConfig, base_env: dict[str, str]) -> Iterator[None]:
+    """``--debug-server``: a private folder for the ranks' worker sockets, removed as the run ends (a
+    rank killed by SIGKILL cannot remove its own)."""
+    if config.start.debug_server is None:
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="multigpu-debug-")
+    base_env[DEBUG_SOCKETS_ENV] = folder
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _launch(config: RunConfig, base_env: dict[str, str], console: Console) -> tuple[int, RunRecord | None]:
     raise_open_file_limit(config.nproc)
     if config.output.run_id is not None:
         check_run_id(config.output.run_id)

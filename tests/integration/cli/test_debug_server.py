@@ -125,6 +125,59 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
     assert f"multigpu: debug server (torch's, rank 0's node): http://127.0.0.1:{port}/?token={token}" in err
     assert "Traceback" not in err
     assert_gone([*pids_in(out_text), *helpers, *tree])
+    assert not [u for u in unix if Path(u).parent.parent.exists()], unix  # the launcher's folder too
+
+
+def test_a_killed_rank_leaves_no_socket_folder(tmp_path: Path) -> None:
+    """A rank SIGKILLed cannot remove its worker server's folder; the launcher, which made the folder
+    they are in, removes it as the run ends."""
+    job = write_script(tmp_path, "job.py", JOB)
+    launcher = start_cli(
+        [
+            "run",
+            "--cpu",
+            "2",
+            "--grace-period",
+            "1",
+            "--output",
+            str(tmp_path / "out"),
+            "--debug-server",
+            str(free_port()),
+            str(job),
+            str(tmp_path / "never"),
+        ],
+        cwd=tmp_path,
+    )
+    try:
+        deadline, unix = time.monotonic() + 60, []
+        while len(unix) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "no worker server came up"
+            tree = [c.pid for c in psutil.Process(launcher.pid).children(recursive=True)]
+            unix = [
+                (pid, c.laddr)
+                for pid in tree
+                for c in _unix(pid)
+                if c.laddr.startswith("/tmp/multigpu-debug-")
+            ]
+            time.sleep(0.1)
+        victim = unix[0][0]
+        psutil.Process(victim).kill()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 137 and f"pid {victim}" in err, err[-2000:]
+    folders = {Path(path).parent.parent for _, path in unix}
+    assert len(folders) == 1 and not any(f.exists() for f in folders), folders
+    assert_gone([pid for pid, _ in unix])
+
+
+def _unix(pid: int) -> list[object]:
+    try:
+        return list(psutil.Process(pid).net_connections("unix"))
+    except psutil.Error:  # a process that ended meanwhile (the page's helper starting, say)
+        return []
 
 
 def test_without_the_extra_packages_the_option_is_one_line(tmp_path: Path) -> None:
