@@ -9,6 +9,7 @@ the job. Without torch's extra packages the option is one line naming the fix.""
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +32,12 @@ while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)  # line 8: where the page must show both ranks
 dist.barrier()
 """
+
+
+def start_job(tmp_path: Path, job: Path, port: int, marker: Path) -> subprocess.Popen[str]:
+    """The 2-rank job with its debug server on ``port``; its ranks wait for ``marker``."""
+    argv = ["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out")]
+    return start_cli([*argv, "--debug-server", str(port), str(job), str(marker)], cwd=tmp_path)
 
 
 def fetch(url: str, deadline: float) -> str:
@@ -60,22 +67,7 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
     job = write_script(tmp_path, "job.py", JOB)
     marker = tmp_path / "go"
     port = free_port()
-    launcher = start_cli(
-        [
-            "run",
-            "--cpu",
-            "2",
-            "--grace-period",
-            "1",
-            "--output",
-            str(tmp_path / "out"),
-            "--debug-server",
-            str(port),
-            str(job),
-            str(marker),
-        ],
-        cwd=tmp_path,
-    )
+    launcher = start_job(tmp_path, job, port, marker)
     first = []
     try:
         assert launcher.stderr is not None
@@ -132,22 +124,7 @@ def test_a_killed_rank_leaves_no_socket_folder(tmp_path: Path) -> None:
     """A rank SIGKILLed cannot remove its worker server's folder; the launcher, which made the folder
     they are in, removes it as the run ends."""
     job = write_script(tmp_path, "job.py", JOB)
-    launcher = start_cli(
-        [
-            "run",
-            "--cpu",
-            "2",
-            "--grace-period",
-            "1",
-            "--output",
-            str(tmp_path / "out"),
-            "--debug-server",
-            str(free_port()),
-            str(job),
-            str(tmp_path / "never"),
-        ],
-        cwd=tmp_path,
-    )
+    launcher = start_job(tmp_path, job, free_port(), tmp_path / "never")
     try:
         deadline, unix = time.monotonic() + 60, []
         while len(unix) < 2:
