@@ -197,10 +197,18 @@ WARM = """
         time.sleep(pause)
         return int(os.environ["MULTIGPU_LAUNCHER_PID"])
 
+    def template_pid():  # the oldest process of the launcher's that runs the template (forks keep its name)
+        import psutil
+        launcher = psutil.Process(launcher_pid())
+        return min((p for p in launcher.children() if "multigpu.template" in " ".join(p.cmdline())),
+                   key=lambda p: p.create_time()).pid
+
     out = {"first": multigpu.launch(launcher_pid, nprocs=2, device="cpu")}
-    time.sleep(3)  # the next template imports torch meanwhile, as between two notebook cells
+    out["templates"] = [multigpu.launch(template_pid, nprocs=2, device="cpu") for _ in range(2)]
+    os.environ["MULTIGPU_TEST_CHANGED"] = "1"  # torch may read any variable at import: a new template
+    out["templates"].append(multigpu.launch(template_pid, nprocs=2, device="cpu"))
     started = time.monotonic()
-    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")
+    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")  # right after: kept template
     out["second_s"] = time.monotonic() - started
     busy = threading.Thread(target=lambda: out.update(busy=multigpu.launch(launcher_pid, 3.0, nprocs=1,
                                                                             device="cpu")))
@@ -226,6 +234,9 @@ def test_the_launcher_stays_warm_and_shutdown_ends_it(tmp_path: Path) -> None:
     assert len(set(first)) == 1 and first == second and out["busy"] == first[:1]  # one launcher, 3 launches
     assert out["beside"] != first  # a launch made while it was busy got a launcher of its own
     assert out["after_shutdown"] == 0
+    kept, again, changed = out["templates"]
+    assert len(set(kept)) == 1 and again == kept  # back to back: the same template forked both launches
+    assert len(set(changed)) == 1 and changed != kept  # the caller's environment changed: a fresh one
     assert "plain processes" not in proc.stderr  # every rank was forked from a template
-    print(f"second launch (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
-    assert_gone([first[0], out["beside"][0]])
+    print(f"a launch right after another (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
+    assert_gone([first[0], out["beside"][0], kept[0], changed[0]])
