@@ -33,6 +33,9 @@ from multigpu.template.wire import receive, send
 READY_TIMEOUT_S = 600.0
 """A first ``import torch`` from a cold shared file system can take minutes; a dead template is seen
 at once (its end of the socket closes), so this only bounds a template that hangs."""
+RELEASE_TIMEOUT_S = 10.0
+"""A launch's store ends within 2 s of being told (then SIGKILL): a template that has not said so by
+then is not kept."""
 OMP = "OMP_NUM_THREADS"
 NOT_A_JOB = ("-h", "--help")
 
@@ -139,6 +142,9 @@ class TemplateProcess:
         not say so (it is gone or broken: not to be kept)."""
         try:
             send(self.control, {"op": "release"})
+            ready, _, _ = select.select([self.control], [], [], RELEASE_TIMEOUT_S)
+            if not ready:  # stuck: ended by the caller, never waited for without bound
+                return False
             self._answer("released")
         except (OSError, ValueError):
             return False

@@ -197,11 +197,16 @@ WARM = """
         time.sleep(pause)
         return int(os.environ["MULTIGPU_LAUNCHER_PID"])
 
+    def of_template(p):
+        try:
+            return "multigpu.template" in " ".join(p.cmdline())
+        except Exception:  # psutil.Error: a rank or middle process that has just ended
+            return False
+
     def template_pid():  # the oldest process of the launcher's that runs the template (forks keep its name)
         import psutil
         launcher = psutil.Process(launcher_pid())
-        return min((p for p in launcher.children() if "multigpu.template" in " ".join(p.cmdline())),
-                   key=lambda p: p.create_time()).pid
+        return min((p for p in launcher.children() if of_template(p)), key=lambda p: p.create_time()).pid
 
     out = {"first": multigpu.launch(launcher_pid, nprocs=2, device="cpu")}
     out["templates"] = [multigpu.launch(template_pid, nprocs=2, device="cpu") for _ in range(2)]
