@@ -357,3 +357,61 @@ print(f"pid={os.getpid()} folder={folder} exists={folder.is_dir()}", flush=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "exists=True" in res.stdout, res.stdout[-2000:]
     assert_gone(pids_in(res.stdout))
+
+
+KEEP = """
+import json, os, socket, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from multigpu.contract.prctl import set_child_subreaper
+from multigpu.config.endpoint import Endpoint
+from multigpu.rendezvous.store import bind_store_socket
+from multigpu.template.process import StoreSocket, TemplateProcess
+set_child_subreaper()  # as a launcher is
+
+def launch_store():
+    sock = bind_store_socket(Endpoint("127.0.0.1", 0))
+    host, port = sock.getsockname()[:2]
+    return sock, StoreSocket(sock.fileno(), host, port)
+
+def serves(port):
+    try:
+        TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5)).set("k", "v")
+        return True
+    except Exception:
+        return False
+
+template = TemplateProcess(dict(os.environ))
+first_sock, first = launch_store()
+template.configure(first, ())
+assert template.wait_ready() is None
+out = {"first_store": template.store_pid, "first_serves": serves(first.port)}
+out["released"] = template.release()  # the launch is over: its store ends, its socket closes
+first_sock.close()
+out["first_store_left"] = os.path.exists(f"/proc/{out['first_store']}")
+with socket.socket() as probe:
+    out["first_port_open"] = probe.connect_ex(("127.0.0.1", first.port)) == 0
+second_sock, second = launch_store()
+template.configure(second, ())  # the next launch: the same template, a store on its socket
+out["ready_again"] = template.wait_ready()
+out["second_store"] = template.store_pid
+out["second_serves"] = serves(second.port)
+out["pids"] = [template.process.pid, template.store_pid]
+template.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_kept_template_serves_the_next_launchs_store(tmp_path: Path) -> None:
+    """``multigpu.launch``'s launcher keeps its template between launches: the first launch's store ends
+    and its port is closed when the launch is over, and the next launch's store is served on its own
+    socket by the same template."""
+    res = subprocess.run(
+        [sys.executable, "-c", KEEP], capture_output=True, text=True, timeout=90, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["first_serves"] and out["released"] and out["ready_again"] is None, out
+    assert not out["first_store_left"] and not out["first_port_open"], out
+    assert out["second_store"] not in (None, out["first_store"]) and out["second_serves"], out
+    assert_gone([*out["pids"], out["first_store"]])

@@ -8,11 +8,17 @@ the node's template, and fail-fast, the root cause, hang detection and ``run.jso
 
 It serves one launch after another: each request (a line on stdin naming a pickled request: the config,
 the caller's current environment and working directory) is run, and its exit code written to
-``REPLY_FD``. Right after each launch a template for the next one is started (``start_early``), so its
-``import torch`` is done by the time the caller launches again. Its fate is tied to the caller's process
-(``guard_parent``): when the caller dies, however it dies, this process, its template and every rank go.
-It ends when stdin closes (``multigpu.shutdown()``, the caller's exit) or after a Ctrl-C, which it
-passes to the ranks and then dies of, as ``multigpu run`` does.
+``REPLY_FD``. The template that forked a launch's ranks stays warm for the next launch
+(``template.process.keep_warm``): each launch hands it the caller's current environment, working
+directory and ``sys.path`` with each rank it asks for, so a launch right after another never waits
+for an ``import torch``. Only a template that cannot serve the next launch is replaced: one started
+with another environment (torch reads some variables at import) or other ``preload`` modules, one
+that died or failed; a new one is started right after such a launch (``start_early``).
+
+Its fate is tied to the caller's process (``guard_parent``): when the caller dies, however it dies,
+this process, its template (parent-death signal) and every rank go. It ends when stdin closes
+(``multigpu.shutdown()``, the caller's exit) or after a Ctrl-C, which it passes to the ranks and then
+dies of, as ``multigpu run`` does.
 """
 
 from __future__ import annotations
@@ -37,14 +43,15 @@ def serve(reply_fd: int) -> None:
         except Exception as exc:  # a usage error, an unusable folder: said, and the next launch served
             print(f"multigpu: {exc}", file=sys.stderr, flush=True)
             code = 2
-        start_early(["run"])  # warm for the next launch
+        start_early(["run"])  # warm for the next launch, unless the last one's template was kept
         os.write(reply_fd, f"{code}\n".encode())
 
 
 def main(argv: list[str]) -> int:
-    from multigpu.template.process import close_early, start_early
+    from multigpu.template.process import close_early, keep_warm, start_early
 
     start_early(["run"])  # first: the template's import of torch overlaps everything below
+    keep_warm()
     caller, reply_fd = (int(a) for a in argv)
     from multigpu.rank.guard import guard_parent
 

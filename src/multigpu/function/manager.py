@@ -100,7 +100,9 @@ class MultiGPUManager:
         return len(self._gpu_ids) > 1 and not inside_launched_worker()
 
     def setup_multi_gpu_train(self, output_path: str | None, optimized_hyper_parameters: Any = None) -> str:
-        """Start local ranks 1..n-1, make this process rank ``base_rank``, and return the output path.
+        """Start local ranks 1..n-1, make this process rank ``base_rank``, and return the output path:
+        ``output_path``, or (None) ``./multigpu_runs/<run id>``, where ``multigpu run`` would put it. The
+        payload the children load is removed at ``finalize()``; the logs stay.
 
         ``optimized_hyper_parameters`` is a mapping of dotted names or OTX's ``ConfigurableParameters``;
         every rank sees them after ``params`` in its argv, and they are written to the output folder.
@@ -111,6 +113,7 @@ class MultiGPUManager:
         prepared = fm.prepare(output_path, optimized_hyper_parameters, self._train_func)
         try:
             with contextlib.ExitStack() as undo:
+                undo.callback(prepared.remove_payload)  # last: once every child is gone
                 self._start(prepared, undo)
                 # A child that failed while setup ran could not be raised inside multigpu's own code;
                 # raise it now, before setup counts as done: it is all or nothing, so the children
@@ -181,13 +184,7 @@ class MultiGPUManager:
     def _start(self, prepared: fm.Prepared, undo: contextlib.ExitStack) -> None:
         timeout = dist_timeout_s(self._start_time, self._timeout)
         layout = fm.Layout(self._device, self._gpu_ids, self._endpoint, self._base_rank, self._world_size)
-        config = fm.function_config(
-            prepared.output_dir / fm.PAYLOAD_DIR / "payload.pkl",
-            prepared.output_dir,
-            layout,
-            self._grace_period,
-            timeout,
-        )
+        config = fm.function_config(prepared, layout, self._grace_period, timeout)
         sock = bind_store_socket(self._endpoint) if self._base_rank == 0 else None
         if sock is not None:
             undo.callback(sock.close)

@@ -13,16 +13,17 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.endpoint import Endpoint
-from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig
+from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import MultiGPUError
 from multigpu.contract.files import create_new
@@ -85,6 +86,21 @@ class Prepared:
     preparation: bytes
     hyper_parameters: dict[str, Any]
     argv_before: list[str]
+    run_id: str | None = None
+    """The run id the output folder is named after, when no ``output_path`` was given."""
+
+    def remove_payload(self) -> None:
+        """The payload folder goes once no child can still read it (``finalize``, a failed setup)."""
+        shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
+
+
+def output_folder(output_path: str | None, env: Mapping[str, str]) -> tuple[Path, str | None]:
+    """``output_path``, or where ``multigpu run`` puts a run's record: ``./multigpu_runs/<run id>``
+    (a requeued SLURM allocation's subfolder), never a temporary folder left behind at each call."""
+    if output_path:
+        return Path(output_path), None
+    run_id = new_run_id()
+    return allocation_dir((Path("multigpu_runs") / run_id).resolve(), env), run_id
 
 
 def prepare(output_path: str | None, params: Any, train_func: Callable[..., Any]) -> Prepared:
@@ -93,7 +109,7 @@ def prepare(output_path: str | None, params: Any, train_func: Callable[..., Any]
     ``sys.argv`` gains the hyper-parameters (after ``params``) before the spawn data captures it, so
     every rank sees them; ``argv_before`` lets the caller put it back.
     """
-    out = Path(output_path) if output_path else Path(tempfile.mkdtemp(prefix="multigpu-"))
+    out, run_id = output_folder(output_path, os.environ)
     try:
         (out / PAYLOAD_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = out / PAYLOAD_DIR / f"probe.{os.getpid()}"
@@ -105,13 +121,15 @@ def prepare(output_path: str | None, params: Any, train_func: Callable[..., Any]
     argv_before = list(sys.argv)
     for name, value in hyper.items():
         set_arguments_to_argv(f"--{name}", str(value), after_params=True)
+    prepared = Prepared(out.resolve(), b"", hyper, argv_before, run_id)
     try:
-        preparation = _pickled(_spawn_preparation(), "the spawn data of __main__")
+        prepared.preparation = _pickled(_spawn_preparation(), "the spawn data of __main__")
         _pickled(train_func, "train_func")
     except BaseException:
         sys.argv[:] = argv_before
+        prepared.remove_payload()
         raise
-    return Prepared(out.resolve(), preparation, hyper, argv_before)
+    return prepared
 
 
 def _spawn_preparation() -> dict[str, Any]:
@@ -180,13 +198,13 @@ class Layout:
     world_size: int
 
 
-def function_config(
-    payload: Path, output_dir: Path, layout: Layout, grace_period: float, timeout: float
-) -> RunConfig:
-    """The run as ``multigpu run`` would see it: the same rendezvous and spec builder take it from here."""
+def function_config(prepared: Prepared, layout: Layout, grace_period: float, timeout: float) -> RunConfig:
+    """The run as ``multigpu run`` would see it: the same rendezvous and spec builder take it from here.
+    A folder named after its run id gives node 0's rendezvous that id (the other nodes adopt node 0's)."""
     device, gpu_ids = layout.device, layout.gpu_ids
+    run_id = prepared.run_id if layout.base_rank == 0 else None
     return RunConfig(
-        target=str(payload),
+        target=str(prepared.output_dir / PAYLOAD_DIR / "payload.pkl"),
         function=True,
         first_local_rank=1,
         device=device,
@@ -196,6 +214,6 @@ def function_config(
         world_size=layout.world_size,
         rdzv=RendezvousConfig(endpoint=layout.endpoint),
         supervision=SupervisionConfig(grace_period=grace_period),
-        output=OutputConfig(dir=output_dir, status="off"),
+        output=OutputConfig(dir=prepared.output_dir, run_id=run_id, status="off"),
         extra_env={TIMEOUT_ENV: os.environ.get(TIMEOUT_ENV, str(timeout))},
     )

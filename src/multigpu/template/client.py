@@ -20,7 +20,7 @@ from multigpu.config.run import RunConfig
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
-from multigpu.template.process import StoreSocket, TemplateProcess, take_early
+from multigpu.template.process import StoreSocket, TemplateProcess, retain, take_early
 
 FORKABLE_MODES = ("script", "module", "function")
 
@@ -88,7 +88,7 @@ class NodeSpawner:
     def _host(self, env: dict[str, str], preload: Sequence[str]) -> TemplateProcess:
         """The template the ``multigpu`` command started first thing, if it has this environment;
         else a new one. Configured with this node's store socket and ``preload``."""
-        host = take_early(env, self._python) or TemplateProcess(env, self._python)
+        host = take_early(env, self._python, preload) or TemplateProcess(env, self._python)
         host.configure(self._store, preload)
         return host
 
@@ -170,10 +170,14 @@ class NodeSpawner:
         return frozenset().union(*(h.pids() for h in hosts if h is not None))
 
     def close(self) -> None:
-        for host in (self._template, self._store_process):
-            if host is not None:
-                host.close()
+        """End the template and the store process; a template that forked every rank it was asked
+        for is kept for the next launch instead, where the launcher keeps them (``process.retain``)."""
+        template, store_process = self._template, self._store_process
         self._template = self._store_process = None
+        if template is not None and not (self._forks and retain(template)):
+            template.close()
+        if store_process is not None:
+            store_process.close()
 
 
 def spawner_for(

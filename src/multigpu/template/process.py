@@ -7,7 +7,9 @@ store socket, meeting its peers) instead of following it. What the launcher only
 parsed its command line (the store's socket, ``--preload``) reaches the template in its first message
 (``configure``), which it reads after its ``import torch``. ``client.NodeSpawner`` adopts the early
 template when it was started with the environment the ranks share (``OMP_NUM_THREADS`` aside); otherwise
-it is ended and a template is started as before. Whatever the ranks get, the template itself runs with
+it is ended and a template is started as before. ``multigpu.launch``'s launcher, which serves one
+launch after another, keeps the template of a launch that went well in the same slot (``retain``), so
+the next launch adopts it by the same rule. Whatever the ranks get, the template itself runs with
 every thread pool held to one thread (``pools.held``): a process with threads must not fork, and each
 rank sizes its pools from its own environment once forked (``pools.Pools.apply``).
 """
@@ -31,6 +33,9 @@ from multigpu.template.wire import receive, send
 READY_TIMEOUT_S = 600.0
 """A first ``import torch`` from a cold shared file system can take minutes; a dead template is seen
 at once (its end of the socket closes), so this only bounds a template that hangs."""
+RELEASE_TIMEOUT_S = 10.0
+"""A launch's store ends within 2 s of being told (then SIGKILL): a template that has not said so by
+then is not kept."""
 OMP = "OMP_NUM_THREADS"
 NOT_A_JOB = ("-h", "--help")
 
@@ -77,10 +82,15 @@ class TemplateProcess:
         self.python = python
         self.control = ours
         self.store_pid: int | None = None
+        self.preload: tuple[str, ...] | None = None
+        """What it imported besides torch, once configured (a kept template serves only the same)."""
 
     def configure(self, store: StoreSocket | None, preload: Sequence[str]) -> None:
         """Its first message: the store's socket to serve (if this node hosts the store) and the
-        modules to import besides torch. The template reads it once its ``import torch`` is done."""
+        modules to import besides torch. The template reads it once its ``import torch`` is done; a
+        template kept from an earlier launch (``retain``) reads it at once. ``wait_ready`` reads the
+        answer either way."""
+        self.preload = tuple(preload)
         message = {
             "op": "configure",
             "preload": list(preload),
@@ -127,6 +137,20 @@ class TemplateProcess:
             raise OSError((answer or {}).get("error", "the template is gone"))
         return answer
 
+    def release(self) -> bool:
+        """Its launch is over: its store ends and the launch's socket is closed. False if it could
+        not say so (it is gone or broken: not to be kept)."""
+        try:
+            send(self.control, {"op": "release"})
+            ready, _, _ = select.select([self.control], [], [], RELEASE_TIMEOUT_S)
+            if not ready:  # stuck: ended by the caller, never waited for without bound
+                return False
+            self._answer("released")
+        except (OSError, ValueError):
+            return False
+        self.store_pid = None
+        return True
+
     def pids(self) -> frozenset[int]:
         return frozenset(p for p in (self.process.pid, self.store_pid) if p is not None)
 
@@ -146,6 +170,9 @@ class TemplateProcess:
 
 
 _early: TemplateProcess | None = None
+_keep = False
+"""Whether a template outlives its launch (``keep_warm``): only in a launcher that serves one launch
+after another; ``multigpu run``'s launcher exits after its one run."""
 
 
 def start_early(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> None:
@@ -159,14 +186,34 @@ def start_early(argv: Sequence[str], environ: Mapping[str, str] = os.environ) ->
         _early = TemplateProcess(dict(environ))
 
 
-def take_early(env: Mapping[str, str], python: str) -> TemplateProcess | None:
-    """The early template, if it was started as this node's template would be; else None (and it is
-    ended). Either way it is taken only once."""
+def keep_warm() -> None:
+    """From now on a template whose launch went well is kept for the next launch (``retain``)."""
+    global _keep
+    _keep = True
+
+
+def retain(template: TemplateProcess) -> bool:
+    """Keep ``template`` for the next launch (``take_early`` adopts it when the environment and the
+    preloads are the same; else it is ended then) if this launcher keeps templates; its launch's
+    store is ended first. False: the caller ends it."""
+    global _early
+    if not _keep or _early is not None or template.process.poll() is not None:
+        return False
+    if not template.release():
+        return False
+    _early = template
+    return True
+
+
+def take_early(env: Mapping[str, str], python: str, preload: Sequence[str] = ()) -> TemplateProcess | None:
+    """The early (or kept) template, if it was started as this node's template would be and imported
+    the same modules; else None (and it is ended). Either way it is taken only once."""
     global _early
     early, _early = _early, None
     if early is None:
         return None
-    if early.python == python and _without_omp(early.env) == _without_omp(env):
+    same_preload = early.preload is None or early.preload == tuple(preload)
+    if early.python == python and same_preload and _without_omp(early.env) == _without_omp(env):
         return early
     early.close()
     return None

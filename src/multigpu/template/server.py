@@ -24,8 +24,11 @@ numbers ``fds`` names; the answer is ``{"pid": N}`` or ``{"error": TEXT}``. The 
 (template -> middle -> rank) and the middle exits at once, so the rank is re-parented to the launcher,
 a child subreaper, which waits for it, signals its group and reads its exit status as for any child.
 The rank itself is made indistinguishable from a fresh one in ``child.py``; the channel is ``wire.py``.
-The template ends when the control socket closes, and with the launcher (parent-death signal),
-taking the store with it.
+A launcher that serves launch after launch (``multigpu.launch``'s) keeps its template between them:
+``{"op": "release"}`` ends a launch's store and closes its socket, and the next launch's
+``{"op": "configure"}`` (the first message's fields) gives it the new one, answered like the first
+``{"ready": ...}``. The template ends when the control socket closes, and with the launcher
+(parent-death signal), taking the store with it.
 """
 
 from __future__ import annotations
@@ -57,25 +60,32 @@ def warm_up() -> None:
 
 
 def configure(control: socket.socket) -> tuple[Store, Pools] | None:
-    """Read the launcher's first message: import what ``--preload`` names, find the BLAS pools the
-    ranks will size (``pools.py``), freeze the heap, and serve the store if this node hosts it. None
-    if the launcher closed the channel instead.
+    """Read the launcher's first message and act on it (``setup``). None if the launcher closed the
+    channel instead."""
+    message, fds = receive(control)
+    if message is None:
+        return None
+    store = Store(None, "127.0.0.1", 0)
+    return store, setup(message, fds, store)
+
+
+def setup(message: dict[str, Any], fds: list[int], store: Store) -> Pools:
+    """A launch's configuration: import what ``--preload`` names, find the BLAS pools the ranks will
+    size (``pools.py``), freeze the heap, and serve the store on the launch's socket if this node hosts
+    it. The first message, and again for each later launch of a launcher that keeps its template warm
+    (``{"op": "configure"}``, ``process.retain``).
 
     Every object so far is frozen out of the garbage collector (``gc.freeze``, as pre-fork servers do),
     so a rank's collections and its exit-time scan for unflushed files walk only what the rank made
     itself, instead of touching, and so copying, every page of the template's heap."""
-    message, fds = receive(control)
-    if message is None:
-        return None
     for name in message.get("preload") or ():
         importlib.import_module(name)
     pools = Pools()
     gc.freeze()
-    store = Store(
+    store.serve_on(
         fds[0] if fds else None, message.get("store_host") or "127.0.0.1", int(message.get("store_port") or 0)
     )
-    store.renew()
-    return store, pools
+    return pools
 
 
 def start_store(listen_fd: int, host: str, port: int) -> int:
@@ -145,19 +155,41 @@ class Store:
             self.pid = start_store(self.listen_fd, self.host, self.port)
         return {"store_pid": self.pid}
 
+    def serve_on(self, listen_fd: int | None, host: str, port: int) -> None:
+        """A launch's store, on its listening socket (None: this node hosts no store)."""
+        self.release()
+        self.listen_fd, self.host, self.port = listen_fd, host, port
+        self.renew()
+
+    def release(self) -> dict[str, Any]:
+        """The launch is over: its store ends and its socket is closed, so nothing serves its port
+        while the template waits, warm, for the next launch."""
+        end_store(self.pid)
+        self.pid = None
+        if self.listen_fd is not None:
+            os.close(self.listen_fd)
+            self.listen_fd = None
+        return {"released": True}
+
 
 def serve_requests(control: socket.socket, store: Store, pools: Pools) -> None:
     while True:
         request, fds = receive(control)
         if request is None:
             return
+        op = request.get("op", "fork")
         try:
-            if request.get("op") == "store":
+            if op == "store":
                 answer = store.renew()
+            elif op == "configure":
+                pools = setup(request, fds, store)
+                answer = {"ready": True, "pid": os.getpid(), "store_pid": store.pid}
+            elif op == "release":
+                answer = store.release()
             else:
                 answer = fork_rank(request, fds, control, pools)
-        except OSError as exc:
-            answer = {"error": f"{request.get('op', 'fork')} failed: {exc}"}
+        except Exception as exc:  # the launcher ends this template and starts ranks otherwise
+            answer = {"error": f"{op} failed: {type(exc).__name__}: {exc}"}
         send(control, answer)
 
 

@@ -197,10 +197,23 @@ WARM = """
         time.sleep(pause)
         return int(os.environ["MULTIGPU_LAUNCHER_PID"])
 
+    def of_template(p):
+        try:
+            return "multigpu.template" in " ".join(p.cmdline())
+        except Exception:  # psutil.Error: a rank or middle process that has just ended
+            return False
+
+    def template_pid():  # the oldest process of the launcher's that runs the template (forks keep its name)
+        import psutil
+        launcher = psutil.Process(launcher_pid())
+        return min((p for p in launcher.children() if of_template(p)), key=lambda p: p.create_time()).pid
+
     out = {"first": multigpu.launch(launcher_pid, nprocs=2, device="cpu")}
-    time.sleep(3)  # the next template imports torch meanwhile, as between two notebook cells
+    out["templates"] = [multigpu.launch(template_pid, nprocs=2, device="cpu") for _ in range(2)]
+    os.environ["MULTIGPU_TEST_CHANGED"] = "1"  # torch may read any variable at import: a new template
+    out["templates"].append(multigpu.launch(template_pid, nprocs=2, device="cpu"))
     started = time.monotonic()
-    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")
+    out["second"] = multigpu.launch(launcher_pid, nprocs=2, device="cpu")  # right after: kept template
     out["second_s"] = time.monotonic() - started
     busy = threading.Thread(target=lambda: out.update(busy=multigpu.launch(launcher_pid, 3.0, nprocs=1,
                                                                             device="cpu")))
@@ -226,6 +239,127 @@ def test_the_launcher_stays_warm_and_shutdown_ends_it(tmp_path: Path) -> None:
     assert len(set(first)) == 1 and first == second and out["busy"] == first[:1]  # one launcher, 3 launches
     assert out["beside"] != first  # a launch made while it was busy got a launcher of its own
     assert out["after_shutdown"] == 0
+    kept, again, changed = out["templates"]
+    assert len(set(kept)) == 1 and again == kept  # back to back: the same template forked both launches
+    assert len(set(changed)) == 1 and changed != kept  # the caller's environment changed: a fresh one
     assert "plain processes" not in proc.stderr  # every rank was forked from a template
-    print(f"second launch (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
-    assert_gone([first[0], out["beside"][0]])
+    print(f"a launch right after another (2 CPU ranks, warm launcher and template): {out['second_s']:.2f}s")
+    assert_gone([first[0], out["beside"][0], kept[0], changed[0]])
+
+
+TEN = """
+    import glob, json, os, signal, sys, tempfile, threading, time
+    import psutil
+    import multigpu
+
+    def ok(x):
+        return int(os.environ["RANK"]) + x
+
+    def fail():
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank one says no")
+        time.sleep(60)
+
+    def too_large():  # the limit lowered in this rank only, to prove the error without 2 GiB
+        import multigpu.function.rank_call as rank_call
+        rank_call.RESULT_LIMIT_BYTES = 1000
+        return b"x" * (10 if os.environ["RANK"] == "0" else 5000)
+
+    def nap():
+        open(f"napping_{os.environ['RANK']}", "w").close()
+        time.sleep(300)
+
+    def hello():
+        print(f"hello from rank {os.environ['RANK']} in a thread", flush=True)
+        return 1
+
+    def interrupt_when_napping():
+        while len(glob.glob("napping_*")) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # a kernel interrupt, as the stop button sends it
+
+    def state():
+        me = psutil.Process()
+        kids = sorted(" ".join(p.cmdline()[1:3]) for p in me.children(recursive=True))
+        fds = sorted(os.listdir("/proc/self/fd"))
+        temp = sorted(glob.glob(os.path.join(tempfile.gettempdir(), "multigpu-*")))
+        return {"threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
+                "fds": fds, "children": kids, "temp": temp}
+
+    out = {"before": state(), "caught": []}
+    def launch(fn, *args, **options):
+        try:
+            return multigpu.launch(fn, *args, nprocs=2, device="cpu", grace_period=2, **options)
+        except BaseException as exc:
+            out["caught"].append(f"{type(exc).__name__}: {exc}")
+
+    out["values"] = [launch(ok, 1)]
+    out["warm"] = state()  # the launcher and its template are warm from here on
+    out["values"].append(launch(fail))
+    out["values"].append(launch(os._exit, 3))
+    out["values"].append(launch(too_large))
+    waker = threading.Thread(target=interrupt_when_napping)
+    waker.start()
+    out["values"].append(launch(nap))
+    waker.join()
+    out["values"].append(launch(ok, 2))
+    background = {}
+    thread = threading.Thread(target=lambda: background.update(v=launch(hello)))
+    thread.start()
+    thread.join()
+    out["values"].append(background["v"])
+    out["values"].append(launch(lambda: os.environ["WORLD_SIZE"]))
+    out["values"].append(launch(fail))
+    out["values"].append(launch(ok, 3))
+    out["after"] = state()
+    multigpu.shutdown()
+    out["shut"] = state()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ten_launches_with_failures_and_an_interrupt_leave_nothing_behind(tmp_path: Path) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = write_script(tmp_path, "ten.py", TEN)
+    proc = subprocess.run(
+        [PYTHON, str(script)],
+        cwd=tmp_path,
+        env=clean_env({"TMPDIR": str(temp)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    values, caught = out["values"], out["caught"]
+    assert values == [[1, 2], None, None, None, None, [2, 3], [1, 1], ["2", "2"], None, [3, 4]], out
+    assert caught[0] == caught[4] == "ValueError: rank one says no", caught
+    assert caught[1].startswith("WorkerFailedError: ") and "exit" in caught[1], caught
+    assert (
+        caught[2].startswith("ValueError: rank 1's return value is 5") and "limit of 1000 bytes" in caught[2]
+    )
+    assert caught[3] == "KeyboardInterrupt: ", caught
+    # a launch from a background thread: its ranks' lines reach the caller's stdout too
+    assert "[rank 1] hello from rank 1 in a thread" in proc.stdout, text[-4000:]
+    before, warm, after, shut = out["before"], out["warm"], out["after"], out["shut"]
+    # after ten launches, the same as after the first: the warm launcher and one template, nothing more
+    assert after["children"] == warm["children"] and len(warm["children"]) == 2, (warm, after)
+    assert (after["threads"], after["tasks"], len(after["fds"])) == (
+        warm["threads"],
+        warm["tasks"],
+        len(warm["fds"]),
+    )
+    # and once shut down, the same as before any launch
+    assert shut["children"] == [] and shut["fds"] == before["fds"], (before, shut)
+    assert (shut["threads"], shut["tasks"]) == (before["threads"], before["tasks"])
+    assert shut["temp"] == [] and list(temp.glob("multigpu-*")) == []
+    runs = sorted((tmp_path / "multigpu_runs").iterdir())
+    assert len(runs) == 10 and not [r for r in runs if (r / ".multigpu").exists()]  # no payload left
+    pids = []
+    for run in runs:
+        record = json.loads((run / "run.json").read_text())
+        pids += [r["pid"] for a in record["attempts"] for r in a["ranks"].values() if r.get("pid")]
+    assert_gone(pids)

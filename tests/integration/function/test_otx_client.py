@@ -105,16 +105,15 @@ OTX_TRAIN = """
 
 
 def _otx_train(
-    tmp_path: Path, extra_env: dict[str, str] | None = None
+    tmp_path: Path, extra_env: dict[str, str] | None = None, output: bool = True
 ) -> tuple[subprocess.CompletedProcess[str], str]:
     script = write_script(tmp_path, "otx_train_cli.py", OTX_TRAIN)
-    out = tmp_path / "otx-out"
+    out = ["--output", str(tmp_path / "otx-out")] if output else []
     argv = [
         PYTHON,
         str(script),
         "template.yaml",
-        "--output",
-        str(out),
+        *out,
         "--gpus",
         "0,1,2",
         "--enable-hpo",
@@ -168,3 +167,20 @@ def test_otx_train_with_a_failing_child(tmp_path: Path) -> None:
     assert not (tmp_path / "otx-out" / "weights.pth").exists()
     assert 0 not in _ranks(text)
     assert os.path.exists(tmp_path / "otx-out" / "logs" / "attempt_0" / "rank_2.log")
+
+
+def test_otx_train_without_an_output_path_leaves_no_temporary_folder(tmp_path: Path) -> None:
+    # `otx train` without -o: setup_multi_gpu_train(None). The run goes where `multigpu run`'s would,
+    # and nothing is left in the temporary folder (this test's own, so only what this run made counts).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc, text = _otx_train(tmp_path, {"TMPDIR": str(tmp)}, output=False)
+    assert proc.returncode == 0, text[-3000:]
+    assert list(tmp.glob("multigpu-*")) == []  # torch may leave its own (torchinductor_<user>)
+    runs = list((tmp_path / "multigpu_runs").iterdir())
+    assert len(runs) == 1, runs
+    ranks = _ranks(text)
+    assert sorted(ranks) == [0, 1, 2], text[-3000:]
+    assert {r["output"] for r in ranks.values()} == {str(runs[0])}  # every rank got the same path
+    assert (runs[0] / "weights.pth").is_file() and (runs[0] / "logs" / "attempt_0" / "rank_1.log").is_file()
+    assert not (runs[0] / ".multigpu").exists()  # the payload went at finalize()

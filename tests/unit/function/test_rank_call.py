@@ -10,6 +10,7 @@ import cloudpickle
 import pytest
 import torch
 
+from multigpu.function import rank_call
 from multigpu.function.launch_errors import RemoteTraceback, original_exception
 from multigpu.function.rank_call import call_in_rank, dumps_value, error_path, result_path
 
@@ -70,3 +71,16 @@ def test_tensors_travel_and_others_are_moved_to_the_cpu_first(monkeypatch: pytes
     meta = torch.empty(2, device="meta")  # no GPU here: a tensor off the CPU all the same
     monkeypatch.setattr(torch.Tensor, "cpu", cpu)
     assert pickle.loads(dumps_value([meta]))[0].tolist() == [0.0, 0.0] and moved == ["meta"]
+
+
+def test_a_value_over_the_limit_is_an_error_naming_the_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rank_call, "RESULT_LIMIT_BYTES", 100)
+    with pytest.raises(
+        ValueError, match=r"^rank 1's return value is \d+ bytes pickled, over .* limit of 100 bytes"
+    ):
+        call_in_rank(cloudpickle.dumps((bytes, (500,), {})), str(tmp_path))
+    assert not result_path(tmp_path, 1).exists()
+    exc = original_exception(error_path(tmp_path, 1), 1)
+    assert isinstance(exc, ValueError) and "rank 1's return value" in str(exc)  # the caller raises it
