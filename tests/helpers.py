@@ -162,35 +162,14 @@ NUMPY_SITE = Path(os.environ.get("MULTIGPU_TEST_NUMPY_SITE", "/tmp/multigpu-test
 
 
 def numpy_site() -> Path | None:
-    """``NUMPY_SITE``, made on first use (under a lock: xdist workers race for it); None where pip
-    cannot install NumPy here (no registry), and the caller skips in one line."""
+    """``NUMPY_SITE``, made on first use (under a lock: xdist workers race for it) by the benchmarks'
+    own maker; None where pip cannot install NumPy here (no registry), and the caller skips in one line."""
+    from benchmarks.common import numpy_site as made
     from filelock import FileLock  # torch's own dependency
 
     NUMPY_SITE.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{NUMPY_SITE}.lock", timeout=300):
-        if (NUMPY_SITE / "numpy" / "__init__.py").exists():
-            return NUMPY_SITE
-        tmp = NUMPY_SITE.with_name(NUMPY_SITE.name + ".partial")
-        done = subprocess.run(
-            [
-                PYTHON,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--target",
-                str(tmp),
-                "numpy",
-            ],
-            capture_output=True,
-            timeout=280,
-        )
-        if done.returncode != 0:
-            return None
-        os.replace(tmp, NUMPY_SITE)
-        return NUMPY_SITE
+        return made(NUMPY_SITE)
 
 
 def in_ci() -> bool:
