@@ -9,32 +9,9 @@ import pytest
 
 from multigpu.cli.run_args import parse_run_args
 from multigpu.cli.run_parser import split_run_argv
-from multigpu.cluster import devices
-from multigpu.cluster.devices import GPUInfo
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import UsageError
-
-
-@pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deterministic discovery: this machine, or any other, looks GPU-less unless a test says otherwise."""
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
-
-
-@pytest.fixture
-def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        devices, "_nvml_gpus", lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)]
-    )
-
-
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> RunConfig:

@@ -20,26 +20,6 @@ from multigpu.contract.environment import usable_cpu_count
 from multigpu.contract.errors import UsageError
 
 
-@pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
-
-
-@pytest.fixture
-def four_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        devices, "_nvml_gpus", lambda: [GPUInfo(index=i, ordinal=str(i), name="Fake") for i in range(4)]
-    )
-
-
-@pytest.fixture
-def script(tmp_path: Path) -> str:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return str(path)
-
-
 def parse(argv: list[str], env: dict[str, str] | None = None) -> RunConfig:
     return parse_run_args(argv, env or {})[0]
 
