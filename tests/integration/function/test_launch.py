@@ -363,3 +363,74 @@ def test_ten_launches_with_failures_and_an_interrupt_leave_nothing_behind(tmp_pa
         record = json.loads((run / "run.json").read_text())
         pids += [r["pid"] for a in record["attempts"] for r in a["ranks"].values() if r.get("pid")]
     assert_gone(pids)
+
+
+SHARED_OUTPUT = """
+    import json, os, sys, threading, time
+    from pathlib import Path
+    import multigpu
+
+    out_dir, open_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    started, release = out_dir.parent / "started", out_dir.parent / "release"
+
+    def hold():
+        started.touch()
+        deadline = time.monotonic() + 60
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return int(os.environ["RANK"])
+
+    def deadline_wait(path):
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert time.monotonic() < deadline, "the first launch never started"
+            time.sleep(0.05)
+
+    out = {}
+    first = threading.Thread(target=lambda: out.update(first=multigpu.launch(hold, nprocs=1, device="cpu",
+                                                                             output=out_dir)))
+    first.start()
+    deadline_wait(started)
+    out["before"] = sorted(p.name for p in out_dir.rglob("*"))
+    try:
+        multigpu.launch(int, nprocs=1, device="cpu", output=out_dir)
+    except multigpu.MultiGPUError as exc:
+        out["second"] = str(exc)
+    out["after"] = sorted(p.name for p in out_dir.rglob("*"))
+    release.touch()
+    first.join()
+    try:
+        multigpu.launch(int, nprocs=1, device="cpu", output=open_dir / "a" / "run")
+    except multigpu.MultiGPUError as exc:
+        out["open"] = str(exc)
+    multigpu.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_launch_leaves_the_run_folder_to_the_launcher(tmp_path: Path) -> None:
+    """A second launch given a live run's ``output`` is refused without touching that run's files; a
+    folder inside one every user may write to is refused before anything is created in it; the payload
+    lives in a private folder that is gone afterwards."""
+    temp, open_dir = tmp_path / "tmp", tmp_path / "open"
+    temp.mkdir()
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # writable by all, no sticky bit: another user could plant links in it
+    script = write_script(tmp_path, "shared.py", SHARED_OUTPUT)
+    proc = subprocess.run(
+        [PYTHON, str(script), str(tmp_path / "run"), str(open_dir)],
+        cwd=tmp_path,
+        env=clean_env({"TMPDIR": str(temp)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    assert out["first"] == [0]
+    assert "before any rank reported" in out["second"] and "is in use by run" in text, text[-4000:]
+    assert out["after"] == out["before"] and ".multigpu" not in out["before"], out
+    assert "before any rank reported" in out["open"] and "writable by every user" in text, text[-4000:]
+    assert list(open_dir.iterdir()) == []
+    assert list(temp.glob("multigpu-*")) == []
