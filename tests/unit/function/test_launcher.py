@@ -21,7 +21,8 @@ def test_an_unreadable_request_or_a_gone_working_directory_is_one_line(
     monkeypatch.chdir(tmp_path)
     assert launcher.serve_one(str(tmp_path / "missing.pkl").encode()) == 2
     request = tmp_path / "request.pkl"
-    request.write_bytes(pickle.dumps({"config": None, "env": dict(os.environ), "cwd": str(tmp_path / "gone")}))
+    gone = {"config": None, "env": dict(os.environ), "cwd": str(tmp_path / "gone")}
+    request.write_bytes(pickle.dumps(gone))
     assert launcher.serve_one(str(request).encode()) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "missing.pkl" in err[0] and "gone" in err[1], err
