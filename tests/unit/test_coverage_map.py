@@ -33,8 +33,6 @@ NOT_IMPORTED = {
     "multigpu.cli.preemption_flags": "through cli.run_args.parse_run_args in unit/cluster/test_requeue.py",
     "multigpu.cli.store_server": "`multigpu store` in integration/multinode/test_store_command.py",
     "multigpu.cli.torchrun": "through cli.run_args.parse_run_args in unit/cli/test_torchrun.py",
-    "multigpu.function.launcher": "`python -m multigpu.function.launcher`: every launch in "
-    "integration/function/test_launch.py",
     "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
     "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
     "multigpu.rank.dump_signal": "stacks on a hang: unit/supervisor/test_loop.py, integration/faults/",

@@ -63,6 +63,15 @@ def number(value: str, flag: str, minimum: float, what: str) -> float:
     return parsed
 
 
+def module_names(text: str, flag: str) -> tuple[str, ...]:
+    """``json, torch.nn`` -> module names, in order; one that is not a dotted name is named."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in names if not all(part.isidentifier() for part in m.split("."))]
+    if bad:
+        raise _usage(f"{flag} takes module names, comma separated; got {bad[0]!r}")
+    return names
+
+
 def signal_numbers(text: str, flag: str) -> tuple[int, ...]:
     """``SIGUSR1,USR2`` -> signal numbers, in order and without repeats; a bad name is named."""
     found: list[int] = []

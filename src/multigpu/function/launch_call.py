@@ -1,13 +1,16 @@
 """``multigpu.launch(fn, *args, ...)``: run a function on every rank and return their values in rank order.
 
 Runs in the caller (a script, an HPO loop, a notebook kernel). It never forks itself: it writes the
-payload (the function, its arguments, the caller's ``sys.path`` and working directory) into the run's
-folder and hands it to its launcher process (``launcher_handle``: started by the first launch, kept warm
-for the next), which is ``multigpu run``'s launcher in function mode, ranks forked from the node's
-template. The launcher's lines (each rank's prefixed ``[rank N]``) appear in the caller's
-``sys.stdout``/``sys.stderr`` as they come, so a notebook shows them in the running cell; a Ctrl-C (a
-kernel interrupt) stops every rank and is raised here as ``KeyboardInterrupt``. The values come back
-through the run folder (``rank_call``); a failure comes back as the root-cause rank's own exception
+payload (the function, its arguments, the caller's ``sys.path`` and working directory) and the launch
+request into a private folder of its own (``mkdtemp``, 0700, removed when the launch ends), never into
+the run folder, which the launcher creates, checks and locks (a second launch given a live run's
+``output`` is refused without touching it). It hands the request to its launcher process
+(``launcher_handle``: started by the first launch, kept warm for the next), which is ``multigpu run``'s
+launcher in function mode, ranks forked from the node's template. The launcher's lines (each rank's
+prefixed ``[rank N]``) appear in the caller's ``sys.stdout``/``sys.stderr`` as they come, so a notebook
+shows them in the running cell; a Ctrl-C (a kernel interrupt) stops every rank and is raised here as
+``KeyboardInterrupt``. The values come back through the private folder (``rank_call``); a failure comes
+back as the root-cause rank's own exception, read from the record of this run id only
 (``launch_errors``).
 """
 
@@ -19,6 +22,7 @@ import pickle
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,6 @@ from multigpu.function.launch_errors import failure_of
 from multigpu.function.launcher_handle import launcher
 from multigpu.function.prepare import write_private
 
-PAYLOAD_DIR = ".multigpu"
 RESULTS_DIR = "results"
 
 
@@ -76,32 +79,41 @@ class Launch:
             raise TypeError(f"multigpu.launch: fn must be callable, got {fn!r}")
         blob = _pickled((fn, args, kwargs))
         config = launch_config(nprocs, device, options, os.environ)
-        self.output_dir = out = Path(str(config.output.dir))
-        payload = out / PAYLOAD_DIR / "payload.pkl"
-        self.config: RunConfig = dataclasses.replace(config, target=str(payload))
-        self.results = out / RESULTS_DIR
-        self.results.mkdir(parents=True, exist_ok=True)
-        preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
-        write_private(
-            payload,
-            pickle.dumps(preparation) + pickle.dumps((rank_call.call_in_rank, (blob, str(self.results)))),
-        )
-        self.request = out / PAYLOAD_DIR / "request.pkl"
-        write_private(
-            self.request, pickle.dumps({"config": self.config, "env": dict(os.environ), "cwd": os.getcwd()})
-        )
+        self.output_dir = Path(str(config.output.dir))
+        self.private = Path(tempfile.mkdtemp(prefix="multigpu-launch-"))  # 0700, this user's alone
+        try:
+            self.results = self.private / RESULTS_DIR
+            self.results.mkdir(mode=0o700)
+            payload = self.private / "payload.pkl"
+            self.config: RunConfig = dataclasses.replace(config, target=str(payload))
+            preparation = {"sys_path": list(sys.path), "dir": os.getcwd()}
+            call = (rank_call.call_in_rank, (blob, str(self.results)))
+            write_private(payload, pickle.dumps(preparation) + pickle.dumps(call))
+            self.request = self.private / "request.pkl"
+            request = {"config": self.config, "env": dict(os.environ), "cwd": os.getcwd()}
+            write_private(self.request, pickle.dumps(request))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """The private folder goes (payload, request, the ranks' values) once no rank can read it."""
+        shutil.rmtree(self.private, ignore_errors=True)
 
     def wait(self) -> list[Any]:
         """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""
         try:
-            with launcher() as process:
-                code = process.run(self.request)
+            return self._run()
         finally:
-            shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
+            self.remove()
+
+    def _run(self) -> list[Any]:
+        with launcher() as process:
+            code = process.run(self.request)
         if code < 0 and -code == signal.SIGINT:
             raise KeyboardInterrupt
         if code != 0:
-            raise failure_of(self.output_dir, code)
+            raise failure_of(self.output_dir, str(self.config.output.run_id), self.results, code)
         values = []
         for rank in range(self.config.nproc):
             path = rank_call.result_path(self.results, rank)
@@ -111,7 +123,6 @@ class Launch:
                 raise MultiGPUError(
                     f"multigpu.launch: rank {rank} succeeded but left no return value in {self.results}"
                 ) from None
-            path.unlink()
         return values
 
 

@@ -9,14 +9,17 @@ without one gets a one-line error asking for ``nprocs``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from multigpu.cluster.devices import visible_gpus
+from multigpu.cluster.devices import parse_index_list, visible_gpus
 from multigpu.config.run import OutputConfig, RunConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
+from multigpu.contract.values import integer, module_names, number, seconds
+from multigpu.record.folder import check_run_id
 
 OPTIONS: dict[str, tuple[str, str]] = {
     "hang_timeout": ("hang", "timeout"),
@@ -32,11 +35,60 @@ OPTIONS: dict[str, tuple[str, str]] = {
 }
 """Each option's Python name and the (section, field) of ``RunConfig`` that holds it."""
 
-_CONVERT: dict[str, Callable[[Any], Any]] = {
-    "output": lambda v: None if v is None else Path(v).resolve(),
-    "preload": tuple,
-    "log_ranks": lambda v: None if v is None else frozenset(v),
+
+def _text(value: Any, name: str) -> str:
+    """What the command line would have been given: a string as is, a number as its digits, a list of
+    them comma separated (``log_ranks=[0, 1]`` is ``--log-ranks 0,1``); anything else is refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (list, tuple, set, frozenset)) and name in _LISTS:
+        return ",".join(_text(item, name) for item in value)
+    raise UsageError(f"{name} must be {_WANTS.get(name, 'a number')}, got {value!r}")
+
+
+def _output(value: Any, name: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise UsageError(f"{name} must be a folder path, got {value!r}")
+    return Path(value).resolve()
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _ranks(value: Any, name: str) -> frozenset[int]:
+    try:
+        return frozenset(parse_index_list(_text(value, name), what=name))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+_LISTS = ("preload", "log_ranks")
+_WANTS = {
+    "preload": "module names (a list, or a comma-separated string)",
+    "log_ranks": "ranks (a list, or a comma-separated string)",
+    "run_id": "a name",
 }
+
+_PARSE: dict[str, Callable[[Any, str], Any]] = {
+    "hang_timeout": lambda v, name: seconds(_text(v, name), name, positive=True),
+    "hang_factor": lambda v, name: number(_text(v, name), name, 1, ""),
+    "hang_floor": lambda v, name: seconds(_text(v, name), name),
+    "max_restarts": lambda v, name: integer(_text(v, name), name, 0),
+    "grace_period": lambda v, name: seconds(_text(v, name), name),
+    "template": _flag,
+    "preload": lambda v, name: module_names(_text(v, name), name),
+    "output": _output,
+    "run_id": lambda v, name: check_run_id(_text(v, name), name),
+    "log_ranks": _ranks,
+}
+"""Each option checked by the parser ``multigpu run`` checks its flag with (``contract/values``, the run
+id's ``record/folder.check_run_id``), so a wrong value is one ``UsageError`` in the caller before
+anything starts; None is the option's default."""
 
 
 def resolve_devices(
@@ -77,9 +129,13 @@ def launch_config(
             raise TypeError(
                 f"multigpu.launch() got an unexpected keyword argument {name!r} (options: {known})"
             )
+        if value is None:
+            continue
         section, field = OPTIONS[name]
-        convert = _CONVERT.get(name)
-        sections.setdefault(section, {})[field] = convert(value) if convert is not None else value
+        try:
+            sections.setdefault(section, {})[field] = _PARSE[name](value, name)
+        except UsageError as exc:
+            raise UsageError(f"multigpu.launch: {exc}") from None
     for section, fields in sections.items():
         config = dataclasses.replace(
             config, **{section: dataclasses.replace(getattr(config, section), **fields)}

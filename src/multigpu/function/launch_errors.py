@@ -31,19 +31,23 @@ class RemoteTraceback(Exception):
         return f'\n"""\n{self.text}\n"""'
 
 
-def last_attempt(output_dir: Path) -> dict[str, Any] | None:
-    """The last attempt in the run's record, or None when there is no readable record."""
+def last_attempt(output_dir: Path, run_id: str) -> dict[str, Any] | None:
+    """The last attempt in run ``run_id``'s record, or None when there is no readable record of it (an
+    earlier run's, or a live one's that refused this launch its folder, is not this launch's)."""
     try:
         data = json.loads((output_dir / "run.json").read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("run_id") != run_id:
         return None
     attempts = data.get("attempts") or []
     return attempts[-1] if attempts else None
 
 
-def failure_of(output_dir: Path, code: int) -> BaseException:
-    """What the caller raises for a launch whose launcher exited with ``code`` (not 0)."""
-    attempt = last_attempt(output_dir)
+def failure_of(output_dir: Path, run_id: str, results: Path, code: int) -> BaseException:
+    """What the caller raises for launch ``run_id`` (record in ``output_dir``, the ranks' exceptions in
+    ``results``) whose launcher exited with ``code`` (not 0)."""
+    attempt = last_attempt(output_dir, run_id)
     root = attempt.get("root_cause") if attempt else None
     if not root:
         return MultiGPUError(
@@ -52,7 +56,7 @@ def failure_of(output_dir: Path, code: int) -> BaseException:
         )
     cause = WorkerFailure.from_dict(root)
     others = [WorkerFailure.from_dict(f) for f in (attempt or {}).get("failures", [])[1:]]
-    raised = original_exception(error_path(output_dir / "results", cause.rank), cause.rank)
+    raised = original_exception(error_path(results, cause.rank), cause.rank)
     return raised if raised is not None else WorkerFailedError(cause, others)
 
 

@@ -25,26 +25,51 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
+
+from multigpu.contract.errors import Interrupted
+from multigpu.contract.exitcodes import EXIT_USAGE
 
 
 def serve(reply_fd: int) -> None:
-    from multigpu.runner.attempts import launch
     from multigpu.template.process import start_early
 
     while line := sys.stdin.buffer.readline():
-        with open(line.strip(), "rb") as f:
+        code = serve_one(line.strip())
+        start_early(["run"])  # warm for the next launch, unless the last one's template was kept
+        os.write(reply_fd, f"{code}\n".encode())
+
+
+def serve_one(request_path: bytes) -> int:
+    """One launch's exit code. Whatever fails before or in it (an unreadable request, the caller's
+    working directory gone, a usage error, an unusable folder) is one line, and the next launch is
+    served: a traceback here would be copied into the caller's notebook cell."""
+    from multigpu.runner.attempts import launch
+
+    try:
+        with open(request_path, "rb") as f:
             request = pickle.load(f)
         os.environ.clear()
         os.environ.update(request["env"])  # the caller's, now: the next template starts with it too
         os.chdir(request["cwd"])
-        try:
-            code = launch(request["config"], os.environ)
-        except Exception as exc:  # a usage error, an unusable folder: said, and the next launch served
-            print(f"multigpu: {exc}", file=sys.stderr, flush=True)
-            code = 2
-        start_early(["run"])  # warm for the next launch, unless the last one's template was kept
-        os.write(reply_fd, f"{code}\n".encode())
+        return launch(request["config"], os.environ)
+    except Exception as exc:
+        print(f"multigpu: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+def interrupted(exc: KeyboardInterrupt) -> None:
+    """A Ctrl-C that reached here, not the launch's own handling (one before its signal handlers were
+    installed, or between launches): one line, the template ended, then this process dies of SIGINT,
+    as ``multigpu run`` does (``cli/main.interrupted``); the caller raises ``KeyboardInterrupt``."""
+    from multigpu.supervisor.stop_requests import end_with_signal
+    from multigpu.template.process import close_early
+
+    text = str(exc) if isinstance(exc, Interrupted) and str(exc) else "interrupted (SIGINT)"
+    print(f"multigpu: {text}", file=sys.stderr, flush=True)
+    close_early()
+    end_with_signal(signal.SIGINT)
 
 
 def main(argv: list[str]) -> int:
@@ -58,6 +83,8 @@ def main(argv: list[str]) -> int:
     guard_parent(caller)
     try:
         serve(reply_fd)
+    except KeyboardInterrupt as exc:
+        interrupted(exc)
     finally:
         close_early()
     return 0

@@ -17,7 +17,7 @@ import atexit
 import codecs
 import contextlib
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -82,10 +82,19 @@ class LauncherProcess:
             raise
 
     def _wait_reply(self, deadline: float | None = None) -> int:
+        """A selector, not ``select.select``: a long-lived kernel may hold descriptors past 1024."""
+        with selectors.DefaultSelector() as selector:
+            for fd in (self.reply, *self.open):
+                selector.register(fd, selectors.EVENT_READ)
+            return self._wait_ready(selector, deadline)
+
+    def _wait_ready(self, selector: selectors.BaseSelector, deadline: float | None) -> int:
         reply = b""
         while True:
-            ready, _, _ = select.select([self.reply, *self.open], [], [], POLL_S)
+            ready = {key.fd for key, _ in selector.select(POLL_S)}
             self._copy(fd for fd in ready if fd in self.streams)
+            for fd in ready - self.open - {self.reply}:
+                selector.unregister(fd)  # at its end: it would be ready at every call
             if self.reply in ready:
                 reply += os.read(self.reply, 64)
                 if reply.endswith(b"\n"):
@@ -116,9 +125,22 @@ class LauncherProcess:
             self._wait_reply(deadline=time.monotonic() + STOP_WAIT_S)
         self.close(kill=True)
 
+    def retire(self) -> None:
+        """End it from any thread: closed now if no launch holds it; else killed (its guard takes the
+        ranks along), and the thread that holds it closes it once its launch has returned
+        (``launcher``), so no descriptor is closed under a thread that waits on it."""
+        if self.busy.acquire(blocking=False):
+            try:
+                self.close()
+            finally:
+                self.busy.release()
+        elif self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
     def close(self, kill: bool = False) -> None:
         """End it: stdin closed (it leaves when idle), or SIGKILL (its guard takes its ranks along).
-        Safe twice: the descriptors are closed once."""
+        Safe twice: the descriptors are closed once. Only its holder calls it (``busy``)."""
         if self.reply < 0:
             return
         if kill and self.alive():
@@ -151,7 +173,7 @@ def launcher() -> Iterator[LauncherProcess]:
     with _lock:
         if _shared is None or not _shared.alive():
             if _shared is not None:
-                _shared.close()
+                _shared.retire()
             _shared = LauncherProcess()
             atexit.unregister(shutdown)  # registered once, whatever the number of launchers
             atexit.register(shutdown)
@@ -160,6 +182,10 @@ def launcher() -> Iterator[LauncherProcess]:
         try:
             yield shared
         finally:
+            with _lock:
+                retired = shared is not _shared  # shut down or replaced while it ran: ours to close
+            if retired:
+                shared.close()
             shared.busy.release()
         return
     own = LauncherProcess()
@@ -175,4 +201,4 @@ def shutdown() -> None:
     with _lock:
         shared, _shared = _shared, None
     if shared is not None:
-        shared.close()
+        shared.retire()

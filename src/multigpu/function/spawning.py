@@ -2,8 +2,10 @@
 
 Runs in the caller. ``fn(i, *args)`` runs in ``nprocs`` ranks (``i`` is the local rank), forked from the
 node's template rather than started as fresh interpreters that each import torch. As under torch, each
-process sees every GPU and sets up its own process group (``MASTER_ADDR``/``MASTER_PORT`` are the job's
-unless ``fn`` sets its own, as PyTorch's DDP tutorial does); the agent-store variable is removed, so
+process sees every GPU (``CUDA_VISIBLE_DEVICES`` is left as the caller's, whatever ``nprocs`` is; the
+run's record lists the ranks' device as "cpu", since multigpu assigns none) and sets up its own process
+group (``MASTER_ADDR``/``MASTER_PORT`` are the job's unless ``fn`` sets its own, as PyTorch's DDP
+tutorial does); the agent-store variable is removed, so
 ``init_process_group`` makes rank 0's store as it would under ``mp.spawn``. A failure raises torch's own
 ``ProcessRaisedException`` (the rank's exception as ``__cause__``) or ``ProcessExitedException``.
 Both are importable from here, as from ``torch.multiprocessing`` (this module imports torch: a caller of
@@ -20,7 +22,6 @@ from typing import Any
 
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from multigpu.cluster.devices import visible_gpus
 from multigpu.contract.errors import WorkerFailedError
 from multigpu.function.launch_call import Launch
 from multigpu.function.launch_errors import RemoteTraceback
@@ -73,9 +74,9 @@ def spawn(
     start_method: str = "spawn",
 ) -> SpawnContext | None:
     """``torch.multiprocessing.spawn``, ranks forked from the warm template."""
-    gpus = len(visible_gpus())
-    device = "cuda" if 0 < nprocs <= gpus else "cpu"
-    launch = Launch(call_with_index, (fn, tuple(args)), {}, nprocs=nprocs, device=device, options={})
+    # As under torch: no GPU is assigned (device "cpu" to the launcher), so CUDA_VISIBLE_DEVICES stays
+    # the caller's and every process sees every GPU; fn picks its own (torch.cuda.set_device(i)).
+    launch = Launch(call_with_index, (fn, tuple(args)), {}, nprocs=nprocs, device="cpu", options={})
     if not join:
         return SpawnContext(launch)
     try:

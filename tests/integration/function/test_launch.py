@@ -363,3 +363,160 @@ def test_ten_launches_with_failures_and_an_interrupt_leave_nothing_behind(tmp_pa
         record = json.loads((run / "run.json").read_text())
         pids += [r["pid"] for a in record["attempts"] for r in a["ranks"].values() if r.get("pid")]
     assert_gone(pids)
+
+
+SHARED_OUTPUT = """
+    import json, os, sys, threading, time
+    from pathlib import Path
+    import multigpu
+
+    out_dir, open_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    started, release = out_dir.parent / "started", out_dir.parent / "release"
+
+    def hold():
+        started.touch()
+        deadline = time.monotonic() + 60
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return int(os.environ["RANK"])
+
+    def deadline_wait(path):
+        deadline = time.monotonic() + 120
+        while not path.exists():
+            assert time.monotonic() < deadline, "the first launch never started"
+            time.sleep(0.05)
+
+    out = {}
+    first = threading.Thread(target=lambda: out.update(first=multigpu.launch(hold, nprocs=1, device="cpu",
+                                                                             output=out_dir)))
+    first.start()
+    deadline_wait(started)
+    out["before"] = sorted(p.name for p in out_dir.rglob("*"))
+    try:
+        multigpu.launch(int, nprocs=1, device="cpu", output=out_dir)
+    except multigpu.MultiGPUError as exc:
+        out["second"] = str(exc)
+    out["after"] = sorted(p.name for p in out_dir.rglob("*"))
+    release.touch()
+    first.join()
+    try:
+        multigpu.launch(int, nprocs=1, device="cpu", output=open_dir / "a" / "run")
+    except multigpu.MultiGPUError as exc:
+        out["open"] = str(exc)
+    multigpu.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_launch_leaves_the_run_folder_to_the_launcher(tmp_path: Path) -> None:
+    """A second launch given a live run's ``output`` is refused without touching that run's files; a
+    folder inside one every user may write to is refused before anything is created in it; the payload
+    lives in a private folder that is gone afterwards."""
+    temp, open_dir = tmp_path / "tmp", tmp_path / "open"
+    temp.mkdir()
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # writable by all, no sticky bit: another user could plant links in it
+    script = write_script(tmp_path, "shared.py", SHARED_OUTPUT)
+    proc = subprocess.run(
+        [PYTHON, str(script), str(tmp_path / "run"), str(open_dir)],
+        cwd=tmp_path,
+        env=clean_env({"TMPDIR": str(temp)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    assert out["first"] == [0]
+    assert "before any rank reported" in out["second"] and "is in use by run" in text, text[-4000:]
+    assert out["after"] == out["before"] and ".multigpu" not in out["before"], out
+    assert "before any rank reported" in out["open"] and "writable by every user" in text, text[-4000:]
+    assert list(open_dir.iterdir()) == []
+    assert list(temp.glob("multigpu-*")) == []
+
+
+SHUTDOWN_WHILE_BUSY = """
+    import json, os, sys, threading, time
+    from pathlib import Path
+    import multigpu
+
+    started = Path(sys.argv[1]) / "started"
+
+    def hold():
+        Path(started).write_text(str(os.getpid()))
+        time.sleep(45)
+
+    out = {}
+
+    def background():
+        try:
+            multigpu.launch(hold, nprocs=1, device="cpu")
+        except BaseException as exc:
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert time.monotonic() < deadline, "the launch never started"
+        time.sleep(0.05)
+    began = time.monotonic()
+    multigpu.shutdown()  # from another thread than the launch's: kills it, never closes its pipes
+    out["shutdown_s"] = time.monotonic() - began
+    thread.join(60)
+    out["alive"] = thread.is_alive()
+    out["rank"] = int(started.read_text())
+    out["fds"] = len(os.listdir("/proc/self/fd"))
+    out["after"] = multigpu.launch(int, "7", nprocs=1, device="cpu")  # a new launcher serves
+    multigpu.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_shutdown_from_another_thread_kills_a_busy_launcher_and_leaves_its_pipes(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "busy.py", SHUTDOWN_WHILE_BUSY)
+    proc = subprocess.run(
+        [PYTHON, str(script), str(tmp_path)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    out = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    assert out["shutdown_s"] < 10, out  # not the launch's 45 s, nor the 30 s wait for an idle launcher
+    assert not out["alive"] and out["raised"].startswith("MultiGPUError: "), out
+    assert "Bad file descriptor" not in text and "Traceback" not in text, text[-4000:]
+    assert out["after"] == [7]
+    assert_gone([out["rank"]])
+
+
+MANY_FDS = """
+    import json, os, resource
+    import multigpu
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    held = []
+    while not held or held[-1] < 1100:  # every descriptor the launcher's pipes may get is past 1024
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    out = {"values": multigpu.launch(int, "3", nprocs=2, device="cpu")}
+    multigpu.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_launch_works_with_descriptors_past_1024_open(tmp_path: Path) -> None:
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1200:
+        pytest.skip("the hard open-file limit is below 1200")
+    script = write_script(tmp_path, "fds.py", MANY_FDS)
+    proc = subprocess.run(
+        [PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert '"values": [3, 3]' in proc.stdout

@@ -86,3 +86,50 @@ def test_every_option_names_a_real_field() -> None:
     config = RunConfig(target="")
     for section, field in OPTIONS.values():
         assert hasattr(getattr(config, section), field), (section, field)
+
+
+def test_options_are_checked_by_the_command_lines_parsers(tmp_path: Path) -> None:
+    """The CLI's strings and Python's numbers and lists mean the same; a wrong value is one UsageError
+    naming the option, in the caller, before anything starts."""
+    config = launch_config(
+        1,
+        "cpu",
+        {
+            "hang_timeout": "5",
+            "max_restarts": "2",
+            "grace_period": 0,
+            "hang_factor": 3,
+            "log_ranks": "0,1",
+            "preload": "json, os.path",
+        },
+        {},
+    )
+    assert config.hang.timeout == 5.0 and config.supervision.max_restarts == 2
+    assert config.supervision.grace_period == 0.0 and config.hang.factor == 3.0
+    assert config.output.log_ranks == frozenset({0, 1})
+    assert config.supervision.preload == ("json", "os.path")
+    assert launch_config(1, "cpu", {"log_ranks": 3, "hang_timeout": None}, {}).output.log_ranks == {3}
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("hang_timeout", "five", "hang_timeout must be a number of seconds"),
+        ("hang_timeout", 0, "hang_timeout must be more than 0"),
+        ("grace_period", -1, "grace_period must be at least 0"),
+        ("max_restarts", 2.5, "max_restarts must be an integer"),
+        ("max_restarts", True, "max_restarts must be a number"),
+        ("hang_factor", 0.5, "hang_factor must be a number of at least 1"),
+        ("output", 5, "output must be a folder path"),
+        ("output", "", "output must be a folder path"),
+        ("log_ranks", [0, -1], "log_ranks item '-1' is negative"),
+        ("log_ranks", {"a": 1}, "log_ranks must be ranks"),
+        ("preload", ["json", "not a module"], "preload takes module names"),
+        ("template", "no", "template must be True or False"),
+        ("run_id", "../x", "run_id '../x' is a path"),
+    ],
+)
+def test_a_wrong_option_is_one_usage_error(name: str, value: object, says: str) -> None:
+    with pytest.raises(UsageError, match="^multigpu.launch: " + says) as info:
+        launch_config(1, "cpu", {name: value}, {})
+    assert "\n" not in str(info.value)

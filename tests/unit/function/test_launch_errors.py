@@ -30,13 +30,13 @@ def record(out: Path, root: WorkerFailure) -> None:
 
 
 def test_no_record_is_a_multigpu_error_naming_the_folder(tmp_path: Path) -> None:
-    error = failure_of(tmp_path, 2)
+    error = failure_of(tmp_path, "r1", tmp_path / "results", 2)
     assert isinstance(error, MultiGPUError) and str(tmp_path) in str(error)
 
 
 def test_a_rank_that_died_without_an_exception_is_a_worker_failed_error(tmp_path: Path) -> None:
     record(tmp_path, WorkerFailure(rank=1, local_rank=1, pid=99, exit_code=-9, signal="SIGKILL"))
-    error = failure_of(tmp_path, 1)
+    error = failure_of(tmp_path, "r1", tmp_path / "results", 1)
     assert isinstance(error, WorkerFailedError) and error.rank == 1 and error.signal == "SIGKILL"
 
 
@@ -49,7 +49,18 @@ def test_the_root_cause_ranks_own_exception_is_raised(tmp_path: Path) -> None:
         "exception": pickle.dumps(ValueError("bad")),
     }
     error_path(tmp_path / "results", 1).write_bytes(pickle.dumps(kept))
-    error = failure_of(tmp_path, 1)
+    error = failure_of(tmp_path, "r1", tmp_path / "results", 1)
     assert type(error) is ValueError and error.__notes__ == ["multigpu: raised by rank 1 (pid 99)"]
     with pytest.raises(ValueError, match="bad"):
         raise error
+
+
+def test_another_runs_record_in_the_folder_is_not_this_launchs_failure(tmp_path: Path) -> None:
+    """An HPO loop reusing ``output=``: trial 1's record (run r1) is still there when trial 2 (run r2)
+    fails before any rank reported; trial 1's exception must not be raised for trial 2."""
+    record(tmp_path, WorkerFailure(rank=1, local_rank=1, pid=99, exit_code=1, error_type="ValueError"))
+    (tmp_path / "results").mkdir()
+    kept = {"pid": 99, "traceback": "ValueError: trial 1", "exception": pickle.dumps(ValueError("trial 1"))}
+    error_path(tmp_path / "results", 1).write_bytes(pickle.dumps(kept))
+    error = failure_of(tmp_path, "r2", tmp_path / "results", 2)
+    assert type(error) is MultiGPUError and "before any rank reported" in str(error)

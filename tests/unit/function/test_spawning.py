@@ -45,3 +45,29 @@ def test_fn_gets_its_index_first_and_no_agent_store(monkeypatch: pytest.MonkeyPa
     import os
 
     assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+
+
+@pytest.mark.parametrize("nprocs", [2, 4, 6])
+def test_spawn_assigns_no_gpu_so_every_process_sees_every_gpu(
+    monkeypatch: pytest.MonkeyPatch, nprocs: int
+) -> None:
+    """As ``torch.multiprocessing.spawn``: with 4 GPUs visible, 2, 4 or 6 processes all keep the caller's
+    ``CUDA_VISIBLE_DEVICES`` (no GPU list for the launcher to cut it to), never a silent change of kind."""
+    import multigpu.function.launch_config as lc
+    import multigpu.function.spawning as spawning
+    from multigpu.cluster.devices import GPUInfo
+    from multigpu.function.launch_call import Launch
+
+    found = [GPUInfo(index=i, ordinal=str(i), name="gpu", uuid=f"GPU-{i}") for i in range(4)]
+    monkeypatch.setattr(lc, "visible_gpus", lambda env=None: found)
+    monkeypatch.setattr(spawning, "visible_gpus", lambda env=None: found, raising=False)
+    seen = []
+
+    def wait(self: Launch) -> list[object]:
+        seen.append(self.config)
+        self.remove()
+        return []
+
+    monkeypatch.setattr(Launch, "wait", wait)
+    multigpu.spawn(print, nprocs=nprocs)
+    assert seen[0].nproc == nprocs and seen[0].gpus == () and seen[0].device == "cpu"
