@@ -36,7 +36,7 @@ from multigpu.config.run import (
 from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV
-from multigpu.contract.values import integer, number, seconds
+from multigpu.contract.values import integer, module_names, number, seconds
 
 THRESHOLD_MEANS = " (a share of the step, 0: off)"
 
@@ -233,10 +233,7 @@ def _our_values(values: RunOptions) -> tuple[float, float | None, int, LiveView,
 
 def _apply_template(config: RunConfig, values: RunOptions) -> RunConfig:
     """--no-template and --preload: checked last, as before any rank starts."""
-    preload = tuple(m.strip() for m in (values.preload or "").split(",") if m.strip())
-    bad = [m for m in preload if not all(part.isidentifier() for part in m.split("."))]
-    if bad:
-        raise UsageError(f"--preload takes module names, comma separated; got {bad[0]!r}")
+    preload = module_names(values.preload or "", "--preload")
     supervision = dataclasses.replace(config.supervision, template=not values.no_template, preload=preload)
     return dataclasses.replace(config, supervision=supervision)
 
