@@ -37,6 +37,7 @@ NOT_IMPORTED = {
     "integration/function/test_launch.py",
     "multigpu.function.prepare": "MultiGPUManager's setup in integration/function/ (real ranks)",
     "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
+    "multigpu.preflight.__main__": "`python -m multigpu.preflight`: unit/preflight/test_check.py",
     "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
     "multigpu.rank.dump_signal": "stacks on a hang: unit/supervisor/test_loop.py, integration/faults/",
     "multigpu.rank.exiting": "how a failed rank leaves: integration/faults/test_worker_exit.py",

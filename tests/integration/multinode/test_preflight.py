@@ -1,0 +1,145 @@
+"""``--preflight`` with two launchers on 127.0.0.1: a healthy check is one line on both nodes and the
+job runs; a node whose launcher and ranks share 15% of a core (a real cgroup v1 CPU quota) is named on
+both nodes before its ranks start; ``--preflight strict`` refuses the job on both, with exit 77."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import MULTIGPU, clean_env, finish_all, free_port, tier_cannot_run, write_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
+
+TRAIN = """
+    import sys, torch, torch.distributed as dist
+    print("training starts", file=sys.stderr, flush=True)
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"sum={int(t.item())}", flush=True)
+    dist.destroy_process_group()
+"""
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+
+
+@contextlib.contextmanager
+def cpu_group(**settings: int) -> Iterator[Path]:
+    """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
+    the default 100 ms period; ``shares``: its weight against the machine's other processes); skips in
+    one line (fails under CI=true) where this process cannot make one. Removed after: every process in
+    it is gone by then."""
+    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+        tier_cannot_run("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    path = CPU_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        for name, value in settings.items():
+            (path / f"cpu.{name}").write_text(str(value))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        tier_cannot_run(f"cannot make a child cpu cgroup here (root needed): {exc.strerror}")
+    try:
+        yield path
+    finally:
+        path.rmdir()
+
+
+THROTTLED = {"cfs_period_us": 100000, "cfs_quota_us": 15000}
+"""The slow node: its launcher and ranks share 15% of one core."""
+HEALTHY = {"shares": 16384}
+"""A healthy node owns its core: weighted far above a shared test machine's other work (other suites,
+benchmarks), which would otherwise slow it as much as the quota slows the throttled one."""
+
+
+def start_node(
+    tmp_path: Path, script: Path, rank: int, endpoint: str, *options: str, cgroup: Path | None = None
+) -> subprocess.Popen[str]:
+    """One launcher of a 2-node job (1 CPU rank each); in ``cgroup`` from its first instruction on (a
+    shell writes its own pid into the group, then becomes the launcher)."""
+    argv = [
+        *MULTIGPU,
+        "run",
+        "--cpu",
+        "1",
+        "--grace-period",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--rdzv-endpoint",
+        endpoint,
+        "--output",
+        str(tmp_path / "out"),
+        *options,
+        str(script),
+    ]
+    if cgroup is not None:
+        argv = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *argv]
+    return subprocess.Popen(
+        argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def both(
+    tmp_path: Path, *options: str, throttle: bool = False, timeout: float = 240
+) -> list[tuple[int, str, str]]:
+    """Run both nodes to their end, (exit code, stdout, stderr) each: healthy ones, or node 1
+    throttled (``throttle``)."""
+    script = write_script(tmp_path, "train.py", TRAIN)
+    endpoint = f"127.0.0.1:{free_port()}"
+    with contextlib.ExitStack() as stack:
+        healthy = stack.enter_context(cpu_group(**HEALTHY))
+        slow = stack.enter_context(cpu_group(**THROTTLED)) if throttle else healthy
+        procs = [
+            start_node(tmp_path, script, 0, endpoint, *options, cgroup=healthy),
+            start_node(tmp_path, script, 1, endpoint, *options, cgroup=slow),
+        ]
+        return finish_all(procs, timeout)
+
+
+def record(tmp_path: Path, node: int) -> dict[str, object]:
+    data = json.loads((tmp_path / "out" / f"run_node{node}.json").read_text())
+    return dict(data["preflight"])
+
+
+def test_a_healthy_preflight_is_one_line_on_both_nodes_and_the_job_runs(tmp_path: Path) -> None:
+    for code, out, err in both(tmp_path):
+        assert code == 0, err
+        [line] = [x for x in err.splitlines() if x.startswith("multigpu: preflight:")]
+        assert line.startswith("multigpu: preflight: every node healthy (2 nodes, ")
+        assert "GFLOP/s" in line and "GB/s" in line
+        assert err.index("preflight:") < err.index("training starts")
+        assert "sum=2" in out
+    assert record(tmp_path, 0)["verdict"] == record(tmp_path, 1)["verdict"] == "healthy"
+
+
+def test_a_throttled_node_is_named_on_both_nodes_before_training(tmp_path: Path) -> None:
+    results = both(tmp_path, throttle=True)
+    for code, _, err in results:
+        assert code == 0, err
+        [line] = [x for x in err.splitlines() if x.startswith("multigpu: preflight:")]
+        assert line.startswith("multigpu: preflight: node 1 is slow: matmul "), line
+        assert "(others " in line and line.endswith("; running anyway (--preflight=strict refuses)")
+        assert err.index("preflight:") < err.index("training starts")
+    entry = record(tmp_path, 0)
+    assert entry["verdict"] == "slow" and entry["slow_nodes"] == [1]
+
+
+def test_strict_refuses_a_throttled_node_on_both_nodes_with_exit_77(tmp_path: Path) -> None:
+    results = both(tmp_path, "--preflight", "strict", throttle=True)
+    for code, _, err in results:
+        assert code == 77, err
+        assert "multigpu: error: preflight: node 1 is slow: matmul " in err
+        assert "every node refuses the job (--preflight=strict)" in err
+        assert "training starts" not in err and "Traceback" not in err
+    assert record(tmp_path, 1)["verdict"] == "refused"
