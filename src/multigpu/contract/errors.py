@@ -122,6 +122,14 @@ class PreflightRefused(RendezvousError):
     launcher_exit = EXIT_PREFLIGHT
 
 
+class PreflightWithdrew(MultiGPUError):
+    """This node was far slower than the others in an elastic round's preflight, and enough nodes are
+    left without it: it leaves the job (not a failed rendezvous: the rendezvous stays open), which goes
+    on with the others."""
+
+    launcher_exit = EXIT_PREFLIGHT
+
+
 class Interrupted(KeyboardInterrupt):
     """A Ctrl-C caught where the launcher knows what it was doing: its one line says what stopped
     (``multigpu: node 0: interrupted (SIGINT) while waiting for node(s) 1 to join; no rank was

@@ -150,8 +150,8 @@ def run_attempts(run: Run) -> int:
     try:
         while True:
             meeting = run.members.meet()
-            if preflight.due(meeting):  # after the nodes met, before any rank
-                preflight.check(meeting, run.members.spawner)
+            if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
+                continue  # a slow node left the elastic round: the others meet again without it
             result, workers = _attempt(run, meeting)
             code = _verdict(run, meeting, result, workers, policy)
             if code is not None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from multigpu.contract.errors import PreflightRefused, RendezvousError
+from multigpu.contract.errors import PreflightRefused, PreflightWithdrew, RendezvousError
 from multigpu.record.run_json import RunRecord
 from multigpu.runner.membership import Meeting
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
@@ -97,12 +97,15 @@ def verdict_lines(figures: Sequence[Figures], seconds: float, mode: str) -> tupl
     return [f"preflight: {line}; running anyway (--preflight=strict refuses)" for line in named], None
 
 
-def record_entry(figures: Sequence[Figures], seconds: float, mode: str) -> dict[str, Any]:
-    """run.json's ``preflight``."""
+def record_entry(
+    figures: Sequence[Figures], seconds: float, mode: str, withdrawn: Sequence[int] = ()
+) -> dict[str, Any]:
+    """run.json's ``preflight`` (``withdrawn``: the slow nodes that left an elastic round)."""
     slow = slow_nodes(figures)
+    verdict = "withdrawn" if withdrawn else "refused" if mode == "strict" else "slow"
     return {
         "mode": mode,
-        "verdict": "healthy" if not slow else "refused" if mode == "strict" else "slow",
+        "verdict": verdict if slow else "healthy",
         "slow_nodes": slow,
         "seconds": round(seconds, 3),
         "nodes": {
@@ -168,11 +171,14 @@ class Preflight:
     done: bool = False
 
     def due(self, meeting: Meeting) -> bool:
-        """A job of several nodes: its first meeting, or each round of an elastic job."""
-        return self.mode != "off" and meeting.job is not None and (self.every_round or not self.done)
+        """A job of several nodes: its first meeting, or each round of an elastic job (of several)."""
+        if self.mode == "off" or meeting.job is None or meeting.config.group_world_size < 2:
+            return False
+        return self.every_round or not self.done
 
-    def check(self, meeting: Meeting, spawner: Spawner | None) -> None:
-        """Run this node's check, record it, say the verdict; raise on a refusal or a failed check."""
+    def check(self, meeting: Meeting, spawner: Spawner | None) -> bool:
+        """Run this node's check, record it, say the verdict; raise on a refusal or a failed check, or
+        where this node withdraws. False: a slow node withdrew from the round, meet again without it."""
         self.done = True
         config, job = meeting.config, meeting.job
         assert job is not None
@@ -189,12 +195,37 @@ class Preflight:
         started = time.monotonic()
         figures, _ = self._run(json.dumps(task), spawner or PopenSpawner(), config.group_rank)
         seconds = time.monotonic() - started
-        self.record.note_preflight(record_entry(figures, seconds, self.mode))
+        leaving = self.withdrawing(meeting, slow_nodes(figures))
+        self.record.note_preflight(record_entry(figures, seconds, self.mode, withdrawn=leaving))
+        if leaving:
+            return self._withdraw(figures, leaving, config.group_rank)
         lines, refusal = verdict_lines(figures, seconds, self.mode)
         for line in lines:
             self.say(line)
         if refusal is not None:
             raise PreflightRefused(f"preflight: {refusal}")
+        return True
+
+    def withdrawing(self, meeting: Meeting, slow: list[int]) -> list[int]:
+        """The slow nodes that leave an elastic round themselves (torch's rendezvous cannot exclude
+        another node): where the nodes left are enough (``--nnodes MIN:``) and none of the slow serves
+        the job's store. Every node of the round comes to the same list, from the same figures."""
+        if not self.every_round or not slow or meeting.job is None:
+            return []
+        config = meeting.config
+        enough = config.group_world_size - len(slow) >= (config.rdzv.min_nodes or 1)
+        return slow if enough and meeting.job.store_host not in slow else []
+
+    def _withdraw(self, figures: Sequence[Figures], leaving: list[int], me: int) -> bool:
+        """This node leaves the job (raised), or says who leaves and meets again without them."""
+        named = "; ".join(slow_line(figures, node) for node in leaving)
+        left = len(figures) - len(leaving)
+        if me in leaving:
+            raise PreflightWithdrew(
+                f"preflight: {named}; node {me} (this one) leaves the job, which goes on with {left} node(s)"
+            )
+        self.say(f"preflight: {named}; it leaves the job: a new round with {left} node(s)")
+        return False
 
     def _run(self, task: str, spawner: Spawner, node: int) -> tuple[list[Figures], float]:
         argv = [sys.executable, "-m", PREFLIGHT_MODULE, task]

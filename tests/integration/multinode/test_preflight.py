@@ -1,12 +1,16 @@
 """``--preflight`` with two launchers on 127.0.0.1: a healthy check is one line on both nodes and the
 job runs; a node whose launcher and ranks share 15% of a core (a real cgroup v1 CPU quota) is named on
-both nodes before its ranks start; ``--preflight strict`` refuses the job on both, with exit 77."""
+both nodes before its ranks start; ``--preflight strict`` refuses the job on both, with exit 77; in
+an elastic job the throttled node withdraws from the round and the job goes on without it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
+import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +22,12 @@ from helpers import MULTIGPU, clean_env, finish_all, free_port, tier_cannot_run,
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
 
 TRAIN = """
-    import sys, torch, torch.distributed as dist
+    import os, sys, torch, torch.distributed as dist
     print("training starts", file=sys.stderr, flush=True)
     dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
-    print(f"sum={int(t.item())}", flush=True)
+    print(f"sum={int(t.item())} world={dist.get_world_size()} group={os.environ['GROUP_RANK']}", flush=True)
     dist.destroy_process_group()
 """
 
@@ -61,33 +65,20 @@ benchmarks), which would otherwise slow it as much as the quota slows the thrott
 
 
 def start_node(
-    tmp_path: Path, script: Path, rank: int, endpoint: str, *options: str, cgroup: Path | None = None
+    tmp_path: Path, name: str, script: Path, layout: list[str], cgroup: Path
 ) -> subprocess.Popen[str]:
-    """One launcher of a 2-node job (1 CPU rank each); in ``cgroup`` from its first instruction on (a
-    shell writes its own pid into the group, then becomes the launcher)."""
-    argv = [
-        *MULTIGPU,
-        "run",
-        "--cpu",
-        "1",
-        "--grace-period",
-        "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        str(rank),
-        "--rdzv-endpoint",
-        endpoint,
-        "--output",
-        str(tmp_path / "out"),
-        *options,
-        str(script),
-    ]
-    if cgroup is not None:
-        argv = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *argv]
+    """One launcher (1 CPU rank) with ``layout``'s options, in ``cgroup`` from its first instruction on
+    (a shell writes its own pid into the group, then becomes the launcher)."""
+    argv = [*MULTIGPU, "run", "--cpu", "1", "--grace-period", "1", *layout]
+    argv += ["--output", str(tmp_path / name), str(script)]
+    wrapped = ["sh", "-c", f'echo $$ > {cgroup / "cgroup.procs"} && exec "$@"', "sh", *argv]
     return subprocess.Popen(
-        argv, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        wrapped, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def static(rank: int, endpoint: str, *options: str) -> list[str]:
+    return ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, *options]
 
 
 def both(
@@ -101,8 +92,8 @@ def both(
         healthy = stack.enter_context(cpu_group(**HEALTHY))
         slow = stack.enter_context(cpu_group(**THROTTLED)) if throttle else healthy
         procs = [
-            start_node(tmp_path, script, 0, endpoint, *options, cgroup=healthy),
-            start_node(tmp_path, script, 1, endpoint, *options, cgroup=slow),
+            start_node(tmp_path, "out", script, static(0, endpoint, *options), healthy),
+            start_node(tmp_path, "out", script, static(1, endpoint, *options), slow),
         ]
         return finish_all(procs, timeout)
 
@@ -143,3 +134,41 @@ def test_strict_refuses_a_throttled_node_on_both_nodes_with_exit_77(tmp_path: Pa
         assert "every node refuses the job (--preflight=strict)" in err
         assert "training starts" not in err and "Traceback" not in err
     assert record(tmp_path, 1)["verdict"] == "refused"
+
+
+ELASTIC = [
+    "--nnodes",
+    "1:2",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-conf",
+    "join_timeout=150,last_call_timeout=40",
+]
+"""An elastic job of 1 to 2 nodes; a last call long enough for the throttled node to join the first round."""
+
+
+def listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+def test_a_throttled_node_withdraws_from_an_elastic_round_and_the_job_goes_on(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train.py", TRAIN)
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    with cpu_group(**HEALTHY) as healthy, cpu_group(**THROTTLED) as slow:
+        first = start_node(tmp_path, "a", script, [*ELASTIC, "--rdzv-endpoint", endpoint], healthy)
+        deadline = time.monotonic() + 60
+        while not listening(port) and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # the healthy node serves the store: a slow node never withdraws with it
+        second = start_node(tmp_path, "b", script, [*ELASTIC, "--rdzv-endpoint", endpoint], slow)
+        (code_a, out_a, err_a), (code_b, _, err_b) = finish_all([first, second], 240)
+    named = re.search(r"preflight: node (\d) is slow: matmul ", err_b)
+    assert code_b == 77 and named, err_b
+    assert f"node {named.group(1)} (this one) leaves the job, which goes on with 1 node(s)" in err_b
+    assert "Traceback" not in err_b and "training starts" not in err_b
+    assert f"preflight: node {named.group(1)} is slow: matmul " in err_a
+    assert "it leaves the job: a new round with 1 node(s)" in err_a
+    assert code_a == 0, err_a
+    assert "world=1 group=0" in out_a and "world=2" not in out_a  # no rank ran with the slow node

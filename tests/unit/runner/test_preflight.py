@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone
+from helpers import assert_gone, record_problems
 from multigpu.config.run import RendezvousConfig, RunConfig
-from multigpu.contract.errors import PreflightRefused, RendezvousError
+from multigpu.contract.errors import PreflightRefused, PreflightWithdrew, RendezvousError
 from multigpu.contract.exitcodes import EXIT_PREFLIGHT
 from multigpu.record.run_json import RunRecord
 from multigpu.runner import preflight
@@ -165,6 +165,7 @@ def test_a_failed_check_is_one_line_naming_the_node_and_is_recorded(tmp_path: Pa
     assert not check.due(meeting())  # once per job
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["preflight"]["verdict"] == "failed" and said == []
+    assert record_problems(tmp_path) == []
 
 
 def test_strict_refuses_with_its_own_exit_code_and_on_warns(tmp_path: Path) -> None:
@@ -175,6 +176,7 @@ def test_strict_refuses_with_its_own_exit_code_and_on_warns(tmp_path: Path) -> N
     Preflight("on", dict(os.environ), record(tmp_path), said.append).check(meeting(), FixedSpawner())
     assert len(said) == 1 and said[0].startswith("preflight: node 1 is slow: matmul 1 GFLOP/s (others 14)")
     assert json.loads((tmp_path / "run.json").read_text())["preflight"]["slow_nodes"] == [1]
+    assert record_problems(tmp_path) == []
 
 
 def test_off_or_one_node_is_never_checked(tmp_path: Path) -> None:
@@ -182,3 +184,49 @@ def test_off_or_one_node_is_never_checked(tmp_path: Path) -> None:
     alone = Meeting(0, RunConfig(target="t"), "127.0.0.1", 1, None)
     assert not Preflight("on", {}, record(tmp_path), print).due(alone)
     assert preflight.SLOW_BELOW == 0.5
+
+
+def elastic_meeting(node: int, min_nodes: int, store_host: int | None = 0) -> Meeting:
+    rdzv = RendezvousConfig(min_nodes=min_nodes, max_nodes=3)
+    config = RunConfig(target="t", nproc=1, world_size=3, base_rank=node, node_rank=node, nnodes=3, rdzv=rdzv)
+    job = Job()
+    job.store_host = store_host  # type: ignore[attr-defined]
+    return Meeting(0, config, "127.0.0.1", 1, job)  # type: ignore[arg-type]
+
+
+def test_a_slow_node_withdraws_from_an_elastic_round_only_where_enough_nodes_are_left(
+    tmp_path: Path,
+) -> None:
+    elastic = Preflight("on", {}, record(tmp_path), print, every_round=True)
+    assert elastic.withdrawing(elastic_meeting(0, min_nodes=2), [2]) == [2]
+    assert elastic.withdrawing(elastic_meeting(0, min_nodes=3), [2]) == []  # too few without it
+    assert elastic.withdrawing(elastic_meeting(0, min_nodes=1, store_host=2), [2]) == []  # its store
+    assert elastic.withdrawing(elastic_meeting(0, min_nodes=1, store_host=None), [1, 2]) == [1, 2]
+    static = Preflight("on", {}, record(tmp_path), print)
+    assert static.withdrawing(elastic_meeting(0, min_nodes=2), [2]) == []
+
+
+class ThreeNodesSpawner(PopenSpawner):
+    """The check as a process that prints fixed figures: node 2 slow of 3."""
+
+    def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
+        result = json.dumps({"figures": [[14.0, 2.0], [13.0, 2.0], [1.0, 2.0]], "seconds": 0.5})
+        argv = [sys.executable, "-c", f"print({result!r})"]
+        return super().spawn(WorkerSpec(rank=-1, local_rank=-1, argv=argv, env={}), env, ())
+
+
+def test_the_slow_node_leaves_and_the_others_meet_again(tmp_path: Path) -> None:
+    said: list[str] = []
+    check = Preflight("strict", dict(os.environ), record(tmp_path), said.append, every_round=True)
+    assert check.check(elastic_meeting(0, min_nodes=2), ThreeNodesSpawner()) is False
+    assert said == [
+        "preflight: node 2 is slow: matmul 1 GFLOP/s (others 13.5), all_reduce 2 GB/s (others 2); "
+        "it leaves the job: a new round with 2 node(s)"
+    ]
+    assert check.due(elastic_meeting(0, min_nodes=2))  # the next round is checked again
+    with pytest.raises(PreflightWithdrew) as info:
+        check.check(elastic_meeting(2, min_nodes=2), ThreeNodesSpawner())
+    assert str(info.value).endswith("node 2 (this one) leaves the job, which goes on with 2 node(s)")
+    assert info.value.launcher_exit == EXIT_PREFLIGHT
+    assert json.loads((tmp_path / "run.json").read_text())["preflight"]["verdict"] == "withdrawn"
+    assert record_problems(tmp_path) == []
