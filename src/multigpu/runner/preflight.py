@@ -25,8 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from multigpu.contract.errors import PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.errors import PEER_LOST_MARKERS, PreflightRefused, PreflightWithdrew, RendezvousError
 from multigpu.record.run_json import RunRecord
+from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.latency import BeatWatch
 from multigpu.runner.membership import Meeting
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
@@ -39,7 +41,11 @@ for both figures): far outside the noise of a healthy node, well inside a thrott
 CHECK_TIMEOUT_S = 60.0
 """The check's own bound on every wait (its store, its peers, each collective)."""
 START_S = 30.0
-"""Added to ``CHECK_TIMEOUT_S`` for the launcher's bound: a plain check process imports torch first."""
+"""Added to ``CHECK_TIMEOUT_S`` for the launcher's bound: a plain check process imports torch first.
+Also how long a node may take to begin its check."""
+BEAT_S = 0.5
+LOST_AFTER_S = 10.0
+"""A node whose launcher's beats stop this long during the check is lost (``PeerBeats``)."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,60 @@ def parse_result(out: bytes) -> tuple[list[Figures], float]:
     return [Figures(*row[:2]) for row in data["figures"]], float(data["seconds"])
 
 
-def collect(handle: ProcessHandle, deadline: float) -> tuple[bytes, bytes]:
+class NodeLost(Exception):
+    """A node's launcher stopped beating during the check (its text says which, and for how long)."""
+
+
+class PeerBeats:
+    """Every launcher beats while its check runs and watches the other nodes' counters, so a node whose
+    launcher died is named within ``LOST_AFTER_S``, not at the check's own time-out. Runs in the
+    launcher's main thread, between reads of the check's pipes: one ``add`` and one ``check`` (then one
+    ``multi_get``) per ``BEAT_S``, under the round's keys."""
+
+    def __init__(self, job: JobStore, scope: object, nodes: int, me: int) -> None:
+        self._store, self.me = job.store, me
+        self._keys = [job.key("preflight", scope, "beat", n) for n in range(nodes)]
+        self._watch = BeatWatch(time.monotonic)
+        self._started = self._next = time.monotonic()
+
+    def poll(self) -> None:
+        """Beat when due, and raise ``NodeLost`` for a node silent too long (or never started)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + BEAT_S
+        self._store.add(self._keys[self.me], 1)
+        if not self._store.check(self._keys):  # a node has not begun its check yet
+            if now - self._started > START_S:
+                missing = next(n for n, key in enumerate(self._keys) if not self._store.check([key]))
+                raise NodeLost(f"node {missing} never began the check within {START_S:g}s")
+            return
+        counts = dict(enumerate(int(value) for value in self._store.multi_get(self._keys)))
+        del counts[self.me]
+        silent = self._watch.silent(counts, LOST_AFTER_S)
+        if silent is not None:
+            raise NodeLost(
+                f"node {silent[0]} was lost during the check: its launcher stopped beating for "
+                f"{silent[1]:.1f}s (killed, or its network is down)"
+            )
+
+    def name_lost(self, within: float) -> str | None:
+        """Keep beating for up to ``within`` seconds: the lost node's line, or None if none shows."""
+        deadline = time.monotonic() + within
+        try:
+            while time.monotonic() < deadline:
+                self.poll()
+                time.sleep(BEAT_S / 5)
+        except NodeLost as lost:
+            return str(lost)
+        return None
+
+
+def collect(
+    handle: ProcessHandle, deadline: float, tick: Callable[[], None] = lambda: None
+) -> tuple[bytes, bytes]:
     """The check's stdout and stderr, read to their ends (both: neither pipe may fill and stall it);
-    TimeoutError at ``deadline``."""
+    TimeoutError at ``deadline``; ``tick`` called at least every ``BEAT_S`` meanwhile."""
     chunks: dict[str, list[bytes]] = {"out": [], "err": []}
     with selectors.DefaultSelector() as selector:
         for name, pipe in (("out", handle.stdout), ("err", handle.stderr)):
@@ -134,7 +191,8 @@ def collect(handle: ProcessHandle, deadline: float) -> tuple[bytes, bytes]:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            for key, _ in selector.select(min(left, 1.0)):
+            tick()
+            for key, _ in selector.select(min(left, BEAT_S)):
                 data = os.read(key.fd, 1 << 16)
                 if data:
                     chunks[key.data].append(data)
@@ -185,7 +243,7 @@ class Preflight:
         task = {
             "host": meeting.master_addr,
             "port": meeting.master_port,
-            "prefix": job.key("preflight", meeting.attempt) + "/",
+            "prefix": job.key("preflight", meeting.attempt),
             "node": config.group_rank,
             "nodes": config.group_world_size,
             "device": "cuda:0" if config.device == "cuda" else "cpu",
@@ -193,7 +251,8 @@ class Preflight:
             "launcher": os.getpid(),
         }
         started = time.monotonic()
-        figures, _ = self._run(json.dumps(task), spawner or PopenSpawner(), config.group_rank)
+        beats = PeerBeats(job, meeting.attempt, config.group_world_size, config.group_rank)
+        figures, _ = self._run(json.dumps(task), spawner or PopenSpawner(), beats)
         seconds = time.monotonic() - started
         leaving = self.withdrawing(meeting, slow_nodes(figures))
         self.record.note_preflight(record_entry(figures, seconds, self.mode, withdrawn=leaving))
@@ -227,27 +286,30 @@ class Preflight:
         self.say(f"preflight: {named}; it leaves the job: a new round with {left} node(s)")
         return False
 
-    def _run(self, task: str, spawner: Spawner, node: int) -> tuple[list[Figures], float]:
+    def _run(self, task: str, spawner: Spawner, beats: PeerBeats) -> tuple[list[Figures], float]:
+        """The check's figures; else (it failed, timed out, or a node was lost) one line, raised."""
         argv = [sys.executable, "-m", PREFLIGHT_MODULE, task]
         spec = WorkerSpec(rank=-1, local_rank=-1, argv=argv, env=dict(self.env), cwd=os.getcwd())
         handle = spawner.spawn(spec, dict(self.env), ())
         try:
-            out, err = collect(handle, time.monotonic() + CHECK_TIMEOUT_S + START_S)
+            out, err = collect(handle, time.monotonic() + CHECK_TIMEOUT_S + START_S, beats.poll)
             code = handle.wait(timeout=5.0)
         except (TimeoutError, subprocess.TimeoutExpired):
-            why = f"no result within {CHECK_TIMEOUT_S + START_S:g}s"
+            why = f"the check gave no result within {CHECK_TIMEOUT_S + START_S:g}s"
+        except NodeLost as lost:
+            why = str(lost)
         else:
             if code == 0:
                 with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
                     return parse_result(out)
-            why = (err.decode(errors="replace").strip().splitlines() or [f"it exited with code {code}"])[-1]
+            line = (err.decode(errors="replace").strip().splitlines() or [f"it exited with code {code}"])[-1]
+            why = f"the check failed on node {beats.me}: {line}"
+            if any(marker in line for marker in PEER_LOST_MARKERS):  # a peer's end: which node was lost?
+                why = beats.name_lost(LOST_AFTER_S + 2 * BEAT_S) or why
         finally:
             end(handle)
         self.record.note_preflight({"mode": self.mode, "verdict": "failed", "error": why})
-        raise RendezvousError(
-            f"preflight: the check failed on node {node}: {why}; no rank was started "
-            "(--no-preflight skips the check)"
-        )
+        raise RendezvousError(f"preflight: {why}; no rank was started (--no-preflight skips the check)")
 
 
 def check_env(base_env: Mapping[str, str], extra: Mapping[str, str], cvd: str | None) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """``--preflight`` with two launchers on 127.0.0.1: a healthy check is one line on both nodes and the
 job runs; a node whose launcher and ranks share 15% of a core (a real cgroup v1 CPU quota) is named on
 both nodes before its ranks start; ``--preflight strict`` refuses the job on both, with exit 77; in
-an elastic job the throttled node withdraws from the round and the job goes on without it."""
+an elastic job the throttled node withdraws from the round and the job goes on without it; a node
+killed during the check is named on the other, with nothing left running."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from helpers import MULTIGPU, clean_env, finish_all, free_port, tier_cannot_run, write_script
+from helpers import MULTIGPU, assert_gone, clean_env, finish_all, free_port, tier_cannot_run, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -172,3 +174,39 @@ def test_a_throttled_node_withdraws_from_an_elastic_round_and_the_job_goes_on(tm
     assert "it leaves the job: a new round with 1 node(s)" in err_a
     assert code_a == 0, err_a
     assert "world=1 group=0" in out_a and "world=2" not in out_a  # no rank ran with the slow node
+
+
+def check_of(launcher: int, timeout: float) -> tuple[int, int]:
+    """(the template, the check) of ``launcher``'s node, once the check is forked: the first process
+    the template forks (it runs before any rank); both are the launcher's children."""
+    me, template = psutil.Process(launcher), None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in me.children():
+            with contextlib.suppress(psutil.Error):
+                if any("multigpu.template" in part for part in child.cmdline()):
+                    if template is None:
+                        template = child.pid
+                    elif child.pid != template:
+                        return template, child.pid
+        time.sleep(0.002)
+    raise AssertionError(f"launcher {launcher} forked no check within {timeout:g}s")
+
+
+def test_a_node_killed_during_the_check_is_named_lost_with_nothing_left(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "train.py", TRAIN)
+    endpoint = f"127.0.0.1:{free_port()}"
+    with cpu_group(**HEALTHY) as healthy:
+        first = start_node(tmp_path, "out", script, static(0, endpoint), healthy)
+        second = start_node(tmp_path, "out", script, static(1, endpoint), healthy)
+        try:
+            template, check = check_of(second.pid, 120)
+        finally:
+            second.kill()  # its launcher, SIGKILL, while its check runs
+        [(code, out, err), _] = finish_all([first, second], 120)
+    assert code == 1, err
+    [line] = [x for x in err.splitlines() if x.startswith("multigpu: error:")]
+    assert line.startswith("multigpu: error: preflight: node 1 was lost during the check: its launcher ")
+    assert line.endswith("; no rank was started (--no-preflight skips the check)")
+    assert "Traceback" not in err and "training starts" not in err and out == ""
+    assert_gone([template, check], timeout=15)

@@ -21,6 +21,8 @@ from multigpu.runner import preflight
 from multigpu.runner.membership import Meeting
 from multigpu.runner.preflight import (
     Figures,
+    NodeLost,
+    PeerBeats,
     Preflight,
     check_env,
     collect,
@@ -121,10 +123,10 @@ def test_a_check_past_its_deadline_is_killed_with_its_group() -> None:
 
 
 class FailingSpawner(PopenSpawner):
-    """The check as a process that fails as a check does when its peer died: one line, exit 1."""
+    """The check as a process that fails as a check does: one line, exit 1."""
 
     def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
-        code = "import sys; print('RuntimeError: Connection closed by peer', file=sys.stderr); sys.exit(1)"
+        code = "import sys; print('RuntimeError: [gloo] timed out', file=sys.stderr); sys.exit(1)"
         return super().spawn(
             WorkerSpec(rank=-1, local_rank=-1, argv=[sys.executable, "-c", code], env={}), env, ()
         )
@@ -139,9 +141,58 @@ class FixedSpawner(PopenSpawner):
         return super().spawn(WorkerSpec(rank=-1, local_rank=-1, argv=argv, env={}), env, ())
 
 
+class MemoryStore:
+    """The three store calls the launcher's beats make, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [str(self.values[key]).encode() for key in keys]
+
+
 class Job:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+
     def key(self, *parts: object) -> str:
         return "/".join(["multigpu", "r", *map(str, parts)])
+
+
+def test_a_node_whose_launcher_stops_beating_is_named_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(preflight.time, "monotonic", lambda: now[0])
+    job = Job()
+    beats = PeerBeats(job, 0, 2, me=0)  # type: ignore[arg-type]
+    other = PeerBeats(job, 0, 2, me=1)  # type: ignore[arg-type]
+    beats.poll()  # node 1 has not begun: nothing judged
+    for _ in range(4):
+        now[0] += preflight.BEAT_S
+        other.poll()
+        beats.poll()
+    now[0] += preflight.LOST_AFTER_S - preflight.BEAT_S  # node 1 stops beating: still within bounds
+    beats.poll()
+    with pytest.raises(NodeLost) as info:
+        now[0] += 2 * preflight.BEAT_S
+        beats.poll()
+    assert str(info.value).startswith("node 1 was lost during the check: its launcher stopped beating for")
+
+
+def test_a_node_that_never_begins_the_check_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(preflight.time, "monotonic", lambda: now[0])
+    beats = PeerBeats(Job(), 0, 3, me=1)  # type: ignore[arg-type]
+    beats.poll()
+    now[0] += preflight.START_S + 1
+    with pytest.raises(NodeLost, match=r"^node 0 never began the check within 30s$"):
+        beats.poll()
 
 
 def meeting() -> Meeting:
@@ -160,7 +211,7 @@ def test_a_failed_check_is_one_line_naming_the_node_and_is_recorded(tmp_path: Pa
     with pytest.raises(RendezvousError) as info:
         check.check(meeting(), FailingSpawner())
     assert str(info.value).startswith(
-        "preflight: the check failed on node 1: RuntimeError: Connection closed by peer; no rank was started"
+        "preflight: the check failed on node 1: RuntimeError: [gloo] timed out; no rank was started"
     )
     assert not check.due(meeting())  # once per job
     data = json.loads((tmp_path / "run.json").read_text())
