@@ -17,7 +17,8 @@
 * ``EXIT_CRASH_LOOP`` (76) when restarts were stopped because the same failure repeated: do not
   requeue or resubmit before the code changes;
 * ``EXIT_PREFLIGHT`` (77) when ``--preflight=strict`` refused the job: a node was far slower than the
-  others in the check before any rank started (every node exits so); free or replace that node.
+  others in the check before any rank started (every node exits so); free or replace that node. The
+  slow node of an elastic round that left the job (which goes on without it) exits 77 too.
 
 A rank may itself exit with 75 or 76; the console's last lines say which case it was.
 """

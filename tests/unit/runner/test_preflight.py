@@ -281,3 +281,23 @@ def test_the_slow_node_leaves_and_the_others_meet_again(tmp_path: Path) -> None:
     assert info.value.launcher_exit == EXIT_PREFLIGHT
     assert json.loads((tmp_path / "run.json").read_text())["preflight"]["verdict"] == "withdrawn"
     assert record_problems(tmp_path) == []
+
+
+class TaskSpawner(FixedSpawner):
+    """Keeps the task the launcher hands its check."""
+
+    argv: list[str] = []
+
+    def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
+        TaskSpawner.argv = spec.argv
+        return super().spawn(spec, env, pass_fds)
+
+
+def test_the_launcher_hands_its_check_a_task_the_check_reads(tmp_path: Path) -> None:
+    from multigpu.preflight.check import Task
+
+    Preflight("on", dict(os.environ), record(tmp_path), print).check(meeting(), TaskSpawner())
+    assert TaskSpawner.argv[:3] == [sys.executable, "-m", "multigpu.preflight"]
+    task = Task.from_argv(TaskSpawner.argv[3])
+    assert (task.node, task.nodes, task.device, task.launcher) == (1, 2, "cpu", os.getpid())
+    assert task.prefix == "multigpu/r/preflight/0"  # under the run's keys, apart from the launchers' beats
