@@ -40,8 +40,8 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 def cpu_group(**settings: int) -> Iterator[Path]:
     """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
     the default 100 ms period; ``shares``: its weight against the machine's other processes); skips in
-    one line (fails under CI=true) where this process cannot make one. Removed after: every process in
-    it is gone by then."""
+    one line (fails under CI=true) where this process cannot make one. Removed after, once every
+    process in it is gone (waited for, bounded: a process left makes the removal fail the test)."""
     if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
         tier_cannot_run("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
     path = CPU_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
@@ -56,6 +56,9 @@ def cpu_group(**settings: int) -> Iterator[Path]:
     try:
         yield path
     finally:
+        deadline = time.monotonic() + 15
+        while (path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
         path.rmdir()
 
 
