@@ -252,7 +252,11 @@ class Preflight:
         }
         started = time.monotonic()
         beats = PeerBeats(job, meeting.attempt, config.group_world_size, config.group_rank)
-        figures, _ = self._run(json.dumps(task), spawner or PopenSpawner(), beats)
+        beats.poll()  # the first beat before the fork: a node killed from here on is silent, not absent
+        result = self._run(json.dumps(task), spawner or PopenSpawner(), beats)
+        if result is None:  # an elastic round lost a node during the check: a new round forms without it
+            return False
+        figures, _ = result
         seconds = time.monotonic() - started
         leaving = self.withdrawing(meeting, slow_nodes(figures))
         self.record.note_preflight(record_entry(figures, seconds, self.mode, withdrawn=leaving))
@@ -286,18 +290,20 @@ class Preflight:
         self.say(f"preflight: {named}; it leaves the job: a new round with {left} node(s)")
         return False
 
-    def _run(self, task: str, spawner: Spawner, beats: PeerBeats) -> tuple[list[Figures], float]:
-        """The check's figures; else (it failed, timed out, or a node was lost) one line, raised."""
+    def _run(self, task: str, spawner: Spawner, beats: PeerBeats) -> tuple[list[Figures], float] | None:
+        """The check's figures; else (it failed, timed out, or a node was lost) one line, raised. None:
+        an elastic round lost a node (said here), which a new round leaves out, as after a lost node
+        during an attempt."""
         argv = [sys.executable, "-m", PREFLIGHT_MODULE, task]
         spec = WorkerSpec(rank=-1, local_rank=-1, argv=argv, env=dict(self.env), cwd=os.getcwd())
-        handle = spawner.spawn(spec, dict(self.env), ())
+        handle, lost = spawner.spawn(spec, dict(self.env), ()), None
         try:
             out, err = collect(handle, time.monotonic() + CHECK_TIMEOUT_S + START_S, beats.poll)
             code = handle.wait(timeout=5.0)
         except (TimeoutError, subprocess.TimeoutExpired):
             why = f"the check gave no result within {CHECK_TIMEOUT_S + START_S:g}s"
-        except NodeLost as lost:
-            why = str(lost)
+        except NodeLost as exc:
+            why = lost = str(exc)
         else:
             if code == 0:
                 with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
@@ -305,10 +311,14 @@ class Preflight:
             line = (err.decode(errors="replace").strip().splitlines() or [f"it exited with code {code}"])[-1]
             why = f"the check failed on node {beats.me}: {line}"
             if any(marker in line for marker in PEER_LOST_MARKERS):  # a peer's end: which node was lost?
-                why = beats.name_lost(LOST_AFTER_S + 2 * BEAT_S) or why
+                lost = beats.name_lost(LOST_AFTER_S + 2 * BEAT_S)
+            why = lost or why
         finally:
             end(handle)
         self.record.note_preflight({"mode": self.mode, "verdict": "failed", "error": why})
+        if lost is not None and self.every_round:
+            self.say(f"preflight: {lost}; meeting again without it")
+            return None
         raise RendezvousError(f"preflight: {why}; no rank was started (--no-preflight skips the check)")
 
 

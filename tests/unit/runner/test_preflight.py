@@ -301,3 +301,30 @@ def test_the_launcher_hands_its_check_a_task_the_check_reads(tmp_path: Path) -> 
     task = Task.from_argv(TaskSpawner.argv[3])
     assert (task.node, task.nodes, task.device, task.launcher) == (1, 2, "cpu", os.getpid())
     assert task.prefix == "multigpu/r/preflight/0"  # under the run's keys, apart from the launchers' beats
+
+
+class SleepingSpawner(PopenSpawner):
+    """The check as a process that waits for peers that never come."""
+
+    def spawn(self, spec: WorkerSpec, env: dict[str, str], pass_fds: tuple[int, ...]) -> ProcessHandle:
+        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        return super().spawn(WorkerSpec(rank=-1, local_rank=-1, argv=argv, env={}), env, ())
+
+
+def test_a_node_lost_during_an_elastic_rounds_check_ends_the_round_not_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def lost(self: PeerBeats) -> None:
+        raise NodeLost("node 2 was lost during the check: its launcher stopped beating for 10.0s")
+
+    monkeypatch.setattr(PeerBeats, "poll", lost)
+    said: list[str] = []
+    elastic = Preflight("on", dict(os.environ), record(tmp_path), said.append, every_round=True)
+    assert elastic.check(elastic_meeting(0, min_nodes=1), SleepingSpawner()) is False  # meet again
+    assert said == [
+        "preflight: node 2 was lost during the check: its launcher stopped beating for 10.0s; "
+        "meeting again without it"
+    ]
+    static = Preflight("on", dict(os.environ), record(tmp_path), said.append)
+    with pytest.raises(RendezvousError, match=r"^preflight: node 2 was lost during the check: "):
+        static.check(meeting(), SleepingSpawner())
