@@ -153,5 +153,25 @@ print(f"launch after CUDA ok: {len(values)} rank(s), values on the CPU")
 PY
 check launch_after_cuda 120 bash -c "'$PY' '$WORK/launch_after_cuda.py' | tee /dev/stderr | grep -q 'launch after CUDA ok'"
 
+# --preflight on a GPU (issue 34): the check process on cuda:0, a matmul on the GPU and an NCCL group
+# formed over a c10d store through its prefix (one node: NCCL refuses two ranks on one GPU), as a
+# template-less node runs it (python -m multigpu.preflight).
+cat >"$WORK/preflight_gpu.py" <<'PY'
+import json, os, subprocess, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+from multigpu.preflight.check import Task
+store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+task = Task("127.0.0.1", store.port, "multigpu/gpu/preflight/0/", 0, 1, "cuda:0", 60.0, os.getpid())
+done = subprocess.run([sys.executable, "-m", "multigpu.preflight", task.to_argv()], capture_output=True,
+                      text=True, timeout=150)
+assert done.returncode == 0, done.stderr
+[(gflops, gbps)] = json.loads(done.stdout)["figures"]
+assert gflops > 1000 and gbps > 0, (gflops, gbps)
+print(f"preflight on cuda:0 ok: matmul {gflops:.0f} GFLOP/s, nccl all_reduce {gbps:.2f} GB/s")
+PY
+check preflight_nccl 180 bash -c "'$PY' '$WORK/preflight_gpu.py' | tee /dev/stderr | grep -q 'preflight on cuda:0 ok'"
+grep -h 'preflight on cuda:0 ok' "$LOGS/preflight_nccl.log" | sed 's/^/    /'
+
 if [[ $failed == 0 ]]; then echo "PASS all GPU checks"; else echo "FAIL some GPU checks (logs in $LOGS)"; fi
 exit $failed

@@ -109,6 +109,22 @@ def start_cli(args: list[str], cwd: Path, env: Mapping[str, str] | None = None) 
     )
 
 
+def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    """Each process run to its end in turn, bounded: (exit code, stdout, stderr) each. Whatever a
+    time-out or a failure leaves running is killed and reaped."""
+    ended = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            ended.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return ended
+
+
 def pids_in(text: str, label: str = "pid") -> list[int]:
     """PIDs a test worker printed as ``<label>=<n>``."""
     return [int(m) for m in re.findall(rf"\b{label}=(\d+)", text)]

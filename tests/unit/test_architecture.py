@@ -25,6 +25,7 @@ LAYERS = (
     "console",
     "supervisor",
     "rendezvous",
+    "preflight",
     "template",
     "record",
     "runner",
@@ -35,11 +36,13 @@ LAYERS = (
 
 IN_A_RANK_OR_THE_TEMPLATE = (
     "multigpu.rank",
+    "multigpu.preflight",
     "multigpu.template.child",
     "multigpu.template.server",
     "multigpu.template.__main__",
 )
-"""Code that runs inside a training process or the node's template process."""
+"""Code that runs inside a training process or the node's template process (or a process forked from
+it, as the node's preflight check)."""
 IN_THE_LAUNCHER = (
     "multigpu.console",
     "multigpu.supervisor",

@@ -34,6 +34,7 @@ NOT_IMPORTED = {
     "multigpu.cli.store_server": "`multigpu store` in integration/multinode/test_store_command.py",
     "multigpu.cli.torchrun": "through cli.run_args.parse_run_args in unit/cli/test_torchrun.py",
     "multigpu.function.watcher": "the caller's watch over its children in integration/function/",
+    "multigpu.preflight.__main__": "`python -m multigpu.preflight`: unit/preflight/test_check.py",
     "multigpu.rank.__main__": "`python -m multigpu.rank`: every fresh rank (unit/supervisor/test_loop.py)",
     "multigpu.rank.dump_signal": "stacks on a hang: unit/supervisor/test_loop.py, integration/faults/",
     "multigpu.rank.exiting": "how a failed rank leaves: integration/faults/test_worker_exit.py",

@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except MultiGPUError as exc:
         print(f"multigpu: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.launcher_exit
     except KeyboardInterrupt as exc:
         interrupted(exc, argv[0])
         return 130

@@ -107,6 +107,15 @@ class RunOptions:
         "run a multi-node job even when its nodes would run a different script, "
         "arguments, torch, multigpu or device kind (a warning instead of refusing it)",
     )
+    preflight: str | None = _text(
+        ("--preflight",),
+        "MODE",
+        "check every node (a matmul, all_reduce between the nodes) after the rendezvous, before any "
+        "rank: on warns of a node far slower than the others, strict refuses the job (exit 77), off "
+        "skips it (default: on for several nodes, off for one)",
+        choices=("on", "off", "strict"),
+    )
+    no_preflight: bool | None = _flag(("--no-preflight",), "same as --preflight off")
     grace_period: str | None = _text(
         ("--grace-period",),
         "S",

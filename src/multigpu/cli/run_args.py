@@ -28,6 +28,7 @@ from multigpu.config.run import (
     HangConfig,
     LiveView,
     OutputConfig,
+    Preflight,
     RunConfig,
     RunMode,
     StartConfig,
@@ -213,6 +214,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = apply_rank_filters(config, values)
     config = apply_preemption_options(config, values, env)
     config = _apply_template(config, values)
+    config = _apply_preflight(config, values)
     config = _apply_debug_server(config, values.debug_server)
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
@@ -236,6 +238,21 @@ def _apply_template(config: RunConfig, values: RunOptions) -> RunConfig:
     preload = module_names(values.preload or "", "--preload")
     supervision = dataclasses.replace(config.supervision, template=not values.no_template, preload=preload)
     return dataclasses.replace(config, supervision=supervision)
+
+
+_PREFLIGHTS: dict[str | None, Preflight] = {None: "auto", "on": "on", "off": "off", "strict": "strict"}
+
+
+def _apply_preflight(config: RunConfig, values: RunOptions) -> RunConfig:
+    """--preflight MODE and --no-preflight (which must not contradict each other)."""
+    mode = _PREFLIGHTS.get(values.preflight)
+    if mode is None:
+        raise UsageError(f"--preflight must be on, off or strict, got {values.preflight!r}")
+    if values.no_preflight:
+        if mode not in ("auto", "off"):
+            raise UsageError(f"--no-preflight and --preflight {mode} cannot be used together")
+        mode = "off"
+    return dataclasses.replace(config, rdzv=dataclasses.replace(config.rdzv, preflight=mode))
 
 
 DEBUG_MODULES = ("jinja2", "aiohttp", "tabulate")

@@ -22,6 +22,9 @@ from multigpu.contract.environment import Device, node_count
 
 LiveView = Literal["auto", "on", "off"]
 """``--status``: a live view on a terminal (``auto``), always (``on``) or never (``off``)."""
+Preflight = Literal["auto", "on", "off", "strict"]
+"""``--preflight``: check every node after the rendezvous, before the ranks (``runner/preflight.py``):
+``on`` warns of a slow node, ``strict`` refuses the job, ``auto`` is ``on`` for several nodes only."""
 RunMode = Literal["python", "exec"]
 """How a rank runs its target: ``python`` (a script or module), or ``exec`` (``--no-python``: a program)."""
 
@@ -45,6 +48,8 @@ class RendezvousConfig:
     local_addr: str | None = None
     allow_mismatch: bool = False
     """Run a multi-node job whose nodes would run different things (``--allow-mismatch``): warn only."""
+    preflight: Preflight = "auto"
+    """``--preflight``/``--no-preflight``; see ``RunConfig.preflight_mode``."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,15 @@ class RunConfig:
         if self.nnodes is not None:
             return self.nnodes
         return node_count(self.resolved_world_size, self.nproc)
+
+    @property
+    def preflight_mode(self) -> Literal["on", "off", "strict"]:
+        """``--preflight`` resolved: ``auto`` checks a job that may span several nodes (a fixed set, or
+        an elastic job of up to ``max_nodes`` above 1), never one node alone, which has no peer to
+        compare with."""
+        if self.rdzv.preflight != "auto":
+            return self.rdzv.preflight
+        return "on" if self.multi_node or (self.rdzv.max_nodes or 1) > 1 else "off"
 
     @property
     def group_rank(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREFLIGHT
 from multigpu.contract.signals import signal_name
 
 
@@ -110,6 +111,9 @@ the consequence of another rank's, never preferred to it as the root cause."""
 class MultiGPUError(Exception):
     """Base of every error multigpu raises on purpose."""
 
+    launcher_exit = EXIT_FAILED
+    """What ``multigpu run`` exits with when this error ends it (``exitcodes.py``)."""
+
 
 class UsageError(MultiGPUError, ValueError):
     """Bad input from the user; the CLI prints it as one line and exits 2. Never retried."""
@@ -117,6 +121,20 @@ class UsageError(MultiGPUError, ValueError):
 
 class RendezvousError(MultiGPUError):
     """The group could not be formed: a port is taken, peers never came, or layouts disagree."""
+
+
+class PreflightRefused(RendezvousError):
+    """``--preflight=strict`` found a node far slower than the others: every node refuses the job."""
+
+    launcher_exit = EXIT_PREFLIGHT
+
+
+class PreflightWithdrew(MultiGPUError):
+    """This node was far slower than the others in an elastic round's preflight, and enough nodes are
+    left without it: it leaves the job (not a failed rendezvous: the rendezvous stays open), which goes
+    on with the others."""
+
+    launcher_exit = EXIT_PREFLIGHT
 
 
 class Interrupted(KeyboardInterrupt):

@@ -15,7 +15,10 @@
   run early: the job was requeued (``scontrol requeue``) or, with ``--no-requeue``, whoever started
   the launcher should start it again to resume;
 * ``EXIT_CRASH_LOOP`` (76) when restarts were stopped because the same failure repeated: do not
-  requeue or resubmit before the code changes.
+  requeue or resubmit before the code changes;
+* ``EXIT_PREFLIGHT`` (77) when ``--preflight=strict`` refused the job: a node was far slower than the
+  others in the check before any rank started (every node exits so); free or replace that node. The
+  slow node of an elastic round that left the job (which goes on without it) exits 77 too.
 
 A rank may itself exit with 75 or 76; the console's last lines say which case it was.
 """
@@ -26,3 +29,4 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75
 EXIT_CRASH_LOOP = 76
+EXIT_PREFLIGHT = 77

@@ -224,6 +224,11 @@ class RunRecord:
             self.data["incidents"].append(found)
         self.write()
 
+    def note_preflight(self, entry: dict[str, Any]) -> None:
+        """The nodes' preflight check (``runner/preflight.py``): every node's figures and the verdict."""
+        self.data["preflight"] = entry
+        self.write()
+
     def note_losses(self, losses: list[str]) -> None:
         if losses:
             self.data.setdefault("output_lost", []).extend(losses)

@@ -22,7 +22,7 @@ from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
 from multigpu.console.writer import Console, ConsoleWriter
-from multigpu.contract.errors import FailureKind, Interrupted, RendezvousError
+from multigpu.contract.errors import FailureKind, Interrupted, MultiGPUError, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
@@ -36,6 +36,7 @@ from multigpu.runner.attempt import exit_code, run_attempt
 from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.runner.membership import Meeting, Membership, StaticMembership
 from multigpu.runner.preempt_watch import PreemptWatch, finish_preempted
+from multigpu.runner.preflight import Preflight, check_env
 from multigpu.runner.specs import AttemptContext, build_specs
 from multigpu.supervisor import file_timer
 from multigpu.supervisor.sentinel_handle import close_node_sentinel
@@ -151,14 +152,7 @@ def run_attempts(run: Run) -> int:
     rendezvous): meet, run the attempt, then decide (``_verdict``) whether the run ends or meets again."""
     config, record, say = run.config, run.record, run.console.say
     run.reaper = set_child_subreaper()
-    run.base_env = base_env = requeue.preemption_env(config, run.output_dir, run.base_env)
-    resumed, previous = int(base_env[RESUMED_ENV]), base_env.get(PREVIOUS_OUTPUT_ENV)
-    record.data.update(resumed=resumed, previous_output=previous)
-    if resumed:
-        say(
-            f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
-            f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)"
-        )
+    _resume(run)
     run.watch = (
         PreemptWatch(
             requeue.warning_names(config), grace=config.preemption.grace, job=run.members.job, notify=say
@@ -167,15 +161,20 @@ def run_attempts(run: Run) -> int:
         else None
     )
     policy = CrashLoopPolicy(run.members.failures)
+    env = check_env(run.base_env, config.extra_env, run.cvd)
+    preflight = Preflight(config.preflight_mode, env, record, say, every_round=is_elastic(config))
     try:
         while True:
             meeting = run.members.meet()
+            if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
+                continue  # a slow node left the elastic round: the others meet again without it
             result, workers = _attempt(run, meeting)
             code = _verdict(run, meeting, result, workers, policy)
             if code is not None:
                 return code
     except BaseException as exc:  # whatever ended it, run.json does not stay "running"
-        record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", 1)))
+        code = exc.launcher_exit if isinstance(exc, MultiGPUError) else 1
+        record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", code)))
         run.over = run.over or isinstance(exc, RendezvousError)  # a refused or failed rendezvous: over
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(
@@ -185,6 +184,18 @@ def run_attempts(run: Run) -> int:
     finally:
         if run.watch is not None:
             run.watch.close()
+
+
+def _resume(run: Run) -> None:
+    """The ranks' environment of this allocation; where earlier ones of the job ran, said and recorded."""
+    run.base_env = env = requeue.preemption_env(run.config, run.output_dir, run.base_env)
+    resumed, previous = int(env[RESUMED_ENV]), env.get(PREVIOUS_OUTPUT_ENV)
+    run.record.data.update(resumed=resumed, previous_output=previous)
+    if resumed:
+        run.console.say(
+            f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
+            f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)"
+        )
 
 
 def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:

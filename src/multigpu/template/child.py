@@ -61,7 +61,7 @@ def become_rank(
         pools.apply(os.environ)
         disown_template_finalizers()
         wait_for_launcher(middle)
-        code = run_bootstrap(list(request["argv"][3:]))
+        code = run_program(list(request["argv"]))
     except SystemExit as exc:
         code = exit_code(exc)
     except BaseException:
@@ -168,6 +168,16 @@ def wait_for_launcher(middle: int) -> None:
             )
             return
         time.sleep(0.0005)
+
+
+def run_program(argv: list[str]) -> int:
+    """What ``argv`` (``python -m MODULE ...``) would run: the node's preflight check, or a rank."""
+    if argv[2] == "multigpu.preflight":
+        from multigpu.preflight.check import main
+
+        sys.argv = ["-m", *argv[3:]]
+        return main(argv[3:])
+    return run_bootstrap(argv[3:])
 
 
 def run_bootstrap(argv: list[str]) -> int:

@@ -23,6 +23,8 @@ from multigpu.supervisor.states import ProcessHandle, WorkerSpec
 from multigpu.template.process import StoreSocket, TemplateProcess, retain, take_early
 
 FORKABLE_MODES = ("script", "module", "function")
+PREFLIGHT_MODULE = "multigpu.preflight"
+"""The preflight check's program (``preflight/``), which the template forks as it forks a rank."""
 
 
 def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
@@ -32,13 +34,13 @@ def shared_env(specs: Sequence[WorkerSpec]) -> dict[str, str]:
 
 
 def forkable(spec: WorkerSpec) -> bool:
-    """A rank of ``python -m multigpu.rank script|module|function`` (not ``--no-python``)."""
+    """A rank of ``python -m multigpu.rank script|module|function`` (not ``--no-python``), or the
+    node's preflight check (``python -m multigpu.preflight TASK``)."""
     argv = spec.argv
-    return (
-        len(argv) >= 4
-        and argv[0] == sys.executable
-        and argv[1:3] == ["-m", "multigpu.rank"]
-        and argv[3] in FORKABLE_MODES
+    if len(argv) < 4 or argv[0] != sys.executable:
+        return False
+    return argv[1:3] == ["-m", PREFLIGHT_MODULE] or (
+        argv[1:3] == ["-m", "multigpu.rank"] and argv[3] in FORKABLE_MODES
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, pids_in, run_cli, start_cli, write_script
+from helpers import MULTIGPU, assert_gone, clean_env, finish_all, pids_in, run_cli, start_cli, write_script
 from multigpu.cluster.devices import visible_gpus
 
 pytestmark = pytest.mark.integration
@@ -181,16 +181,7 @@ def test_two_runs_started_at_once_get_different_ports(tmp_path: Path) -> None:
         start_cli(["run", "--cpu", "2", "--output", str(tmp_path / f"out{i}"), str(script)], cwd=tmp_path)
         for i in range(2)
     ]
-    outputs = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=90)
-            outputs.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    outputs = finish_all(procs, 90)
     ports = []
     for code, stdout, stderr in outputs:
         assert code == 0, stderr

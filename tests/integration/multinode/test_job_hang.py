@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_gone, free_port, pids_in, start_cli, write_script
+from helpers import assert_gone, finish_all, free_port, pids_in, start_cli, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -91,17 +91,7 @@ def two_nodes(tmp_path: Path, script: Path, *args: str) -> list[tuple[int, str, 
         )
         for n in (1, 0)
     ][::-1]
-    ended = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=RUN_TIMEOUT)
-            ended.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return ended
+    return finish_all(procs, RUN_TIMEOUT)
 
 
 def record(tmp_path: Path, node: int) -> dict[str, Any]:

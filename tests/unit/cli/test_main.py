@@ -38,6 +38,14 @@ def test_straggler_threshold_is_a_share_of_the_step_0_for_off(script: str) -> No
     assert parse(["--cpu", "2", "--straggler-threshold", "0", script]).hang.straggler_threshold == 0
 
 
+def test_preflight_is_on_off_or_strict_and_no_preflight_turns_it_off(script: str) -> None:
+    assert parse(["--cpu", "2", script]).rdzv.preflight == "auto"
+    assert parse(["--cpu", "2", "--preflight", "strict", script]).rdzv.preflight == "strict"
+    assert parse(["--cpu", "2", "--no-preflight", script]).rdzv.preflight == "off"
+    assert parse(["--cpu", "2", script], {"MULTIGPU_PREFLIGHT": "off"}).rdzv.preflight == "off"
+    assert parse(["--cpu", "2", "--nnodes", "2", "--node-rank", "0", script]).preflight_mode == "on"
+
+
 def test_cpu_workers(script: str) -> None:
     config, note = parse_run_args(["--cpu", "3", script], {})
     assert (config.device, config.nproc, config.world_size, note) == ("cpu", 3, 3, None)
@@ -197,6 +205,8 @@ def test_gpus_on_a_machine_without_gpu_says_use_cpu(script: str) -> None:
             "--straggler-threshold must be a number of at least 0",
         ),
         (["--straggler-threshold", "x", "{script}"], "--straggler-threshold"),
+        (["--preflight", "maybe", "{script}"], "invalid choice"),
+        (["--preflight", "strict", "--no-preflight", "{script}"], "cannot be used together"),
         (["--cpu", "1", "--rdzv-endpoint", "10.0.0.1:0", "{script}"], "port 0"),
         # an abbreviation is not silently taken for the full option (it would eat the script's name)
         (["--out", "dir", "{script}"], "--out"),

@@ -91,3 +91,17 @@ def test_utc_twins_beside_every_epoch_time() -> None:
     out = with_utc_times({"time": 0.0, "a": [{"end_time": 1.5, "end_time_x": 2}], "start_time": None})
     assert out["time_utc"] == "1970-01-01T00:00:00.000Z"
     assert out["a"][0]["end_time_utc"] == "1970-01-01T00:00:01.500Z" and "start_time_utc" not in out
+
+
+def test_the_preflight_record_holds_every_nodes_figures_and_a_failure_its_error(tmp_path: Path) -> None:
+    record = _record(tmp_path)
+    figures = {"matmul_gflops": 14.2, "all_reduce_gbps": 2.1}
+    entry = {"mode": "on", "verdict": "slow", "slow_nodes": [1], "seconds": 1.2, "nodes": {"0": figures}}
+    record.note_preflight(entry)
+    jsonschema.validate(json.loads(record.path.read_text()), SCHEMA)
+    record.note_preflight({"mode": "strict", "verdict": "failed", "error": "node 1 died"})
+    jsonschema.validate(json.loads(record.path.read_text()), SCHEMA)
+    data = json.loads(record.path.read_text())
+    del data["preflight"]["error"]  # a failure says why
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, SCHEMA)

@@ -85,6 +85,8 @@ def test_only_python_ranks_of_our_bootstrap_are_forked() -> None:
     assert forkable(spec(0, {}, "function"))  # multigpu.launch's ranks
     assert not forkable(spec(0, {}, "exec"))
     assert not forkable(WorkerSpec(rank=0, local_rank=0, env={}, argv=["/bin/true"]))
+    check = [sys.executable, "-m", "multigpu.preflight", "{}"]
+    assert forkable(WorkerSpec(rank=-1, local_rank=-1, env={}, argv=check))  # the node's preflight check
 
 
 @pytest.mark.integration
