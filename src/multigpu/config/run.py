@@ -173,7 +173,7 @@ class RunConfig:
     def preflight_mode(self) -> Literal["on", "off", "strict"]:
         """``--preflight`` resolved: ``auto`` checks a job that may span several nodes (a fixed set, or
         an elastic job of up to ``max_nodes`` above 1), never one node alone, which has no peer to
-        compare with."""
+        compare with; nor, once they met, nodes that all run on one machine (``runner/preflight``)."""
         if self.rdzv.preflight != "auto":
             return self.rdzv.preflight
         return "on" if self.multi_node or (self.rdzv.max_nodes or 1) > 1 else "off"

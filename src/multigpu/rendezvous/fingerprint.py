@@ -97,7 +97,17 @@ def fingerprint(target: str, args: tuple[str, ...], device: str) -> dict[str, st
         "sha256": target_sha256(target),
         "args": json.dumps(list(args)),
         "device": device,
+        "machine": machine_id(),
     }
+
+
+def machine_id() -> str:
+    """Which machine this node runs on (this boot of it): never compared as a difference; it tells
+    ``--preflight`` (``auto``) that every node shares one machine, whose processors they share too."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return platform.node()
 
 
 def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], list[str]]:

@@ -162,7 +162,14 @@ def run_attempts(run: Run) -> int:
     )
     policy = CrashLoopPolicy(run.members.failures)
     env = check_env(run.base_env, config.extra_env, run.cvd)
-    preflight = Preflight(config.preflight_mode, env, record, say, every_round=is_elastic(config))
+    preflight = Preflight(
+        config.preflight_mode,
+        env,
+        record,
+        say,
+        every_round=is_elastic(config),
+        auto=config.rdzv.preflight == "auto",
+    )
     try:
         while True:
             meeting = run.members.meet()

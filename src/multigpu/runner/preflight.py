@@ -48,6 +48,12 @@ LOST_AFTER_S = 10.0
 """A node whose launcher's beats stop this long during the check is lost (``PeerBeats``)."""
 
 
+def one_machine(job: JobStore) -> bool:
+    """Every node that joined published the same machine in its fingerprint (``fingerprint.machine_id``)."""
+    machines = {p.get("machine") for p in job.fingerprints().values()}
+    return len(machines) == 1 and None not in machines
+
+
 @dataclass(frozen=True)
 class Figures:
     """One node's results."""
@@ -226,11 +232,18 @@ class Preflight:
     every_round: bool = False
     """An elastic job: every round is checked (a node may have joined it), else only the first meeting.
     Every node of a round must come to the same answer, or a check would wait for a peer that skips it."""
+    auto: bool = False
+    """``--preflight`` not given: nodes that all run on one machine are not checked (``due``)."""
     done: bool = False
 
     def due(self, meeting: Meeting) -> bool:
-        """A job of several nodes: its first meeting, or each round of an elastic job (of several)."""
+        """A job of several nodes: its first meeting, or each round of an elastic job (of several). By
+        default not nodes that all run on one machine (tests, a trial on a workstation): they share its
+        processors, so their figures compare nothing, and on a busy machine could name a healthy node
+        slow. Every node reads the same fingerprints (published at the join), so all decide alike."""
         if self.mode == "off" or meeting.job is None or meeting.config.group_world_size < 2:
+            return False
+        if self.auto and one_machine(meeting.job):
             return False
         return self.every_round or not self.done
 

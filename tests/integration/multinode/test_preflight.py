@@ -83,7 +83,19 @@ def start_node(
 
 
 def static(rank: int, endpoint: str, *options: str) -> list[str]:
-    return ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, *options]
+    """Node ``rank`` of two; ``--preflight on`` unless the options say: both nodes are on this machine,
+    where the default leaves them unchecked (``test_nodes_on_one_machine_are_not_checked_by_default``)."""
+    if DEFAULT in options:
+        asked = tuple(o for o in options if o != DEFAULT)
+    elif "--preflight" in options or "--no-preflight" in options:
+        asked = options
+    else:
+        asked = ("--preflight", "on", *options)
+    return ["--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, *asked]
+
+
+DEFAULT = "(no --preflight)"
+"""Among ``static``'s options: leave ``--preflight`` out, as a user who does not name it."""
 
 
 def both(
@@ -106,6 +118,13 @@ def both(
 def record(tmp_path: Path, node: int) -> dict[str, object]:
     data = json.loads((tmp_path / "out" / f"run_node{node}.json").read_text())
     return dict(data["preflight"])
+
+
+def test_nodes_on_one_machine_are_not_checked_by_default(tmp_path: Path) -> None:
+    """Both nodes here share this machine's processors: by default no check, no line, no record."""
+    for code, _, err in both(tmp_path, DEFAULT):
+        assert code == 0 and "preflight" not in err, err
+    assert "preflight" not in json.loads((tmp_path / "out" / "run_node0.json").read_text())
 
 
 def test_a_healthy_preflight_is_one_line_on_both_nodes_and_the_job_runs(tmp_path: Path) -> None:
@@ -148,6 +167,8 @@ ELASTIC = [
     "c10d",
     "--rdzv-conf",
     "join_timeout=150,last_call_timeout=40",
+    "--preflight",
+    "on",
 ]
 """An elastic job of 1 to 2 nodes; a last call long enough for the throttled node to join the first round."""
 

@@ -159,8 +159,12 @@ class MemoryStore:
 
 
 class Job:
-    def __init__(self) -> None:
+    def __init__(self, machines: tuple[str, ...] = ("a", "b")) -> None:
         self.store = MemoryStore()
+        self.machines = machines
+
+    def fingerprints(self) -> dict[int, dict[str, str]]:
+        return {node: {"machine": m} for node, m in enumerate(self.machines)}
 
     def key(self, *parts: object) -> str:
         return "/".join(["multigpu", "r", *map(str, parts)])
@@ -332,3 +336,21 @@ def test_a_node_lost_during_an_elastic_rounds_check_ends_the_round_not_the_job(
     static, polls[:] = Preflight("on", dict(os.environ), record(tmp_path), said.append), []
     with pytest.raises(RendezvousError, match=r"^preflight: node 2 was lost during the check: "):
         static.check(meeting(), SleepingSpawner())
+
+
+def test_by_default_nodes_on_one_machine_are_not_checked(tmp_path: Path) -> None:
+    """They share the machine's processors: nothing to compare. ``--preflight on`` checks them anyway."""
+    config = RunConfig(target="t", nproc=1, world_size=2, base_rank=1)
+    shared = Meeting(0, config, "127.0.0.1", 1, Job(("same", "same")))  # type: ignore[arg-type]
+    assert not Preflight("on", {}, record(tmp_path), print, auto=True).due(shared)
+    assert Preflight("on", {}, record(tmp_path), print, auto=True).due(meeting())  # two machines
+    assert Preflight("on", {}, record(tmp_path), print).due(shared)  # asked for
+
+
+def test_the_fingerprint_names_the_machine_and_no_difference_is_made_of_it() -> None:
+    from multigpu.rendezvous.fingerprint import differences, fingerprint
+
+    mine = fingerprint("t.py", (), "cpu")
+    assert mine["machine"]
+    other = {**mine, "machine": "another boot"}
+    assert differences({0: mine, 1: other}) == ([], [])
