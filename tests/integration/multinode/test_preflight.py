@@ -150,6 +150,7 @@ def test_a_throttled_node_is_named_on_both_nodes_before_training(tmp_path: Path)
     assert entry["verdict"] == "slow" and entry["slow_nodes"] == [1]
 
 
+@pytest.mark.matrix  # a throttled node (cgroup quota) takes long: the heavy tier (scripts/fault_matrix.sh)
 def test_strict_refuses_a_throttled_node_on_both_nodes_with_exit_77(tmp_path: Path) -> None:
     results = both(tmp_path, "--preflight", "strict", throttle=True)
     for code, _, err in results:
@@ -179,6 +180,7 @@ def listening(port: int) -> bool:
     return False
 
 
+@pytest.mark.matrix  # a throttled node (cgroup quota) takes long: the heavy tier (scripts/fault_matrix.sh)
 def test_a_throttled_node_withdraws_from_an_elastic_round_and_the_job_goes_on(tmp_path: Path) -> None:
     script = write_script(tmp_path, "train.py", TRAIN)
     port = free_port()
@@ -217,6 +219,7 @@ def check_of(launcher: int, timeout: float) -> tuple[int, int]:
     raise AssertionError(f"launcher {launcher} forked no check within {timeout:g}s")
 
 
+@pytest.mark.matrix  # a throttled node (cgroup quota) takes long: the heavy tier (scripts/fault_matrix.sh)
 def test_a_node_killed_during_the_check_is_named_lost_with_nothing_left(tmp_path: Path) -> None:
     script = write_script(tmp_path, "train.py", TRAIN)
     endpoint = f"127.0.0.1:{free_port()}"
