@@ -7,11 +7,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-run() { "$py" -m pytest tests -m matrix -n 2 -p no:cacheprovider -q "$@"; }
-run -k "not load" "$@"; quiet=$?
+run() { "$py" -m pytest tests -m matrix -p no:cacheprovider -q "$@"; }
+# The quiet half: three at once (its cells wait on their steps and rendezvous as much as they compute);
+# the loaded half: two at once, beside the two hogs.
+run -n 3 -k "not load" "$@"; quiet=$?
 hogs=()
 for _ in 1 2; do "$py" -c "while True: pass" & hogs+=($!); done
-MULTIGPU_MATRIX_HOGS=outside run -k load "$@"; loaded=$?
+MULTIGPU_MATRIX_HOGS=outside run -n 2 -k load "$@"; loaded=$?
 kill "${hogs[@]}"; wait "${hogs[@]}" 2>/dev/null
 echo "fault matrix: quiet half exit $quiet, loaded half exit $loaded"
 [ "$quiet" = 0 ] && [ "$loaded" = 0 ]
