@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -272,3 +273,32 @@ def record_problems(root: Path) -> list[str]:
                 for e in _validator().iter_errors(data)
             ]
     return problems
+
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+
+
+@contextlib.contextmanager
+def cpu_group(**settings: int) -> Iterator[Path]:
+    """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
+    the default 100 ms period; ``shares``: its weight against the machine's other processes); skips in
+    one line (fails under CI=true) where this process cannot make one. Removed after, once every
+    process in it is gone (waited for, bounded: a process left makes the removal fail the test)."""
+    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+        tier_cannot_run("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    path = CPU_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        for name, value in settings.items():
+            (path / f"cpu.{name}").write_text(str(value))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        tier_cannot_run(f"cannot make a child cpu cgroup here (root needed): {exc.strerror}")
+    try:
+        yield path
+    finally:
+        deadline = time.monotonic() + 15
+        while (path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        path.rmdir()

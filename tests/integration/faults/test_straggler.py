@@ -78,3 +78,45 @@ def test_a_healthy_job_is_not_named(tmp_path: Path) -> None:
     assert "straggler" not in stderr, stderr
     assert all("straggling" not in p for p in progress.values())
     assert all(abs(p["collective_late_s"]) < 0.01 for p in progress.values()), progress  # type: ignore[arg-type]
+
+
+THROTTLED_JOB = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+group = os.environ["TEST_CPU_GROUP_" + str(rank)]
+with open(os.path.join(group, "cgroup.procs"), "w") as procs:
+    procs.write(str(os.getpid()))  # this rank alone joins its group, before its first step
+t = torch.ones(4)
+for step in range(int(sys.argv[1])):
+    end = time.process_time() + 0.02  # 20 ms of CPU a step: a throttled rank takes longer for it
+    while time.process_time() < end:
+        pass
+    dist.all_reduce(t)
+print("done", rank, flush=True)
+"""
+
+
+def test_a_rank_held_by_a_cgroup_cpu_quota_is_named(tmp_path: Path) -> None:
+    """Real slowness, not a sleep: rank 1 runs in a cgroup v1 CPU group held to 40% of a core (4 ms
+    of every 10 ms), rank 0 in one weighted to own its core; both do 20 ms of CPU work a step and an
+    all_reduce. Nothing in the script says which rank is slow: the launcher names rank 1."""
+    from helpers import cpu_group
+
+    job = write_script(tmp_path, "job.py", THROTTLED_JOB)
+    out = tmp_path / "out"
+    with cpu_group(shares=16384) as fast, cpu_group(cfs_period_us=10000, cfs_quota_us=4000) as slow:
+        res = run_cli(
+            ["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), "400"],
+            cwd=tmp_path,
+            timeout=100,
+            env={"TEST_CPU_GROUP_0": str(fast), "TEST_CPU_GROUP_1": str(slow)},
+        )
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stderr.splitlines() if "is a straggler" in line]
+    assert lines and lines[0].startswith("multigpu: rank 1 (node 0, pid "), res.stderr
+    progress = json.loads((out / "run.json").read_text())["attempts"][-1]["progress"]
+    assert progress["1"]["straggling"] and "straggling" not in progress["0"], progress

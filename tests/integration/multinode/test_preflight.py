@@ -12,14 +12,12 @@ import re
 import socket
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, finish_all, free_port, tier_cannot_run, write_script
+from helpers import MULTIGPU, assert_gone, clean_env, cpu_group, finish_all, free_port, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -32,35 +30,6 @@ TRAIN = """
     print(f"sum={int(t.item())} world={dist.get_world_size()} group={os.environ['GROUP_RANK']}", flush=True)
     dist.destroy_process_group()
 """
-
-CPU_ROOT = Path("/sys/fs/cgroup/cpu")
-
-
-@contextlib.contextmanager
-def cpu_group(**settings: int) -> Iterator[Path]:
-    """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
-    the default 100 ms period; ``shares``: its weight against the machine's other processes); skips in
-    one line (fails under CI=true) where this process cannot make one. Removed after, once every
-    process in it is gone (waited for, bounded: a process left makes the removal fail the test)."""
-    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
-        tier_cannot_run("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
-    path = CPU_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        for name, value in settings.items():
-            (path / f"cpu.{name}").write_text(str(value))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-        tier_cannot_run(f"cannot make a child cpu cgroup here (root needed): {exc.strerror}")
-    try:
-        yield path
-    finally:
-        deadline = time.monotonic() + 15
-        while (path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        path.rmdir()
-
 
 THROTTLED = {"cfs_period_us": 100000, "cfs_quota_us": 15000}
 """The slow node: its launcher and ranks share 15% of one core."""
