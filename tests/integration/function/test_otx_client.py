@@ -154,6 +154,7 @@ def test_otx_train_on_three_cpu_workers(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.matrix  # OTX's train on 3 ranks twice over: the heavy tier (the suite runs the healthy one)
 def test_otx_train_with_a_failing_child(tmp_path: Path) -> None:
     proc, text = _otx_train(tmp_path, {"FAIL_RANK": "2"})
     assert proc.returncode == 1, text[-3000:]

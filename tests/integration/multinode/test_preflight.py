@@ -107,6 +107,7 @@ def test_a_healthy_preflight_is_one_line_on_both_nodes_and_the_job_runs(tmp_path
     assert record(tmp_path, 0)["verdict"] == record(tmp_path, 1)["verdict"] == "healthy"
 
 
+@pytest.mark.matrix  # a throttled node (cgroup quota) takes long: the heavy tier (scripts/fault_matrix.sh)
 def test_a_throttled_node_is_named_on_both_nodes_before_training(tmp_path: Path) -> None:
     results = both(tmp_path, throttle=True)
     for code, _, err in results:
