@@ -119,7 +119,7 @@ for step in range(1, 1000):
 PY
 cat >"$WORK/read_fr.py" <<'PY'
 import sys
-from multigpu.supervisor.flight_record import read_dumps
+from multigpu.supervisor.hangs.flight_record import read_dumps
 dumps = read_dumps(sys.argv[1])
 ops = {e["profiling_name"] for e in dumps[0]["entries"]}
 print("flight record:", len(dumps[0]["entries"]), "entries", sorted(ops))

@@ -31,18 +31,18 @@ if TYPE_CHECKING:
         WorkerFailedError,
         WorkerFailure,
     )
-    from multigpu.function.argv import set_arguments_to_argv
     from multigpu.function.launch_call import launch, shutdown
-    from multigpu.function.manager import MultiGPUManager
     from multigpu.function.spawning import ProcessExitedException, ProcessRaisedException, spawn
+    from multigpu.otx.argv import set_arguments_to_argv
+    from multigpu.otx.manager import MultiGPUManager
     from multigpu.rank.preempted import preempted, should_stop
     from multigpu.rank.progress import heartbeat, section
 
 _EXPORTS = {
     "get_gpu_ids": "cluster.devices",
     "is_multigpu_child_process": "contract.environment",
-    "set_arguments_to_argv": "function.argv",
-    "MultiGPUManager": "function.manager",
+    "set_arguments_to_argv": "otx.argv",
+    "MultiGPUManager": "otx.manager",
     "launch": "function.launch_call",
     "shutdown": "function.launch_call",
     "spawn": "function.spawning",

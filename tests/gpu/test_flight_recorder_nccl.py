@@ -11,7 +11,7 @@ import pytest
 
 from helpers import assert_gone, run_cli, write_script
 from multigpu.cluster.devices import visible_gpus
-from multigpu.supervisor.flight_record import read_dumps
+from multigpu.supervisor.hangs.flight_record import read_dumps
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,8 +3,8 @@
 The layers, lowest first; a module may import its own subpackage and the layers below it, never one
 above. ``contract`` is the vocabulary every process shares (standard library only); ``rank`` runs
 inside a training process; the launcher's side (``supervisor`` up to ``cli``) sits above both. A circle
-between modules, even through an import inside a function, fails too. The README's map of the folders
-is checked against the tree.
+between modules, even through an import inside a function, fails too. The folder map
+(docs/architecture.md) is checked against the tree.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from package_map import MODULES, PACKAGE, imports_of
 
-README = PACKAGE.parent.parent / "README.md"
+ARCHITECTURE = PACKAGE.parent.parent / "docs" / "architecture.md"
 LAYERS = (
     "contract",
     "rank",
@@ -30,9 +30,10 @@ LAYERS = (
     "record",
     "runner",
     "function",
+    "otx",
     "cli",
 )
-"""Lowest first: the order the README's map lists them in."""
+"""Lowest first: the order docs/architecture.md lists them in."""
 
 IN_A_RANK_OR_THE_TEMPLATE = (
     "multigpu.rank",
@@ -194,30 +195,35 @@ def test_the_checks_find_what_they_look_for() -> None:
     ]
 
 
-def _readme_map() -> dict[str, str]:
-    text = README.read_text()
-    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
-    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w/.]+)` \| (.+) \|$", section, re.M)}
+def _folder_map() -> dict[str, str]:
+    text = ARCHITECTURE.read_text()
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([\w/.]+)` \| (.+) \|$", text, re.M)}
 
 
-def test_the_readme_map_names_every_folder_and_only_real_modules() -> None:
-    rows = _readme_map()
-    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+def test_the_folder_map_names_every_folder_and_only_real_modules() -> None:
+    rows = _folder_map()
+    folders = sorted(
+        str(init.parent.relative_to(PACKAGE))
+        for init in PACKAGE.rglob("__init__.py")
+        if init.parent != PACKAGE
+    )
     named = sorted(key.rstrip("/") for key in rows if key.endswith("/"))
-    assert named == folders, f"the README's map lists {named}; the package has {folders}"
-    in_order = [k.rstrip("/") for k in rows if k.endswith("/")]
+    assert named == folders, f"docs/architecture.md lists {named}; the package has {folders}"
+    in_order = [k.rstrip("/") for k in rows if k.endswith("/") and k.count("/") == 1]
     assert in_order == list(LAYERS), "the map lists the layers lowest first"
     for key, text in rows.items():
         named_here = set(re.findall(r"`([\w]+)`", text))
         for module in named_here:
             if not (PACKAGE / key / f"{module}.py").exists():
-                raise AssertionError(f"the README's map names {key}{module}, which does not exist")
+                raise AssertionError(f"the folder map names {key}{module}, which does not exist")
         modules = {p.stem for p in (PACKAGE / key).glob("*.py")} - {"__init__", "__main__"}
-        assert modules <= named_here, f"the README's map leaves out {key}{sorted(modules - named_here)}"
+        assert modules <= named_here, f"the folder map leaves out {key}{sorted(modules - named_here)}"
 
 
 def test_every_subpackage_says_where_it_runs() -> None:
-    for init in sorted(PACKAGE.glob("*/__init__.py")):
+    for init in sorted(PACKAGE.glob("**/__init__.py")):
+        if init.parent == PACKAGE:
+            continue
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(doc) > 80 and re.search(r"\bruns? (in|inside)\b", doc, re.I), (
             f"{init.parent.name}/__init__.py says in a paragraph which process it runs in"

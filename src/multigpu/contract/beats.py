@@ -1,7 +1,7 @@
 """The beat protocol: the bytes a rank writes on its heartbeat pipe, and the launcher's one reader.
 
 Shared by the rank (``rank/progress.py`` and the bootstrap write beats) and the launcher (the
-supervisor reads them, ``supervisor/hang.py`` decodes them), so it is standard library only. Each
+supervisor reads them, ``supervisor/hangs/book.py`` decodes them), so it is standard library only. Each
 report is a few bytes; a write under ``PIPE_BUF`` is atomic, so records never interleave::
 
     .            heartbeat()                      o    the rank wrote output (the bootstrap)

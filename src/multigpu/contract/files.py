@@ -71,3 +71,14 @@ def temporary_beside(path: Path) -> tuple[int, Path]:
 def open_existing(path: Path, flags: int) -> int:
     """``path``, which must be a file already there and not a link, opened with ``flags``."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """``data`` in a new file only this user can read (0600), in a folder made 0700: a payload is code
+    the ranks run (each checks the mode before loading it: ``rank/bootstrap.open_payload``), a launch
+    request holds the caller's environment. One left by an earlier run is removed, never reused."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    with os.fdopen(create_new(path, 0o600), "wb") as f:
+        f.write(data)

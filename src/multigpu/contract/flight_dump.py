@@ -1,6 +1,6 @@
 """The format of torch's flight-record dump, read without torch and without trusting the file.
 
-A dump is a pickled dict of dicts, lists, strings and numbers (see ``supervisor/flight_record.py``); the
+A dump is a pickled dict of dicts, lists, strings and numbers (see ``supervisor/hangs/flight_record.py``); the
 loader refuses every class, so a dump cannot run code in whoever reads it. Written by the rank
 (``rank/dump_signal.py``), read by the launcher. Standard library only.
 """

@@ -3,7 +3,7 @@
 A frame is ours when the module it runs in is part of the ``multigpu`` package. The rank's bootstrap
 drops our leading frames (and the standard library's that start the user's code) from a traceback,
 the crash-loop policy looks for the innermost frame that is neither ours nor a library's, and
-function mode does not interrupt our own code (``function/interrupt_caller.py``, which names the shipped
+function mode does not interrupt our own code (``otx/interrupt_caller.py``, which names the shipped
 applications it may interrupt). Text tracebacks carry file names only: ``module_of_file`` maps them
 to modules. Standard library only.
 """

@@ -31,11 +31,11 @@ import cloudpickle
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import MultiGPUError
+from multigpu.contract.files import write_private
 from multigpu.function import launcher_handle, rank_call
 from multigpu.function.launch_config import launch_config
 from multigpu.function.launch_errors import failure_of
 from multigpu.function.launcher_handle import launcher
-from multigpu.function.prepare import write_private
 
 RESULTS_DIR = "results"
 

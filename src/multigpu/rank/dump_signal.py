@@ -1,8 +1,8 @@
 """What a rank tells about itself on request: its Python stacks and torch's flight record.
 
-Runs in the rank. The launcher (``supervisor/stack_dumps.py``) sends ``FR_SIGNAL``: a thread of this module
-writes the stacks to stderr and beats "T", then writes the flight record to the file ``FR_DUMP_ENV``
-names and beats "F". To a rank without that thread, or whose thread does not answer, it sends
+Runs in the rank. The launcher (``supervisor/hangs/stack_dumps.py``) sends ``FR_SIGNAL``: a thread of
+this module writes the stacks to stderr and beats "T", then writes the flight record to the file
+``FR_DUMP_ENV`` names and beats "F". To a rank without that thread, or whose thread does not answer, it sends
 ``DUMP_SIGNAL``, which faulthandler's C handler answers with the stacks alone. The dump format is read back by
 ``contract/flight_dump.py``.
 """

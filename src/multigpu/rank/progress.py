@@ -2,7 +2,7 @@
 
 ``multigpu.heartbeat()`` says "alive"; ``multigpu.heartbeat(step=N)`` says "step N is done", and
 ``with multigpu.section("forward"):`` times a part of a step. The launcher learns each rank's hang
-timeout from these (``hang.py``) and names the rank that stopped first. Each report is one
+timeout from these (``supervisor/hangs/book.py``) and names the rank that stopped first. Each report is one
 non-blocking write of a few bytes on the rank's own heartbeat pipe: a full pipe drops the report
 instead of blocking the step (the launcher has unread progress already, and the next step number
 says where the rank is). Writes under ``PIPE_BUF`` are atomic, so records never interleave.
@@ -19,7 +19,7 @@ a fraction of a microsecond per group per look and nothing per collective; gloo 
 hook, and its flight record has no completion times and costs ~22 ms to dump.
 
 The same thread stamps when the rank enters collectives, for the launcher's straggler detection
-(``supervisor/lateness.py``): it reads the world group's count every ``ENTRY_POLL_S`` during one
+(``supervisor/hangs/lateness.py``): it reads the world group's count every ``ENTRY_POLL_S`` during one
 second in three (``SAMPLE_EVERY_S``) and, when it reached n, notes ``time.monotonic()`` (n was
 entered since the previous look), sent with the next beat as ``K<n>@<t>;``. Every process on a node
 reads the same CLOCK_MONOTONIC, so the launcher compares these times across its node's ranks; only the

@@ -1,5 +1,5 @@
 """The node's sentinel process (``python -m multigpu.rank.sentinel``): ends every rank's tree if the
-launcher dies. Started by the launcher (``supervisor/sentinel_handle.NodeSentinel``), one per node; it runs
+launcher dies. Started by the launcher (``runner/sentinel_handle.NodeSentinel``), one per node; it runs
 beside the ranks, as the out-of-process half of their guard (``guard.py``).
 
 It holds a pidfd for the launcher and one for each rank the launcher hands it. When the launcher

@@ -33,7 +33,7 @@ from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
-from multigpu.supervisor.jobhang import JobProgress
+from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 
 BEAT_S = 0.2
@@ -101,7 +101,8 @@ class FateMonitor:
         self._notify = notify
         """Where the one line of a lost store goes (the run's console in ``multigpu run``)."""
         self.progress = progress
-        """This node's ranks' progress, shared with the job's once per beat (``jobhang.JobProgress``)."""
+        """This node's ranks' progress, shared with the job's once per beat
+        (``hangs.verdict.JobProgress``)."""
         self.watcher = job.is_watcher if watcher is None else watcher
         self.latency = latency or Latency()
         self._on_failure = on_remote_failure

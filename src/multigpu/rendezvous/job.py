@@ -176,7 +176,7 @@ class JobStore:
         return int(self.store.add(self.key("beat", self.base_rank), 1))
 
     def add_progress(self, count: int) -> int:
-        """Add to the job's progress counter (``supervisor/jobhang.JobProgress``); the new total."""
+        """Add to the job's progress counter (``supervisor/hangs/verdict.JobProgress``); the new total."""
         return int(self.store.add(self.key("progress"), count))
 
     def beats_of(self, base_rank: int) -> int:

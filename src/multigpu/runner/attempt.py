@@ -24,15 +24,15 @@ from multigpu.rendezvous.failure_sharing import (
     share_failure,
     share_interrupt,
 )
-from multigpu.rendezvous.hangs import StoreHangs
+from multigpu.rendezvous.hang_store import StoreHangs
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner.preempt_watch import PreemptWatch
+from multigpu.runner.sentinel_handle import node_sentinel
 from multigpu.supervisor.control import ControlSocket, socket_name
 from multigpu.supervisor.file_timer import TimerKills
-from multigpu.supervisor.hang import progress_book
-from multigpu.supervisor.jobhang import JobProgress
+from multigpu.supervisor.hangs.book import progress_book
+from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.loop import Supervisor
-from multigpu.supervisor.sentinel_handle import node_sentinel
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec

@@ -37,9 +37,9 @@ from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.runner.membership import Meeting, Membership, StaticMembership
 from multigpu.runner.preempt_watch import PreemptWatch, finish_preempted
 from multigpu.runner.preflight import Preflight, check_env
+from multigpu.runner.sentinel_handle import close_node_sentinel
 from multigpu.runner.specs import AttemptContext, build_specs
 from multigpu.supervisor import file_timer
-from multigpu.supervisor.sentinel_handle import close_node_sentinel
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 from multigpu.supervisor.stop_requests import end_with_signal
 

@@ -43,7 +43,7 @@ def status_table(
     if steps:  # only for loops that report steps: the table stays narrow otherwise
         columns.insert(6, STEP_COLUMN)
     late = any(w.progress is not None and w.progress.late_s is not None for w in workers)
-    if late:  # once collective entry times are judged (``supervisor/lateness.py``)
+    if late:  # once collective entry times are judged (``supervisor/hangs/lateness.py``)
         columns.insert(columns.index("memory"), LATE_COLUMN)
     if bars:
         columns.append("progress")

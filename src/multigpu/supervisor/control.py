@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from multigpu.contract.files import user_name
 from multigpu.contract.frames import fold_own_threads
-from multigpu.supervisor.hang import ProgressBook
+from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.states import Worker
 
 CLIENT_WAIT_S = 0.5

@@ -28,17 +28,18 @@ from collections.abc import Sequence
 
 from multigpu.contract.errors import FailureKind, WorkerFailure
 from multigpu.contract.signals import signal_name
-from multigpu.supervisor import exits, jobhang, reaping, spawning, teardown
-from multigpu.supervisor.beat_pipe import read_beats
+from multigpu.supervisor import exits, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.events import Events
-from multigpu.supervisor.hang import HangPolicy, ProgressBook, hang_failures
+from multigpu.supervisor.hangs.beat_pipe import read_beats
+from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook, hang_failures
+from multigpu.supervisor.hangs.stack_dumps import DumpRequest, flight_record
+from multigpu.supervisor.hangs.verdict import gather_verdict
 from multigpu.supervisor.outcome import Outcome
 from multigpu.supervisor.output import OutputSink, WorkerOutput, mute_all_but
 from multigpu.supervisor.run_updates import News
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
-from multigpu.supervisor.stack_dumps import DumpRequest, flight_record
 from multigpu.supervisor.states import RunResult, Worker, WorkerSpec, WorkerState
 from multigpu.supervisor.stop_requests import StopRequests
 
@@ -245,7 +246,7 @@ class Supervisor:
 
     def _job_hang(self, notice: WorkerFailure) -> bool:
         """The job hangs (a node said so through the store): dump this node's ranks, then judge with
-        every node (``jobhang.py``). False for any other failure from outside, and once this node has
+        every node (``hangs/verdict.py``). False for any other failure from outside, and once this node has
         an outcome of its own."""
         exchange, outcome = self.hooks.job_hang, self._outcome
         if (
@@ -258,7 +259,7 @@ class Supervisor:
             return False  # a rank here failed already: that failure and the notice are ordered by time
         self._collect_stacks(notice.message or "")
         outcome.failures.extend(
-            jobhang.gather_verdict(
+            gather_verdict(
                 exchange, notice, self.workers, self.progress, self.turn, self._clock, self._stops.seen
             )
         )

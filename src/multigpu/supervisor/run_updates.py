@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from multigpu.supervisor.hang import ProgressBook
+from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.settings import Hooks
 from multigpu.supervisor.states import Worker
 

@@ -17,7 +17,7 @@ from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.states import SupervisorListener, Worker
 
 if TYPE_CHECKING:
-    from multigpu.supervisor.jobhang import HangExchange
+    from multigpu.supervisor.hangs.verdict import HangExchange
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Hooks:
     (``sentinel.NodeSentinel.watch``); its ranks then fork no sentinel of their own."""
     job_hang: HangExchange | None = None
     """A job of several nodes: a hang is declared for the job and judged from every node's stacks
-    (``jobhang.py``; the job's store behind it)."""
+    (``hangs/verdict.py``; the job's store behind it)."""
     timer: TimerKills | None = None
     """``multigpu run`` with ``TORCHELASTIC_ENABLE_FILE_TIMER=1``: the kills of the node's file timer,
     named as a rank's killer (``file_timer.py``)."""

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 LAUNCHER = """
 import os, signal, subprocess, sys
-from multigpu.supervisor.sentinel_handle import NodeSentinel
+from multigpu.runner.sentinel_handle import NodeSentinel
 sentinel = NodeSentinel()
 rank = subprocess.Popen(["bash", "-c", "sleep 60 & echo child=$!; wait"], stdout=subprocess.PIPE,
                         start_new_session=True, text=True)

@@ -16,9 +16,9 @@ import pytest
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-from multigpu.function import interrupt_caller as delivery
-from multigpu.function.argv import flatten_parameters
-from multigpu.function.interrupt_caller import FailureDelivery, hook_collective_errors
+from multigpu.otx import interrupt_caller as delivery
+from multigpu.otx.argv import flatten_parameters
+from multigpu.otx.interrupt_caller import FailureDelivery, hook_collective_errors
 from multigpu.rendezvous.failure_sharing import failure_from_record, failure_record
 from multigpu.runner.specs import AttemptContext, build_specs
 
@@ -208,7 +208,7 @@ def test_the_handler_declines_inside_multigpu_and_after_disarm() -> None:
     target = FailureDelivery()
     target.error = _error()
     # finalize() waiting in the standard library: multigpu's machinery is lower on the stack
-    target._handle(delivery.DELIVERY_SIGNAL, _frames("threading", "multigpu.function.manager", __name__))
+    target._handle(delivery.DELIVERY_SIGNAL, _frames("threading", "multigpu.otx.manager", __name__))
     target._handle(delivery.DELIVERY_SIGNAL, _frames("multigpu.supervisor.loop", __name__))  # ours
     assert not target.delivered
     with pytest.raises(WorkerFailedError):  # the user's own frames: it lands
@@ -247,7 +247,7 @@ def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code
     """A child that fails while setup is still running cannot be raised inside multigpu's code; the end
     of setup raises it, and only once (finalize() reports it again on its own)."""
     from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-    from multigpu.function.interrupt_caller import FailureDelivery
+    from multigpu.otx.interrupt_caller import FailureDelivery
 
     delivery = FailureDelivery()
     delivery.raise_pending()  # nothing recorded: nothing raised
@@ -272,7 +272,7 @@ class CountingStore:
 
 
 def test_every_rank_counted_in_ends_the_wait() -> None:
-    from multigpu.function.rank_setup import wait_for_every_rank
+    from multigpu.otx.rank_setup import wait_for_every_rank
 
     store = CountingStore(others=1)
     wait_for_every_rank(store, "multigpu/joined/run", 3, timeout=5, failed=lambda: None)
@@ -280,7 +280,7 @@ def test_every_rank_counted_in_ends_the_wait() -> None:
 
 
 def test_a_child_failure_ends_the_wait_with_that_error() -> None:
-    from multigpu.function.rank_setup import wait_for_every_rank
+    from multigpu.otx.rank_setup import wait_for_every_rank
 
     boom = RuntimeError("rank 2 died")
     with pytest.raises(RuntimeError, match="rank 2 died"):
@@ -288,7 +288,7 @@ def test_a_child_failure_ends_the_wait_with_that_error() -> None:
 
 
 def test_ranks_that_never_come_time_out() -> None:
-    from multigpu.function.rank_setup import wait_for_every_rank
+    from multigpu.otx.rank_setup import wait_for_every_rank
 
     with pytest.raises(TimeoutError, match=r"only 1 of 3 ranks joined within 0\.05s"):
         wait_for_every_rank(CountingStore(), "multigpu/joined/run", 3, timeout=0.05, failed=lambda: None)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from multigpu.function.prepare import output_folder
+from multigpu.otx.prepare import output_folder
 
 
 def test_without_an_output_path_the_run_goes_where_multigpu_run_puts_it(

@@ -43,11 +43,11 @@ from multigpu.contract.frames import module_of, own_frame
 
 MACHINERY = frozenset(
     {
-        "multigpu.function.manager",
-        "multigpu.function.prepare",
-        "multigpu.function.interrupt_caller",
-        "multigpu.function.watcher",
-        "multigpu.function.rank_setup",
+        "multigpu.otx.manager",
+        "multigpu.otx.prepare",
+        "multigpu.otx.interrupt_caller",
+        "multigpu.otx.watcher",
+        "multigpu.otx.rank_setup",
     }
 )
 """Function mode's own modules: a failure is never delivered while one of them is on the stack."""

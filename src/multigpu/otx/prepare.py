@@ -9,7 +9,6 @@ children, come later; the manager undoes every step if they fail.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
@@ -26,9 +25,9 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import MultiGPUError
-from multigpu.contract.files import create_new
-from multigpu.function.argv import flatten_parameters, set_arguments_to_argv
-from multigpu.function.interrupt_caller import GroupSockets
+from multigpu.contract.files import write_private
+from multigpu.otx.argv import flatten_parameters, set_arguments_to_argv
+from multigpu.otx.interrupt_caller import GroupSockets
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
@@ -161,17 +160,6 @@ def _pickled(obj: Any, what: str) -> bytes:
             f"{what} cannot be sent to the child processes: {exc} (use a module-level "
             "function, picklable with everything it refers to)"
         ) from None
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """``data`` in a new file only this user can read (0600), in a folder made 0700: a payload is code
-    the ranks run (each checks the mode before loading it: ``rank/bootstrap.open_payload``), a launch
-    request holds the caller's environment. One left by an earlier run is removed, never reused."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    with os.fdopen(create_new(path, 0o600), "wb") as f:
-        f.write(data)
 
 
 def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any, ...]) -> Path:

@@ -18,7 +18,7 @@ import time
 
 from multigpu.console.ranks import PrefixedConsole
 from multigpu.contract.errors import WorkerFailedError, WorkerFailure
-from multigpu.function.interrupt_caller import FailureDelivery
+from multigpu.otx.interrupt_caller import FailureDelivery
 from multigpu.rendezvous.failure_sharing import FateMonitor, share_failure
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.loop import Supervisor

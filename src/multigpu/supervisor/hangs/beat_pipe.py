@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from multigpu.supervisor.events import Events, read_ready
-from multigpu.supervisor.hang import ProgressBook
+from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.states import Worker
 
 

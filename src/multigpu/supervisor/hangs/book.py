@@ -16,7 +16,7 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
 * A rank that never reported a step is judged as before: the run hangs when no rank has shown any
   progress, output or a collective entered included, for C.
 * Across nodes the silence is the job's: another node's progress (``remote_progress``, learned through
-  the job's store once per fate beat, ``jobhang.JobProgress``) counts as much as this node's own.
+  the job's store once per fate beat, ``hangs.verdict.JobProgress``) counts as much as this node's own.
 
 On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named. The
 book also names stragglers (``stragglers.py``), ranks slower than the others though not stuck.
@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any
 from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
 from multigpu.contract.errors import FailureKind, WorkerFailure
-from multigpu.supervisor.culprit import find_culprits
-from multigpu.supervisor.lateness import StragglerWatch
-from multigpu.supervisor.learned import LEARNED_FILE, Learned
+from multigpu.supervisor.hangs.culprit import find_culprits
+from multigpu.supervisor.hangs.lateness import StragglerWatch
+from multigpu.supervisor.hangs.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
 
 if TYPE_CHECKING:
     from multigpu.config.run import RunConfig
-    from multigpu.supervisor.flight_record import Finding
+    from multigpu.supervisor.hangs.flight_record import Finding
     from multigpu.supervisor.states import Worker, WorkerSpec
 
 SAVE_EVERY_S = 2.0

@@ -1,9 +1,9 @@
-"""The stuck rank named from the stacks every rank dumped (``supervisor/culprit.py``), on dumps in
+"""The stuck rank named from the stacks every rank dumped (``supervisor/hangs/culprit.py``), on dumps in
 faulthandler's format as a forked rank writes them."""
 
 from __future__ import annotations
 
-from multigpu.supervisor.culprit import find_culprits, main_thread
+from multigpu.supervisor.hangs.culprit import find_culprits, main_thread
 
 SITE = "/venv/lib/python3.11/site-packages/torch/distributed"
 WATCHER = """Thread 0x00007fd68f13e6c0 (most recent call first):

@@ -30,16 +30,16 @@ from multigpu.console.writer import say_on_stderr
 from multigpu.contract.environment import Device, inside_launched_worker
 from multigpu.contract.errors import MultiGPUError, WorkerFailedError
 from multigpu.contract.names import LAUNCHER_PID_ENV
-from multigpu.function import prepare as fm
-from multigpu.function.interrupt_caller import FailureDelivery, abort_collectives, hook_collective_errors
-from multigpu.function.rank_setup import (
+from multigpu.otx import prepare as fm
+from multigpu.otx.interrupt_caller import FailureDelivery, abort_collectives, hook_collective_errors
+from multigpu.otx.rank_setup import (
     become_rank_environ,
     child_entry,
     join_group,
     restore_environ,
     run_child,
 )
-from multigpu.function.watcher import ChildWatcher
+from multigpu.otx.watcher import ChildWatcher
 from multigpu.rank.guard import guard_parent
 from multigpu.rendezvous.failure_sharing import finish_job, mark_done, serve_until_all_done
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on

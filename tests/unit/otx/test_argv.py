@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from multigpu import set_arguments_to_argv
-from multigpu.function.argv import remove_option
+from multigpu.otx.argv import remove_option
 
 
 def run(

@@ -1,4 +1,4 @@
-"""The job's store, as the job-wide hang verdict needs it (``supervisor/jobhang.py`` says why).
+"""The job's store, as the job-wide hang verdict needs it (``supervisor/hangs/verdict.py`` says why).
 
 Runs in each node's launcher. The notice is the job's one abort record (kind ``Hang``, no rank: the
 fate monitor of every node wakes on it); each node's rank states go under ``hang/node/<base rank>``
@@ -18,13 +18,13 @@ from typing import Any
 from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.rendezvous.failure_sharing import failure_record
 from multigpu.rendezvous.job import DONE, JobStore
-from multigpu.supervisor.jobhang import GATHER_S, RankState, decide
+from multigpu.supervisor.hangs.verdict import GATHER_S, RankState, decide
 
 POLL_S = 0.05
 
 
 class StoreHangs:
-    """``jobhang.HangExchange`` on the job's c10d store."""
+    """``hangs.verdict.HangExchange`` on the job's c10d store."""
 
     def __init__(self, job: JobStore) -> None:
         self.job = job

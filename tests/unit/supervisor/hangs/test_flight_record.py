@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from multigpu.contract.environment import flight_recorder_env
-from multigpu.supervisor.flight_record import load_dump, missing_ranks, read_dumps
+from multigpu.supervisor.hangs.flight_record import load_dump, missing_ranks, read_dumps
 
 RECORDED = Path(__file__).parent / "data" / "flight_recorder" / "gloo_rank1_missing"
 

@@ -27,8 +27,8 @@ from multigpu.contract.environment import (
     rank_env,
 )
 from multigpu.contract.names import DEVICE_ENV, OUTPUT_DIR_ENV, RUN_ID_ENV
-from multigpu.function.argv import remove_option, set_arguments_to_argv
-from multigpu.function.prepare import GROUP_SOCKETS, TIMEOUT_ENV
+from multigpu.otx.argv import remove_option, set_arguments_to_argv
+from multigpu.otx.prepare import GROUP_SOCKETS, TIMEOUT_ENV
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S, connect_store
 
 CONNECT_TIMEOUT_S = 2.0

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from multigpu.contract.beats import Beat
-from multigpu.supervisor.hang import HangPolicy, ProgressBook
-from multigpu.supervisor.learned import LEARNED_FILE
+from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
+from multigpu.supervisor.hangs.learned import LEARNED_FILE
 
 
 class Clock:

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from multigpu.supervisor.hangs.stragglers import STRAGGLER_MIN_GAP_S, find_stragglers
 from multigpu.supervisor.states import RankProgress, rounded
-from multigpu.supervisor.stragglers import STRAGGLER_MIN_GAP_S, find_stragglers
 
 WINDOW = 300
 """Collectives judged: the latest this many that every rank here entered."""

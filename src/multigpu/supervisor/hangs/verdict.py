@@ -15,7 +15,7 @@ for it. So:
   one abort record, kind ``Hang``, no rank named); every node's fate monitor hears of it at once.
 * **The culprit comes from every rank's stacks.** Each node dumps its ranks' stacks, publishes them
   (one key per node) and reads every node's (``HangExchange``, kept in the job's store by
-  ``rendezvous/hangs.py``); ``decide`` names the rank outside the collective the others wait in
+  ``rendezvous/hang_store.py``); ``decide`` names the rank outside the collective the others wait in
   (``culprit.py``), and the first verdict written stands (compare-and-set), so every node prints the
   same one, with every rank's stacks once.
 """
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from multigpu.contract.errors import FailureKind, WorkerFailure
-from multigpu.supervisor.culprit import find_culprits
-from multigpu.supervisor.hang import ProgressBook
+from multigpu.supervisor.hangs.book import ProgressBook
+from multigpu.supervisor.hangs.culprit import find_culprits
 from multigpu.supervisor.states import Worker
 
 GATHER_S = 10.0
@@ -166,7 +166,7 @@ class Pending(Protocol):
 
 
 class HangExchange(Protocol):
-    """The job's store, as the hang verdict needs it (``rendezvous/hangs.StoreHangs``)."""
+    """The job's store, as the hang verdict needs it (``rendezvous/hang_store.StoreHangs``)."""
 
     def declare(self, notice: str) -> None:
         """Publish that the job hangs (once; the first notice in time stands), without waiting."""

@@ -1,7 +1,7 @@
-"""The job-wide hang decision (``supervisor/jobhang.py``, ``rendezvous/hangs.py``): progress shared between
-nodes through one counter, a notice that names no rank, one verdict from every node's stacks, the same
-failures on every node; the rank's collective counter and its beat. Pure bookkeeping on injected clocks,
-and the real store exchange on torch's in-memory store (two nodes as two threads)."""
+"""The job-wide hang decision (``supervisor/hangs/verdict.py``, ``rendezvous/hang_store.py``): progress
+shared between nodes through one counter, a notice that names no rank, one verdict from every node's
+stacks, the same failures on every node; the rank's collective counter and its beat. Pure bookkeeping
+on injected clocks, and the real store exchange on torch's in-memory store (two nodes as two threads)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments, write_
 from multigpu.contract.beats import BeatDecoder
 from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.rank import progress
-from multigpu.rendezvous.hangs import Exchange, StoreHangs
+from multigpu.rendezvous.hang_store import Exchange, StoreHangs
 from multigpu.rendezvous.job import JobStore
-from multigpu.supervisor.hang import HangPolicy, ProgressBook
-from multigpu.supervisor.jobhang import JobProgress, RankState, decide, job_failures
+from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
+from multigpu.supervisor.hangs.verdict import JobProgress, RankState, decide, job_failures
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec
 

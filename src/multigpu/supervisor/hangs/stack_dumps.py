@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.contract.signals import DUMP_SIGNAL, FR_SIGNAL
-from multigpu.supervisor.flight_record import Finding, missing_ranks, read_dumps
+from multigpu.supervisor.hangs.flight_record import Finding, missing_ranks, read_dumps
 from multigpu.supervisor.states import Worker
 
 FR_WAIT_S = 3.0

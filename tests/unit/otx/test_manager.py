@@ -10,7 +10,7 @@ import pytest
 
 from multigpu import MultiGPUManager
 from multigpu.cluster import devices
-from multigpu.function.manager import TIMEOUT_ENV, dist_timeout_s
+from multigpu.otx.manager import TIMEOUT_ENV, dist_timeout_s
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
 
 

@@ -14,8 +14,14 @@ from collections.abc import Callable
 import pytest
 
 from multigpu.contract.beats import Beat, BeatDecoder
-from multigpu.supervisor.hang import HangPolicy, ProgressBook
-from multigpu.supervisor.lateness import Lateness, LatenessWatch, _median_without, lateness, step_from_entries
+from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
+from multigpu.supervisor.hangs.lateness import (
+    Lateness,
+    LatenessWatch,
+    _median_without,
+    lateness,
+    step_from_entries,
+)
 
 Work = Callable[[int, int, random.Random], float]
 """(rank, collective index, random) -> the rank's seconds of work before it enters that collective."""
@@ -247,7 +253,7 @@ def test_the_others_median_from_one_sorted_column_is_the_median_of_the_others() 
 
 def test_nothing_new_is_not_judged_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop asks every second; with no entry time noted since, the judgement is not redone."""
-    import multigpu.supervisor.lateness as module
+    import multigpu.supervisor.hangs.lateness as module
 
     calls: list[int] = []
     monkeypatch.setattr(module, "lateness", lambda *a, **k: calls.append(1))
