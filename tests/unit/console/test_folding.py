@@ -4,28 +4,8 @@
 
 from __future__ import annotations
 
-import os
-import sysconfig
-
 from multigpu.console.folding import CppStacks, InterruptTracebacks
-from multigpu.record.failure_report import innermost_user_frame, last_interrupt_traceback
-
-TORCH = os.path.join(sysconfig.get_paths()["purelib"], "torch", "nn", "parallel", "distributed.py")
-USER = os.path.join(os.getcwd(), "train.py")
-
-INTERRUPTED = f"""Traceback (most recent call last):
-  File "{USER}", line 42, in <module>
-    model = DDP(model)
-            ^^^^^^^^^^
-  File "{TORCH}", line 842, in __init__
-    torch._dynamo.utils.get_optimize_ddp_mode() == "python_reducer"
-  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load
-KeyboardInterrupt""".splitlines()
-
-FAILED = f"""Traceback (most recent call last):
-  File "{USER}", line 7, in <module>
-    raise ValueError("loss is NaN")
-ValueError: loss is NaN""".splitlines()
+from tracebacks import FAILED, INTERRUPTED
 
 
 def feed(lines: list[str], chunk: int = 3) -> list[str]:
@@ -71,19 +51,6 @@ def test_any_other_traceback_is_shown_whole_and_in_order() -> None:
 
 def test_a_traceback_cut_short_shows_when_the_pipe_ends() -> None:
     assert feed(INTERRUPTED[:4]) == INTERRUPTED[:4]
-
-
-def test_the_innermost_frame_of_the_users_own_code_with_its_source() -> None:
-    assert innermost_user_frame("\n".join(INTERRUPTED)) == "train.py:42 (model = DDP(model))"
-    assert innermost_user_frame("\n".join(INTERRUPTED[:1] + INTERRUPTED[4:])) is None  # torch's frames only
-
-
-def test_the_last_interrupt_traceback_in_a_ranks_last_lines() -> None:
-    tail = ["step 3", *FAILED, "step 4", *[f"[rank0]: {line}" for line in INTERRUPTED]]
-    found = last_interrupt_traceback(tail)
-    assert found is not None and innermost_user_frame(found) == "train.py:42 (model = DDP(model))"
-    assert last_interrupt_traceback(["step 3", *FAILED]) is None
-    assert last_interrupt_traceback(["step 3"]) is None
 
 
 CPP_WARNING = """[W1206 05:11:34.016 TCPStore.cpp:115] [c10d] recvVector failed: Connection reset by peer

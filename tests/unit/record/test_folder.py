@@ -11,7 +11,7 @@ import pytest
 
 from multigpu.contract.errors import UsageError
 from multigpu.record import folder
-from multigpu.record.folder import claim_output
+from multigpu.record.folder import check_run_id, claim_output
 
 
 @pytest.fixture
@@ -92,3 +92,47 @@ def test_a_planted_lock_link_is_not_followed(tmp_path: Path) -> None:
     (out / ".multigpu.lock").symlink_to(victim)
     refused(out)
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("bad", ["../../x", "a/b", "..", ".", "", "tab\tid", "nl\nid", "x" * 201])
+def test_run_id_must_be_a_name(bad: str) -> None:
+    with pytest.raises(UsageError, match="--run-id"):
+        check_run_id(bad)
+
+
+def test_an_adopted_run_id_is_checked_too() -> None:
+    with pytest.raises(UsageError, match="rendezvous"):
+        check_run_id("../elsewhere", "the run id agreed at rendezvous")
+    assert check_run_id("20261203-090804-f5d6f1") == "20261203-090804-f5d6f1"
+
+
+def test_a_locked_output_folder_refuses_a_second_run(tmp_path: Path) -> None:
+    first = claim_output(tmp_path / "out", "run-one")
+    try:
+        with pytest.raises(UsageError, match=r"in use by run run-one \(launcher pid \d+\)"):
+            claim_output(tmp_path / "out", "run-two")
+        other_node = claim_output(tmp_path / "out", "run-one", node=1)  # nodes of one run share it
+        other_node.release()
+    finally:
+        first.release()
+    claim_output(tmp_path / "out", "run-two").release()  # free again once the first has ended
+    assert not list((tmp_path / "out").glob(".multigpu*.lock"))  # issue 22: no lock left after a run
+
+
+def test_a_run_that_locked_a_removed_lock_file_locks_anew(tmp_path: Path) -> None:
+    """The ending run removes its lock file while a new run may already have it open: the new run must
+    not keep a lock on the removed file (a third run would then lock a fresh one beside it)."""
+    import fcntl
+
+    folder = tmp_path / "out"
+    first = claim_output(folder, "run-one")
+    fd = os.open(folder / ".multigpu.lock", os.O_RDWR)
+    try:
+        first.release()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this fd holds the removed file's lock
+        second = claim_output(folder, "run-two")
+        with pytest.raises(UsageError, match="in use by run run-two"):
+            claim_output(folder, "run-three")
+        second.release()
+    finally:
+        os.close(fd)

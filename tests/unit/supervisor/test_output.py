@@ -5,11 +5,8 @@ per-stream files and console streams (torchrun's --log-dir / --redirects / --tee
 from __future__ import annotations
 
 import os
-import select
 import signal
-import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,16 +14,10 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments
-from multigpu.console.ranks import PrefixedConsole
-from multigpu.console.writer import ConsoleWriter
-from multigpu.contract.errors import UsageError
-from multigpu.record.folder import check_run_id, claim_output
 from multigpu.supervisor import reaping
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.output import LogFile, display_text
 from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec, WorkerState
-
-pytestmark = pytest.mark.timeout(30)
 
 
 def py(code: str) -> list[str]:
@@ -97,129 +88,7 @@ def test_log_file_counts_what_a_full_disk_lost(tmp_path: Path) -> None:
     assert log.loss() is not None and "150 byte(s) not written" in log.loss()  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("bad", ["../../x", "a/b", "..", ".", "", "tab\tid", "nl\nid", "x" * 201])
-def test_run_id_must_be_a_name(bad: str) -> None:
-    with pytest.raises(UsageError, match="--run-id"):
-        check_run_id(bad)
-
-
-def test_an_adopted_run_id_is_checked_too() -> None:
-    with pytest.raises(UsageError, match="rendezvous"):
-        check_run_id("../elsewhere", "the run id agreed at rendezvous")
-    assert check_run_id("20261203-090804-f5d6f1") == "20261203-090804-f5d6f1"
-
-
-def test_a_locked_output_folder_refuses_a_second_run(tmp_path: Path) -> None:
-    first = claim_output(tmp_path / "out", "run-one")
-    try:
-        with pytest.raises(UsageError, match=r"in use by run run-one \(launcher pid \d+\)"):
-            claim_output(tmp_path / "out", "run-two")
-        other_node = claim_output(tmp_path / "out", "run-one", node=1)  # nodes of one run share it
-        other_node.release()
-    finally:
-        first.release()
-    claim_output(tmp_path / "out", "run-two").release()  # free again once the first has ended
-    assert not list((tmp_path / "out").glob(".multigpu*.lock"))  # issue 22: no lock left after a run
-
-
-def test_a_run_that_locked_a_removed_lock_file_locks_anew(tmp_path: Path) -> None:
-    """The ending run removes its lock file while a new run may already have it open: the new run must
-    not keep a lock on the removed file (a third run would then lock a fresh one beside it)."""
-    import fcntl
-
-    folder = tmp_path / "out"
-    first = claim_output(folder, "run-one")
-    fd = os.open(folder / ".multigpu.lock", os.O_RDWR)
-    try:
-        first.release()
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # this fd holds the removed file's lock
-        second = claim_output(folder, "run-two")
-        with pytest.raises(UsageError, match="in use by run run-two"):
-            claim_output(folder, "run-three")
-        second.release()
-    finally:
-        os.close(fd)
-
-
 # ---- the console writer -------------------------------------------------------------------------------
-
-
-def test_console_writer_never_blocks_and_counts_what_it_dropped() -> None:
-    """A pipe nobody reads: put() returns at once; once read, one notice says how many were dropped."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    writer = ConsoleWriter(capacity=64 << 10, fds=(out_w, err_w))
-    try:
-        with writer:
-            t0 = time.monotonic()
-            for i in range(20000):
-                writer.put(out_w, f"line {i:05d} {'x' * 100}\n".encode())
-            took = time.monotonic() - t0
-            writer.put(err_w, b"stderr is not held back by stdout\n")
-            got = bytearray()  # stdout stays unread until stderr's line has arrived
-            deadline = time.monotonic() + 5
-            while b"not held back" not in got:
-                assert time.monotonic() < deadline, "stderr never written while stdout was stalled"
-                if select.select([err_r], [], [], 0.1)[0]:
-                    got += os.read(err_r, 65536)
-            deadline = time.monotonic() + 10
-            while b"line(s) dropped" not in got and time.monotonic() < deadline:
-                for fd in select.select([out_r, err_r], [], [], 0.1)[0]:
-                    got += os.read(fd, 1 << 20)
-        print(f"20000 puts into a stalled console took {took * 1000:.1f} ms")
-        assert b"console line(s) dropped" in got
-    finally:
-        for fd in (out_r, out_w, err_r, err_w):
-            os.close(fd)
-
-
-def test_a_console_that_goes_away_ends_only_that_stream() -> None:
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    os.close(out_r)  # `| head -1` has left
-    writer = ConsoleWriter(fds=(out_w, err_w))
-    try:
-        with writer:
-            writer.put(out_w, b"into a closed pipe\n")
-            assert select.select([err_r], [], [], 5)[0]
-            writer.put(out_w, b"more\n")
-            writer.put(err_w, b"stderr still works\n")
-            got = bytearray()
-            deadline = time.monotonic() + 5
-            while b"still works" not in got and time.monotonic() < deadline:
-                if select.select([err_r], [], [], 0.1)[0]:
-                    got += os.read(err_r, 65536)
-        assert b"is gone" in got and b"still works" in got
-        assert out_w in writer.dead
-    finally:
-        for fd in (out_w, err_r, err_w):
-            os.close(fd)
-
-
-def test_prefixed_console_redraws_a_bar_in_place_on_a_terminal() -> None:
-    class Tty(ConsoleWriter):
-        def __init__(self) -> None:
-            super().__init__(fds=(1, 2))
-            self.ttys = {1: True, 2: True}
-            self.got: list[bytes] = []
-
-        def put(self, fd: int, data: bytes, lines: int = 1) -> None:
-            self.got.append(data)
-
-    writer = Tty()
-    console = PrefixedConsole(writer=writer)
-    zero = Worker(WorkerSpec(rank=0, local_rank=0, argv=[], env={}))
-    one = Worker(WorkerSpec(rank=1, local_rank=1, argv=[], env={}))
-    console.write_partial(zero, "stderr", b"10%")
-    console.write_partial(zero, "stderr", b"20%")
-    console.write_lines(one, "stderr", [b"a line from rank 1"])
-    console.write_lines(zero, "stderr", [b"100%"])
-    assert writer.got == [
-        b"\r[rank 0] 10%\x1b[K",
-        b"\r[rank 0] 20%\x1b[K",
-        b"\r\x1b[K[rank 1] a line from rank 1\n\r[rank 0] 20%\x1b[K",  # above the bar, bar redrawn
-        b"\r\x1b[K[rank 0] 100%\n",
-    ]
 
 
 # ---- the supervisor's output ----------------------------------------------------------------------------
@@ -320,112 +189,6 @@ def test_a_rank_that_survives_sigkill_is_named_not_waited_on(
     assert any(f"rank 0 (pid {pid}) did not end" in n and "after SIGKILL" in n for n in notes), notes
     sup.workers[0].popen.wait(timeout=5)  # type: ignore[union-attr]
     assert_gone([pid])
-
-
-def test_no_console_thread_outlives_its_writer() -> None:
-    before = set(threading.enumerate())
-    fd = os.open(os.devnull, os.O_WRONLY)
-    try:
-        with ConsoleWriter(fds=(fd,)) as writer:
-            writer.put(fd, b"x\n")
-    finally:
-        os.close(fd)
-    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
-
-
-@pytest.mark.integration
-def test_ensure_std_fds_never_reuses_0_to_2(tmp_path: Path) -> None:
-    import subprocess
-
-    code = (
-        "import os, sys\nfrom multigpu.console.writer import ensure_std_fds\nensure_std_fds()\n"
-        "r, w = os.pipe()\nprint(r, w, file=open('fds.txt', 'w'))\n"
-    )
-    for closed in ("<&-", ">&-", "2>&-", "<&- >&- 2>&-"):
-        res = subprocess.run(
-            ["bash", "-c", f'exec {PYTHON} -c "$0" {closed}', code],
-            cwd=tmp_path,
-            env=clean_env(),
-            capture_output=True,
-            timeout=30,
-        )
-        assert res.returncode == 0, res.stderr
-        assert min(int(x) for x in (tmp_path / "fds.txt").read_text().split()) > 2, closed
-
-
-def test_a_console_idle_before_close_still_gets_the_last_notices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found under a full disk: the launcher's last lines came after a quiet spell longer than the stall
-    limit, and close() took the idle console for a stalled one and dropped them."""
-    from multigpu.console import writer as console
-
-    now = [100.0]
-    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
-    r, w = os.pipe()
-    try:
-        writer = ConsoleWriter(fds=(w,))
-        with writer:
-            now[0] += 10 * console.STALL_S  # nothing written for a long while; the reader is fine
-            writer.put(w, b"output lost: rank_0.log\n", keep=True)
-        assert os.read(r, 4096) == b"output lost: rank_0.log\n"
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-def test_function_mode_console_never_splices_a_child_line_into_the_callers_half_printed_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Found in CI: rank 0 (the caller) printed "REPORT {...}" while a child's line arrived; print()
-    writes the text and the newline separately, and the console's flush put the child's line between."""
-    import io
-
-    r, w = os.pipe()
-    try:
-        stdout = io.TextIOWrapper(io.FileIO(w, "w", closefd=False), write_through=False)
-        monkeypatch.setattr("sys.stdout", stdout)
-        console = PrefixedConsole()
-        child = Worker(WorkerSpec(rank=1, local_rank=1, argv=[], env={}))
-        stdout.write("REPORT {rank 0}")  # print()'s first write; its "\n" has not come yet
-        console.write_lines(child, "stdout", [b"REPORT {rank 1}"])
-        stdout.write("\n")
-        stdout.flush()
-        lines = os.read(r, 4096).decode().splitlines()
-        assert sorted(lines) == ["REPORT {rank 0}", "[rank 1] REPORT {rank 1}"]
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-@pytest.mark.parametrize("write_through", [True, False], ids=["unbuffered", "block-buffered"])
-def test_caller_lines_keep_the_callers_print_whole_when_its_stdout_is_unbuffered(
-    monkeypatch: pytest.MonkeyPatch, write_through: bool
-) -> None:
-    """Found in CI (PYTHONUNBUFFERED=1): print()'s text and newline were two writes to the descriptor,
-    and a child's line from the watcher thread landed between them. A block-buffered stream has the
-    same hole at its 8 KiB boundary. Under ``caller_lines`` only whole lines reach the descriptor."""
-    import io
-
-    from multigpu.console.caller import caller_lines
-
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    try:
-        raw = io.TextIOWrapper(io.FileIO(w, "w", closefd=False), write_through=write_through)
-        monkeypatch.setattr("sys.stdout", raw)
-        console = PrefixedConsole()
-        child = Worker(WorkerSpec(rank=1, local_rank=1, argv=[], env={}))
-        with caller_lines():
-            assert sys.stdout is not raw and sys.stdout.fileno() == w
-            sys.stdout.write("REPORT {rank 0}")  # print()'s first write
-            console.write_lines(child, "stdout", [b"REPORT {rank 1}"])
-            sys.stdout.write("\n")
-            sys.stdout.write("partial")  # no newline yet: still the caller's at the end
-        assert sys.stdout is raw
-        text = os.read(r, 4096).decode()
-        assert text == "[rank 1] REPORT {rank 1}\nREPORT {rank 0}\npartial"
-    finally:
-        os.close(r)
-        os.close(w)
 
 
 def test_a_drain_reads_a_pipe_that_never_empties_a_bounded_number_of_times(
