@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from multigpu.contract.errors import PEER_LOST_MARKERS, PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.errors import PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.failure import PEER_LOST_MARKERS
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch

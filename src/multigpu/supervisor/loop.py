@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import exits, reaping, spawning, teardown
 from multigpu.supervisor.control import answer

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.supervisor.hangs.culprit import find_culprits
 from multigpu.supervisor.hangs.lateness import StragglerWatch
 from multigpu.supervisor.hangs.learned import LEARNED_FILE, Learned

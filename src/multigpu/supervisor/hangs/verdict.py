@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.hangs.culprit import find_culprits
 from multigpu.supervisor.states import Worker
