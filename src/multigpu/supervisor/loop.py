@@ -32,7 +32,8 @@ from multigpu.supervisor import exits, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.hangs.beat_pipe import read_beats
-from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook, hang_failures
+from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
+from multigpu.supervisor.hangs.hang import hang_failures
 from multigpu.supervisor.hangs.stack_dumps import DumpRequest, flight_record
 from multigpu.supervisor.hangs.verdict import gather_verdict
 from multigpu.supervisor.outcome import Outcome
