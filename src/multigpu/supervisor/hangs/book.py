@@ -19,7 +19,8 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
   the job's store once per fate beat, ``hangs.verdict.JobProgress``) counts as much as this node's own.
 
 On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named
-(``hang.py`` words it). The book also names stragglers (``stragglers.py``), ranks slower than the others though not stuck.
+(``hang.py`` words it). The book also names stragglers (``stragglers.py``), ranks slower than the
+others though not stuck.
 """
 
 from __future__ import annotations
