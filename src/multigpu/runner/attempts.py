@@ -167,7 +167,6 @@ def run_attempts(run: Run) -> int:
         config.preflight_mode,
         env,
         record,
-        say,
         every_round=is_elastic(config),
         auto=config.rdzv.preflight == "auto",
     )
