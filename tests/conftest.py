@@ -98,6 +98,18 @@ def hygiene(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail("test hygiene: " + "; ".join(problems), pytrace=False)
 
 
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that shows no GPU, whatever this one has: discovery (NVML, then ``/proc``) finds none
+    and no ``CUDA_VISIBLE_DEVICES`` is set. Runs in the test's process; a test that needs GPUs fakes
+    them after this (``monkeypatch.setattr(devices, "_nvml_gpus", ...)``)."""
+    from multigpu.cluster import devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
+    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+
+
 @pytest.fixture(autouse=True)
 def run_records_follow_the_schema(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every run record a test's launcher wrote under its ``tmp_path`` is valid against

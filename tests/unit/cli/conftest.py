@@ -12,10 +12,8 @@ from multigpu.cluster.devices import GPUInfo
 
 
 @pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def gpu_less(no_gpu: None) -> None:
     """Deterministic discovery: this machine, or any other, looks GPU-less unless a test says otherwise."""
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
 
 
 @pytest.fixture

@@ -41,13 +41,6 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "_nvml_gpus", lambda: fake_gpus(4))
 
 
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
-
-
 # ---- parse_index_list / dedupe ------------------------------------------------------------------------
 
 

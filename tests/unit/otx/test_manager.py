@@ -19,9 +19,8 @@ def train() -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+def outside_any_launcher(no_gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU, and no launcher's or torchrun's variables: the caller is a plain process."""
     for key in ("MULTIGPU_RUN_ID", "TORCHELASTIC_RUN_ID", "MULTIGPU_LAUNCHER_PID", TIMEOUT_ENV):
         monkeypatch.delenv(key, raising=False)
 

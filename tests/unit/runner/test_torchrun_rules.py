@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 
 from multigpu.cli.run_args import parse_run_args
-from multigpu.cluster import devices
 from multigpu.contract.names import AFFINITY_ENV
 from multigpu.runner.specs import AttemptContext, build_specs, worker_argv
 from multigpu.supervisor.states import WorkerSpec
 
-
-@pytest.fixture(autouse=True)
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "_nvml_gpus", lambda: None)
-    monkeypatch.setattr(devices, "_proc_gpus", lambda root=devices.PROC_GPUS: [])
+pytestmark = pytest.mark.usefixtures("no_gpu")
 
 
 def specs(argv: list[str], tmp_path: Path, cvd: str | None = None) -> list[WorkerSpec]:
