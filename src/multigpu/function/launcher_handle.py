@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from multigpu.contract.warm import Warm
+
 STOP_WAIT_S = 30.0
 """After a Ctrl-C: how long the launcher gets to stop every rank before it is killed (its ranks go too)."""
 POLL_S = 0.5
@@ -162,29 +164,26 @@ class LauncherProcess:
         self.reply = -1
 
 
-_shared: LauncherProcess | None = None
-_lock = threading.Lock()
+_shared: Warm[LauncherProcess] = Warm(LauncherProcess.retire)
+"""The warm launcher: replaced (the old one retired) when it has died."""
+
+
+def _start() -> LauncherProcess:
+    started = LauncherProcess()
+    atexit.unregister(shutdown)  # registered once, whatever the number of launchers
+    atexit.register(shutdown)
+    return started
 
 
 @contextlib.contextmanager
 def launcher() -> Iterator[LauncherProcess]:
     """The warm launcher, started if needed, held for one launch (or a launcher of its own if busy)."""
-    global _shared
-    with _lock:
-        if _shared is None or not _shared.alive():
-            if _shared is not None:
-                _shared.retire()
-            _shared = LauncherProcess()
-            atexit.unregister(shutdown)  # registered once, whatever the number of launchers
-            atexit.register(shutdown)
-        shared = _shared
+    shared = _shared.get_or_start(_start, LauncherProcess.alive)
     if shared.busy.acquire(blocking=False):
         try:
             yield shared
         finally:
-            with _lock:
-                retired = shared is not _shared  # shut down or replaced while it ran: ours to close
-            if retired:
+            if _shared.held() is not shared:  # shut down or replaced while it ran: ours to close
                 shared.close()
             shared.busy.release()
         return
@@ -197,8 +196,4 @@ def launcher() -> Iterator[LauncherProcess]:
 
 def shutdown() -> None:
     """End the warm launcher and its template (``multigpu.shutdown()``); the next launch starts anew."""
-    global _shared
-    with _lock:
-        shared, _shared = _shared, None
-    if shared is not None:
-        shared.retire()
+    _shared.close()

@@ -22,6 +22,8 @@ import socket
 import subprocess
 import sys
 
+from multigpu.contract.warm import Warm
+
 
 class NodeSentinel:
     """The launcher's handle on its sentinel process; runs in the launcher."""
@@ -67,23 +69,17 @@ class NodeSentinel:
             process.wait()
 
 
-_shared: NodeSentinel | None = None
+_shared: Warm[NodeSentinel] = Warm(NodeSentinel.close)
 
 
 def node_sentinel() -> NodeSentinel | None:
     """This launcher's sentinel, started on first use; None where it cannot start (the ranks then
     guard themselves, as before)."""
-    global _shared
-    if _shared is None:
-        try:
-            _shared = NodeSentinel()
-        except OSError:
-            return None
-    return _shared
+    try:
+        return _shared.get_or_start(NodeSentinel)
+    except OSError:
+        return None
 
 
 def close_node_sentinel() -> None:
-    global _shared
-    sentinel, _shared = _shared, None
-    if sentinel is not None:
-        sentinel.close()
+    _shared.close()

@@ -23,10 +23,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from multigpu.contract.limits import lift_open_file_limit
+from multigpu.contract.warm import Warm
 from multigpu.template.pools import held
 from multigpu.template.wire import receive, send
 
@@ -169,8 +171,10 @@ class TemplateProcess:
                 os.waitpid(self.store_pid, 0)
 
 
-_early: TemplateProcess | None = None
-_keep = False
+_early: Warm[TemplateProcess] = Warm(TemplateProcess.close)
+"""The template started early (``start_early``) or kept from the launch before (``retain``), until a
+launch adopts it (``take_early``) or nobody will (``close_early``)."""
+_keep = threading.Event()
 """Whether a template outlives its launch (``keep_warm``): only in a launcher that serves one launch
 after another; ``multigpu run``'s launcher exits after its one run."""
 
@@ -179,37 +183,32 @@ def start_early(argv: Sequence[str], environ: Mapping[str, str] = os.environ) ->
     """``multigpu run ...``: start the template now, with the launcher's environment, which the ranks
     will most likely share (its thread pools are held to one thread whatever the ranks get, so the
     worker count need not be known yet). Anything else (another command, ``--help``) starts nothing."""
-    global _early
-    if _early is not None or not argv or argv[0] != "run" or any(a in NOT_A_JOB for a in argv[1:]):
+    if not argv or argv[0] != "run" or any(a in NOT_A_JOB for a in argv[1:]):
         return
     with contextlib.suppress(OSError):
-        _early = TemplateProcess(dict(environ))
+        _early.get_or_start(lambda: TemplateProcess(dict(environ)))
 
 
 def keep_warm() -> None:
     """From now on a template whose launch went well is kept for the next launch (``retain``)."""
-    global _keep
-    _keep = True
+    _keep.set()
 
 
 def retain(template: TemplateProcess) -> bool:
     """Keep ``template`` for the next launch (``take_early`` adopts it when the environment and the
     preloads are the same; else it is ended then) if this launcher keeps templates; its launch's
     store is ended first. False: the caller ends it."""
-    global _early
-    if not _keep or _early is not None or template.process.poll() is not None:
+    if not _keep.is_set() or _early.held() is not None or template.process.poll() is not None:
         return False
     if not template.release():
         return False
-    _early = template
-    return True
+    return _early.put(template)
 
 
 def take_early(env: Mapping[str, str], python: str, preload: Sequence[str] = ()) -> TemplateProcess | None:
     """The early (or kept) template, if it was started as this node's template would be and imported
     the same modules; else None (and it is ended). Either way it is taken only once."""
-    global _early
-    early, _early = _early, None
+    early = _early.take()
     if early is None:
         return None
     same_preload = early.preload is None or early.preload == tuple(preload)
@@ -221,10 +220,7 @@ def take_early(env: Mapping[str, str], python: str, preload: Sequence[str] = ())
 
 def close_early() -> None:
     """End an early template nobody adopted (a usage error, a command that needs none)."""
-    global _early
-    early, _early = _early, None
-    if early is not None:
-        early.close()
+    _early.close()
 
 
 def _without_omp(env: Mapping[str, str]) -> dict[str, str]:

@@ -221,7 +221,7 @@ WARM = """
     time.sleep(0.5)
     out["beside"] = multigpu.launch(launcher_pid, nprocs=1, device="cpu")  # the warm one is busy
     busy.join()
-    shared = launcher_handle._shared
+    shared = launcher_handle._shared.held()
     multigpu.shutdown()
     out["after_shutdown"] = shared.process.poll()
     print("RESULT " + json.dumps(out), flush=True)

@@ -4,11 +4,13 @@ templates. Stand-ins, no processes."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
 
+from multigpu.contract.warm import Warm
 from multigpu.template import process
 from multigpu.template.process import TemplateProcess, keep_warm, retain, take_early
 
@@ -40,8 +42,8 @@ class FakeTemplate:
 
 @pytest.fixture(autouse=True)
 def slot(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(process, "_early", None)
-    monkeypatch.setattr(process, "_keep", False)
+    monkeypatch.setattr(process, "_early", Warm(TemplateProcess.close))
+    monkeypatch.setattr(process, "_keep", threading.Event())
     yield
 
 
