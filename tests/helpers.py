@@ -162,6 +162,30 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def node_args(
+    node: int | None,
+    nnodes: int | str = 2,
+    *,
+    endpoint: str | None = None,
+    master_port: int | str | None = None,
+) -> list[str]:
+    """The options that place one launcher in a job of several nodes on this machine, for a test's
+    ``multigpu run`` line: ``--nnodes``, this launcher's ``--node-rank`` (None: an elastic node, whose
+    round gives it one), and where the nodes meet: ``endpoint`` (``--rdzv-endpoint HOST:PORT``) or
+    torchrun's ``--master-addr 127.0.0.1 --master-port PORT``. An elastic ``nnodes`` (``MIN:MAX``)
+    meets through ``--rdzv-backend c10d``, the one backend for it."""
+    args = ["--nnodes", str(nnodes)]
+    if node is not None:
+        args += ["--node-rank", str(node)]
+    if ":" in str(nnodes):
+        args += ["--rdzv-backend", "c10d"]
+    if endpoint is not None:
+        args += ["--rdzv-endpoint", endpoint]
+    if master_port is not None:
+        args += ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+    return args
+
+
 def supervisor_arguments(notes: list[str], **kwargs: Any) -> dict[str, Any]:
     """``Supervisor``'s keyword arguments from flat ones (``grace_period=``, ``tick=``...), with notes."""
     from multigpu.supervisor.settings import Hooks, SupervisorOptions

@@ -24,7 +24,16 @@ from pathlib import Path
 import pytest
 from cells import FAULTS, FORBIDDEN, JOB, Fault, our_frames
 
-from helpers import MULTIGPU, PYTHON, clean_env, free_port, memory_cgroup, numpy_site, wait_for_lines
+from helpers import (
+    MULTIGPU,
+    PYTHON,
+    clean_env,
+    free_port,
+    memory_cgroup,
+    node_args,
+    numpy_site,
+    wait_for_lines,
+)
 
 MARK = "MULTIGPU_MATRIX_CELL"
 CELL_S = 90.0
@@ -97,21 +106,7 @@ class Cell:
                 pytest.skip("pip could not install numpy here")
             # after any PYTHONPATH the tests run under (a checkout's src/): NumPy joins, nothing is replaced
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(site))))
-        port = str(free_port())
-        self.layout = (
-            [
-                "--nnodes",
-                "2:2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "matrix",
-            ]
-            if mode == "elastic"
-            else ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-        )
+        self.port = free_port()
         (tmp_path / "cell.py").write_text(JOB)
         (tmp_path / "other.py").write_text(JOB + "# another script\n")
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -121,9 +116,7 @@ class Cell:
         return [
             *MULTIGPU,
             "run",
-            *self.layout,
-            "--node-rank",
-            str(node),
+            *self.layout(node),
             "--nproc-per-node",
             "1",
             "--grace-period",
@@ -136,6 +129,12 @@ class Cell:
             str(self.fault.steps),
             str(self.fault.step_s),
         ]
+
+    def layout(self, node: int) -> list[str]:
+        """Node ``node`` of two: an elastic round of exactly two (it still names its rank), or static."""
+        if self.elastic:
+            return [*node_args(node, "2:2", endpoint=f"127.0.0.1:{self.port}"), "--rdzv-id", "matrix"]
+        return node_args(node, master_port=self.port)
 
     def start(self, node: int, cgroup: Path | None = None) -> None:
         argv = self.argv(node)

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, free_port, pids_in, write_script
+from helpers import MULTIGPU, assert_gone, clean_env, free_port, node_args, pids_in, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -109,14 +109,7 @@ def two_node_args(node: int, port: int, out: Path, job: Path) -> list[str]:
         "run",
         "--cpu",
         "1",
-        "--nnodes",
-        "2",
-        "--node-rank",
-        str(node),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
+        *node_args(node, master_port=port),
         "--rdzv-timeout",
         "300",
         "--output",
@@ -171,12 +164,7 @@ def test_an_elastic_node_waiting_for_its_round_says_who_then_ctrl_c(
         "run",
         "--cpu",
         "1",
-        "--nnodes",
-        "2:2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
+        *node_args(None, "2:2", endpoint=endpoint),
         "--rdzv-conf",
         "join_timeout=300",
         "--output",

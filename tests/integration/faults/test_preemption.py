@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
+from helpers import assert_gone, free_port, node_args, pids_in, run_cli, start_cli, write_script
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP, EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(150)]
@@ -137,12 +137,7 @@ def test_a_node_that_missed_the_warning_learns_it_from_the_store(tmp_path: Path)
                 "run",
                 "--cpu",
                 "1",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--rdzv-endpoint",
-                endpoint,
+                *node_args(i, endpoint=endpoint),
                 "--grace-period",
                 "2",
                 str(script),
@@ -185,12 +180,7 @@ def test_an_elastic_job_hears_the_warning_on_every_node_and_its_store_host_reque
                     "run",
                     "--cpu",
                     "1",
-                    "--nnodes",
-                    "1:2",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    endpoint,
+                    *node_args(None, "1:2", endpoint=endpoint),
                     "--rdzv-conf",
                     "last_call_timeout=30",
                     "--grace-period",

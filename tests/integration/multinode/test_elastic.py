@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_gone, free_port, pids_in, start_cli, wait_for_lines, write_script
+from helpers import assert_gone, free_port, node_args, pids_in, start_cli, wait_for_lines, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -84,12 +84,7 @@ def node(
             "2",
             "--grace-period",
             "1",
-            "--nnodes",
-            "1:2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
+            *node_args(None, "1:2", endpoint=endpoint),
             "--rdzv-conf",
             conf,
             "--max-restarts",

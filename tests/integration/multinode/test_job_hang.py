@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_gone, finish_all, free_port, pids_in, start_cli, write_script
+from helpers import assert_gone, finish_all, free_port, node_args, pids_in, start_cli, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -70,14 +70,7 @@ def two_nodes(tmp_path: Path, script: Path, *args: str) -> list[tuple[int, str, 
         start_cli(
             [
                 "run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(n),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
+                *node_args(n, master_port=port),
                 "--nproc-per-node",
                 "1",
                 "--grace-period",

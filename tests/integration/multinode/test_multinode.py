@@ -13,6 +13,7 @@ import pytest
 from helpers import (
     assert_gone,
     free_port,
+    node_args,
     pids_in,
     run_cli,
     start_cli,
@@ -63,8 +64,8 @@ def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, 
 def test_two_launchers_form_one_2x2_job(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"
-    second = node(tmp_path, script, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint)
-    first = node(tmp_path, script, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint)
+    second = node(tmp_path, script, *node_args(1, endpoint=endpoint))
+    first = node(tmp_path, script, *node_args(0, endpoint=endpoint))
     rc0, out0, err0 = finish(first)
     rc1, out1, err1 = finish(second)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -95,30 +96,8 @@ RANK_3_FAILS_FIRST_TIME = """
 def test_max_restarts_restarts_every_node_together(tmp_path: Path) -> None:
     script = write_script(tmp_path, "fail_once.py", RANK_3_FAILS_FIRST_TIME)
     endpoint = f"127.0.0.1:{free_port()}"
-    first = node(
-        tmp_path,
-        script,
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "0",
-        "--rdzv-endpoint",
-        endpoint,
-        "--max-restarts",
-        "1",
-    )
-    second = node(
-        tmp_path,
-        script,
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--rdzv-endpoint",
-        endpoint,
-        "--max-restarts",
-        "1",
-    )
+    first = node(tmp_path, script, *node_args(0, endpoint=endpoint), "--max-restarts", "1")
+    second = node(tmp_path, script, *node_args(1, endpoint=endpoint), "--max-restarts", "1")
     rc1, out1, err1 = finish(second)
     rc0, out0, err0 = finish(first)
     assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
@@ -137,12 +116,7 @@ def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> N
             "run",
             "--cpu",
             "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "0",
-            "--rdzv-endpoint",
-            endpoint,
+            *node_args(0, endpoint=endpoint),
             "--rdzv-timeout",
             "1.5",
             "--output",
@@ -158,12 +132,7 @@ def test_peers_that_never_come_time_out_with_one_clear_line(tmp_path: Path) -> N
             "run",
             "--cpu",
             "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--rdzv-endpoint",
-            endpoint,
+            *node_args(1, endpoint=endpoint),
             "--rdzv-timeout",
             "1.5",
             "--output",
@@ -217,29 +186,13 @@ def test_nodes_that_disagree_on_the_layout_are_refused_on_both(tmp_path: Path) -
 def test_a_launcher_with_another_run_id_is_refused_and_cannot_disturb_the_job(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"127.0.0.1:{free_port()}"
-    first = node(
-        tmp_path,
-        script,
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "0",
-        "--rdzv-endpoint",
-        endpoint,
-        "--run-id",
-        "job-a",
-    )
+    first = node(tmp_path, script, *node_args(0, endpoint=endpoint), "--run-id", "job-a")
     intruder = run_cli(
         [
             "run",
             "--cpu",
             "2",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--rdzv-endpoint",
-            endpoint,
+            *node_args(1, endpoint=endpoint),
             "--run-id",
             "job-b",
             "--output",
@@ -250,18 +203,7 @@ def test_a_launcher_with_another_run_id_is_refused_and_cannot_disturb_the_job(tm
     )
     assert intruder.returncode == 1
     assert "run id 'job-b' does not match the live job's run id 'job-a'" in intruder.stderr
-    second = node(
-        tmp_path,
-        script,
-        "--nnodes",
-        "2",
-        "--node-rank",
-        "1",
-        "--rdzv-endpoint",
-        endpoint,
-        "--run-id",
-        "job-a",
-    )
+    second = node(tmp_path, script, *node_args(1, endpoint=endpoint), "--run-id", "job-a")
     rc1, out1, err1 = finish(second)
     rc0, out0, err0 = finish(first)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -348,25 +290,25 @@ def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, 
     (ns_a, dev_a, ip_a), (ns_b, dev_b, _) = two_hosts["a"], two_hosts["b"]
     job = write_script(tmp_path, "job.py", ALLREDUCE)
     endpoint = f"{ip_a}:29555"
-    common = [
-        "run",
-        "--cpu",
-        "1",
-        "--nnodes",
-        "2",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-timeout",
-        "30",
-        "--grace-period",
-        "1",
-    ]
-    first = _in_ns(
-        ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a1"), str(job)], tmp_path
-    )
-    second = _in_ns(
-        ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b1"), str(job)], tmp_path
-    )
+
+    def args(node: int, out: str, script: Path) -> list[str]:
+        layout = node_args(node, endpoint=endpoint)
+        return [
+            "run",
+            "--cpu",
+            "1",
+            *layout,
+            "--rdzv-timeout",
+            "30",
+            "--grace-period",
+            "1",
+            "--output",
+            str(tmp_path / out),
+            str(script),
+        ]
+
+    first = _in_ns(ns_a, dev_a, args(0, "a1", job), tmp_path)
+    second = _in_ns(ns_b, dev_b, args(1, "b1", job), tmp_path)
     rc0, out0, err0 = finish(first)
     rc1, out1, err1 = finish(second)
     assert (rc0, rc1) == (0, 0), err0 + err1
@@ -374,12 +316,8 @@ def test_two_hosts_in_namespaces_then_a_cut_link_ends_the_other(tmp_path: Path, 
     assert_gone(pids_in(out0 + out1))
 
     sleeper = write_script(tmp_path, "sleep.py", SLEEP)
-    first = _in_ns(
-        ns_a, dev_a, [*common, "--node-rank", "0", "--output", str(tmp_path / "a2"), str(sleeper)], tmp_path
-    )
-    second = _in_ns(
-        ns_b, dev_b, [*common, "--node-rank", "1", "--output", str(tmp_path / "b2"), str(sleeper)], tmp_path
-    )
+    first = _in_ns(ns_a, dev_a, args(0, "a2", sleeper), tmp_path)
+    second = _in_ns(ns_b, dev_b, args(1, "b2", sleeper), tmp_path)
     logs = [
         tmp_path / "a2" / "logs" / "attempt_0" / "rank_0.log",
         tmp_path / "b2" / "logs" / "attempt_0" / "rank_1.log",
@@ -475,34 +413,11 @@ def test_the_same_node_started_twice_is_refused(tmp_path: Path) -> None:
     script = write_script(tmp_path, "job.py", HELD)
     endpoint = f"127.0.0.1:{free_port()}"
     first, second = (
-        node(
-            tmp_path,
-            script,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-timeout",
-            "20",
-        )
-        for rank in ("0", "1")
+        node(tmp_path, script, *node_args(rank, endpoint=endpoint), "--rdzv-timeout", "20") for rank in (0, 1)
     )
     try:
         ready = wait_for_lines(tmp_path / "ready.txt", r"pid=(\d+)", 4, timeout=60)
-        again = node(
-            tmp_path,
-            script,
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-timeout",
-            "20",
-        )
+        again = node(tmp_path, script, *node_args(1, endpoint=endpoint), "--rdzv-timeout", "20")
         rc, _, err = finish(again)
     finally:
         (tmp_path / "release").touch()
@@ -562,15 +477,14 @@ def test_nodes_with_a_different_torch_or_layout_are_refused_on_every_node(
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.12.0\n")
     endpoint = f"127.0.0.1:{free_port()}"
-    common = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30")
     nodes = [
-        node(tmp_path, script, *common, "--node-rank", "0"),
+        node(tmp_path, script, *node_args(0, endpoint=endpoint), "--rdzv-timeout", "30"),
         node(
             tmp_path,
             script,
-            *common,
-            "--node-rank",
-            "1",
+            *node_args(1, endpoint=endpoint),
+            "--rdzv-timeout",
+            "30",
             *(["--cpu", "1"] if difference == "nproc" else []),
             env={"PYTHONPATH": str(other)} if difference == "torch" else None,
         ),
@@ -606,8 +520,10 @@ def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_pa
 
     def both_nodes(*extra: str) -> list[tuple[int, str, str]]:
         endpoint = f"127.0.0.1:{free_port()}"
-        args = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-timeout", "30", *extra)
-        nodes = [node(tmp_path, scripts[r], *args, "--node-rank", str(r)) for r in (0, 1)]
+        nodes = [
+            node(tmp_path, scripts[r], *node_args(r, endpoint=endpoint), "--rdzv-timeout", "30", *extra)
+            for r in (0, 1)
+        ]
         return [finish(p) for p in nodes]
 
     for rc, out, err in both_nodes():

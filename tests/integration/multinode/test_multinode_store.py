@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MULTIGPU, PYTHON, assert_gone, clean_env, free_port, pids_in, write_script
+from helpers import MULTIGPU, PYTHON, assert_gone, clean_env, free_port, node_args, pids_in, write_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -72,14 +72,7 @@ def launcher(
 ) -> subprocess.Popen[str]:
     args = [
         "run",
-        "--nnodes",
-        str(nnodes),
-        "--node-rank",
-        str(rank),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
+        *node_args(rank, nnodes, master_port=port),
         "--nproc-per-node",
         "1",
         "--grace-period",

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, free_port, pids_in, run_cli, start_cli, write_script
+from helpers import (
+    MULTIGPU,
+    assert_gone,
+    clean_env,
+    free_port,
+    node_args,
+    pids_in,
+    run_cli,
+    start_cli,
+    write_script,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -46,12 +56,7 @@ def store_process(port: int, tmp_path: Path) -> subprocess.Popen[str]:
 
 def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "30") -> subprocess.Popen[str]:
     layout = [
-        "--nnodes",
-        "2:3",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        *node_args(None, "2:3", endpoint=f"127.0.0.1:{port}"),
         "--rdzv-conf",
         "is_host=false,last_call_timeout=1",
         "--rdzv-id",
