@@ -24,12 +24,18 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from multigpu.console.writer import Console
+from typing import Protocol, TypeVar
 
 PACKAGE = logging.getLogger("multigpu")
+
+
+class Saying(Protocol):
+    """What a run's lines go through: ``writer.Console`` (which imports this module)."""
+
+    def say(self, message: str) -> None: ...
+
+
+C = TypeVar("C", bound=Saying)
 
 
 def line_on_stderr(message: str) -> None:
@@ -45,7 +51,7 @@ class _RunLines(logging.Handler):
 
     shows_launcher_lines = True  # a mark, not a class: a reloaded module's classes are new ones
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Saying) -> None:
         super().__init__()
         self.console = console
 
@@ -83,7 +89,7 @@ def _shown_elsewhere(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def lines_through(console: Console) -> Iterator[Console]:
+def lines_through(console: C) -> Iterator[C]:
     """For the block's duration, every launcher line goes through ``console`` (one ``multigpu run``);
     the stand-in is silent meanwhile. The handler is removed however the block ends."""
     handler = _RunLines(console)
