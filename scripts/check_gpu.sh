@@ -157,16 +157,17 @@ check launch_after_cuda 120 bash -c "'$PY' '$WORK/launch_after_cuda.py' | tee /d
 # formed over a c10d store through its prefix (one node: NCCL refuses two ranks on one GPU), as a
 # template-less node runs it (python -m multigpu.preflight).
 cat >"$WORK/preflight_gpu.py" <<'PY'
-import json, os, subprocess, sys
+import os, subprocess, sys
 from datetime import timedelta
 from torch.distributed import TCPStore
-from multigpu.preflight.check import Task
+from multigpu.contract.preflight_wire import PreflightResult, PreflightTask
 store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-task = Task("127.0.0.1", store.port, "multigpu/gpu/preflight/0/", 0, 1, "cuda:0", 60.0, os.getpid())
-done = subprocess.run([sys.executable, "-m", "multigpu.preflight", task.to_argv()], capture_output=True,
+task = PreflightTask("127.0.0.1", store.port, "multigpu/gpu/preflight/0/", 0, 1, "cuda:0", 60.0, os.getpid())
+done = subprocess.run([sys.executable, "-m", "multigpu.preflight", task.encode()], capture_output=True,
                       text=True, timeout=150)
 assert done.returncode == 0, done.stderr
-[(gflops, gbps)] = json.loads(done.stdout)["figures"]
+[figures] = PreflightResult.decode(done.stdout).figures
+gflops, gbps = figures.matmul_gflops, figures.all_reduce_gbps
 assert gflops > 1000 and gbps > 0, (gflops, gbps)
 print(f"preflight on cuda:0 ok: matmul {gflops:.0f} GFLOP/s, nccl all_reduce {gbps:.2f} GB/s")
 PY

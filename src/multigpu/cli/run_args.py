@@ -22,7 +22,14 @@ from multigpu.cli.options import DeviceChoice, RunOptions
 from multigpu.cli.preemption_flags import apply_preemption_options
 from multigpu.cli.run_parser import run_parser, split_run_argv
 from multigpu.cli.torchrun import apply_rank_filters, apply_torchrun_options
-from multigpu.cluster.devices import dedupe, parse_index_list, visible_gpus
+from multigpu.cluster.devices import (
+    Devices,
+    NotVisibleError,
+    choose_devices,
+    dedupe,
+    parse_index_list,
+    visible_gpus,
+)
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import (
     HangConfig,
@@ -39,8 +46,6 @@ from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV
 from multigpu.contract.values import integer, module_names, number, seconds
 
-THRESHOLD_MEANS = " (a share of the step, 0: off)"
-
 
 def _choose_devices(
     choice: DeviceChoice, env: Mapping[str, str], torchrun_line: bool = False
@@ -54,53 +59,61 @@ def _choose_devices(
     if gpus is None and cpu is None and nproc is None and torchrun_line:
         nproc = "1"
     if cpu is not None:
-        return "cpu", integer(cpu, "--cpu", 1), (), None
-    visible = visible_gpus(env)
-    if nproc is not None:
-        return _nproc_per_node(nproc.strip().lower(), len(visible))
-    if gpus is None:
-        if not visible:
-            return "cpu", 1, (), "no GPU is visible: running 1 CPU worker (use --cpu N for more)"
-        return "cuda", len(visible), tuple(g.index for g in visible), None
-    if gpus.strip().lower() == "all":
-        indices = [g.index for g in visible]
+        found = choose_devices(0, device="cpu", count=integer(cpu, "--cpu", 1))
+    elif nproc is not None:
+        found = _nproc_per_node(nproc.strip().lower(), len(visible_gpus(env)))
+    elif gpus is not None:
+        found = _gpus_option(gpus, len(visible_gpus(env)))
     else:
+        found = choose_devices(len(visible_gpus(env)), cpu_fallback=1)
+        if found.device == "cpu":
+            note = "no GPU is visible: running 1 CPU worker (use --cpu N for more)"
+            return found.device, found.count, found.gpus, note
+    return found.device, found.count, found.gpus, None
+
+
+def _gpus_option(text: str, visible: int) -> Devices:
+    """``--gpus all`` or ``--gpus 0,2``: a GPU that is not visible is refused, naming it."""
+    indices = None
+    if text.strip().lower() != "all":
         try:
-            indices = dedupe(parse_index_list(gpus, what="--gpus"), what="--gpus")
+            indices = dedupe(parse_index_list(text, what="--gpus"), what="--gpus")
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    if not visible:
-        raise UsageError("--gpus: no GPU is visible on this machine; use --cpu N for N CPU workers")
-    missing = [i for i in indices if i >= len(visible)]
-    if missing:
+    try:
+        return choose_devices(visible, gpus=indices)
+    except NotVisibleError as exc:
+        if not visible:
+            raise UsageError(
+                "--gpus: no GPU is visible on this machine; use --cpu N for N CPU workers"
+            ) from None
         raise UsageError(
-            f"--gpus: GPU {missing[0]} is not visible; {len(visible)} visible "
-            f"(indices 0-{len(visible) - 1}, see 'multigpu devices')"
-        )
-    return "cuda", len(indices), tuple(indices), None
+            f"--gpus: GPU {exc.missing[0]} is not visible; {visible} visible "
+            f"(indices 0-{visible - 1}, see 'multigpu devices')"
+        ) from None
 
 
-def _nproc_per_node(value: str, visible: int) -> tuple[Device, int, tuple[int, ...], str | None]:
+def _nproc_per_node(value: str, visible: int) -> Devices:
     """torchrun's ``--nproc-per-node``: local rank i uses visible GPU i, as ``set_device(LOCAL_RANK)``."""
     if value == "cpu" or (value == "auto" and not visible):
-        return "cpu", usable_cpu_count(), (), None
+        return choose_devices(visible, device="cpu", count=usable_cpu_count())
     if value in ("gpu", "auto"):
-        if not visible:
-            raise UsageError("--nproc-per-node gpu: no GPU is visible; use a number or cpu")
-        return "cuda", visible, tuple(range(visible)), None
+        try:
+            return choose_devices(visible)
+        except NotVisibleError:
+            raise UsageError("--nproc-per-node gpu: no GPU is visible; use a number or cpu") from None
     if value == "xpu":
         raise UsageError("--nproc-per-node xpu: XPU devices are not supported; use a number, gpu or cpu")
     if not value.isdigit():
         raise UsageError(f"--nproc-per-node must be a number, auto, gpu or cpu, got {value!r}")
     count = integer(value, "--nproc-per-node", 1)
-    if not visible:
-        return "cpu", count, (), None
-    if count > visible:
+    try:
+        return choose_devices(visible, count=count, cpu_fallback=count)
+    except NotVisibleError:
         raise UsageError(
             f"--nproc-per-node {count}: only {visible} GPU(s) visible, and rank i uses GPU i; "
             f"use --cpu {count} for CPU workers"
-        )
-    return "cuda", count, tuple(range(count)), None
+        ) from None
 
 
 def _module_exists(name: str) -> bool:

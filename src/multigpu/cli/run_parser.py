@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from multigpu.cli import options
+from multigpu.cli.option_table import Option
 from multigpu.config.run import HangConfig, RendezvousConfig, StartConfig, SupervisionConfig
 from multigpu.contract.errors import UsageError
 
@@ -66,6 +67,46 @@ def _default_text(name: str) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+EVERYDAY = (
+    "cpu",
+    "gpus",
+    "nproc_per_node",
+    "module",
+    "output",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "max_restarts",
+    "hang_timeout",
+)
+"""The options ``--help`` lists first, in this order: what a new user reaches for (ours and torchrun's)."""
+
+KNOBS = (
+    "run_id",
+    "rdzv_timeout",
+    "no_preflight",
+    "grace_period",
+    "hang_factor",
+    "hang_floor",
+    "straggler_threshold",
+)
+"""Our options ``--help`` lists after the rest of ours: another name for a setting, or a tuning knob."""
+
+TORCHRUN_TITLE = "torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)"
+
+
+def help_groups() -> tuple[tuple[str, tuple[Option, ...]], ...]:
+    """``--help``'s groups, in order: every option in exactly one, each group in the table's order."""
+    by_dest = {opt.dest: opt for opt in options.ALL}
+    first = (*EVERYDAY, *KNOBS)
+    return (
+        ("everyday options", tuple(by_dest[dest] for dest in EVERYDAY)),
+        ("multigpu options", tuple(opt for opt in options.OURS if opt.dest not in first)),
+        ("multigpu aliases and tuning knobs", tuple(by_dest[dest] for dest in KNOBS)),
+        (TORCHRUN_TITLE, tuple(opt for opt in options.TORCHRUN if opt.dest not in first)),
+    )
+
+
 def run_parser() -> Parser:
     parser = RunParser(
         prog="multigpu run",
@@ -78,14 +119,7 @@ def run_parser() -> Parser:
         allow_abbrev=False,  # split_argv knows only full flags: '--out DIR' must not eat DIR
     )
     defaults = {k: _default_text(k) for k in HELP_DEFAULTS}
-    groups = (
-        ("multigpu options", options.OURS),
-        (
-            "torchrun options (torch 2.13; dashes or underscores, --opt=value or --opt value)",
-            options.TORCHRUN,
-        ),
-    )
-    for title, table in groups:
+    for title, table in help_groups():
         group = parser.add_argument_group(title)
         for opt in table:
             text = opt.help.format(**defaults).replace("%", "%%")

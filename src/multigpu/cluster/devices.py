@@ -2,6 +2,9 @@
 
 NVML (``nvidia-ml-py``) is asked first, then the driver's ``/proc/driver/nvidia/gpus``. Indices the user
 types are *visible* indices: positions in ``CUDA_VISIBLE_DEVICES`` when it is set, as in CUDA itself.
+``choose_devices`` is the one answer to "which device, how many workers, which GPUs" for ``multigpu
+run``, ``multigpu.launch`` and OTX's manager; each caller words its own errors. Runs in the launcher
+(or the caller, in function mode).
 """
 
 from __future__ import annotations
@@ -9,11 +12,20 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal, cast, get_args
+
+from multigpu.contract.environment import Device
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
+
+Wish = Literal["auto", "cuda", "cpu"]
+"""The device a caller asks for: ``auto`` is the GPUs when any is visible, else the CPU fallback."""
+NotVisiblePolicy = Literal["refuse", "drop"]
+"""What an asked-for GPU that is not visible does: refuse the whole request (``multigpu run``,
+``multigpu.launch``), or drop that GPU and keep the rest (OTX's ``get_gpu_ids`` and manager)."""
 
 
 @dataclass(frozen=True)
@@ -159,21 +171,85 @@ def dedupe(indices: list[int], *, what: str = "gpus") -> list[int]:
     return seen
 
 
+@dataclass(frozen=True)
+class Devices:
+    """``choose_devices``'s answer: the workers' device, how many, and the GPU each uses."""
+
+    device: Device
+    count: int
+    """Local workers."""
+    gpus: tuple[int, ...] = ()
+    """Visible GPU index of worker i (empty on the CPU)."""
+    dropped: tuple[int, ...] = ()
+    """Asked-for GPUs that are not visible, left out under the ``drop`` policy."""
+
+
+class NotVisibleError(ValueError):
+    """Asked-for GPUs are not visible (``missing``; with ``visible`` 0, none is). Callers reword it."""
+
+    def __init__(self, missing: tuple[int, ...], visible: int) -> None:
+        super().__init__(f"GPU indices {list(missing)} are not visible ({visible} visible)")
+        self.missing, self.visible = missing, visible
+
+
+def choose_devices(
+    visible: int,
+    *,
+    device: Wish = "auto",
+    gpus: Sequence[int] | None = None,
+    count: int | None = None,
+    cpu_fallback: int | None = None,
+    missing: NotVisiblePolicy = "refuse",
+) -> Devices:
+    """The workers for ``visible`` GPUs (visible indices are ``0..visible-1``, as CUDA numbers them).
+
+    Asked by ``gpus`` (those indices), by ``count`` (the first ``count`` GPUs: local rank i uses GPU i)
+    or by neither (every visible GPU). ``device="cpu"`` is ``count`` CPU workers; ``"auto"`` with no GPU
+    visible is ``cpu_fallback`` CPU workers when one is given. A GPU that is not visible, or no GPU at
+    all, raises ``NotVisibleError`` under ``refuse`` and is left out under ``drop``. Pure: discovery
+    (``visible_gpus``) is the caller's, so no CUDA context and tests that need no GPU.
+    """
+    if device == "cpu":
+        return Devices("cpu", count if count is not None else len(gpus or ()))
+    if device == "auto" and not visible and cpu_fallback is not None:
+        return Devices("cpu", cpu_fallback)
+    wanted = tuple(gpus) if gpus is not None else tuple(range(visible if count is None else count))
+    absent = tuple(i for i in wanted if i >= visible)
+    if missing == "refuse" and (absent or not visible):
+        raise NotVisibleError(absent, visible)
+    kept = tuple(i for i in wanted if i < visible)
+    return Devices("cuda", len(kept), kept, absent)
+
+
+def device_wish(device: str) -> Wish:
+    """``device=`` of ``multigpu.launch`` and the manager, checked (a ValueError names a wrong one)."""
+    if device in get_args(Wish):
+        return cast(Wish, device)
+    raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+
+
+def keep_visible(requested: list[int], visible: int) -> list[int]:
+    """OTX's policy: the requested GPUs that are visible, the others dropped with one warning (and ``[]``
+    with a warning when no GPU is). The warning names the line that called ``get_gpu_ids`` or built
+    the manager."""
+    found = choose_devices(visible, device="cuda", gpus=requested, missing="drop")
+    if not visible:
+        warnings.warn("no GPU is visible; get_gpu_ids returns []", stacklevel=3)
+    elif found.dropped:
+        warnings.warn(
+            f"GPU indices {list(found.dropped)} are not visible ({visible} visible); dropped them",
+            stacklevel=3,
+        )
+    return list(found.gpus)
+
+
 def get_gpu_ids(gpus: str) -> list[int]:
     """Visible GPU indices from a ``--gpus`` string: validated, deduplicated, order kept.
 
     Indices past the visible count are dropped with one warning; with no GPU at all the answer is ``[]``.
     Never creates a CUDA context, so workers can still be forked afterwards.
     """
-    requested = dedupe(parse_index_list(gpus))
-    count = len(visible_gpus())
-    if count == 0:
-        warnings.warn("no GPU is visible; get_gpu_ids returns []", stacklevel=2)
-        return []
-    missing = [i for i in requested if i >= count]
-    if missing:
-        warnings.warn(f"GPU indices {missing} are not visible ({count} visible); dropped them", stacklevel=2)
-    return [i for i in requested if i < count]
+    return keep_visible(dedupe(parse_index_list(gpus)), len(visible_gpus()))
 
 
 def cuda_visible_devices_for(chosen: list[int], visible: list[GPUInfo]) -> str:

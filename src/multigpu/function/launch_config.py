@@ -2,8 +2,9 @@
 
 Runs in the caller. ``options`` are ``multigpu run``'s settings by their Python names; each maps to the
 one field of ``RunConfig`` that holds it, so its default and meaning are written once, in
-``config/run.py``. The devices are resolved here: ``nprocs=None`` means every visible GPU, and a machine
-without one gets a one-line error asking for ``nprocs``.
+``config/run.py``. The devices are chosen by ``cluster/devices.choose_devices`` and worded here:
+``nprocs=None`` means every visible GPU, and a machine without one gets a one-line error asking for
+``nprocs``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from multigpu.cluster.devices import parse_index_list, visible_gpus
+from multigpu.cluster.devices import (
+    NotVisibleError,
+    choose_devices,
+    device_wish,
+    parse_index_list,
+    visible_gpus,
+)
 from multigpu.config.run import OutputConfig, RunConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
@@ -95,22 +102,20 @@ def resolve_devices(
     nprocs: int | None, device: str, env: Mapping[str, str]
 ) -> tuple[Device, int, tuple[int, ...]]:
     """(device, rank count, GPU indices) for ``nprocs`` ranks on ``device`` ("auto", "cuda" or "cpu")."""
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    wished = device_wish(device)
     if nprocs is not None and (not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1):
         raise ValueError(f"nprocs must be a positive integer, got {nprocs!r}")
-    gpus = [] if device == "cpu" else [g.index for g in visible_gpus(env)]
-    if device == "cpu" or (device == "auto" and not gpus):
-        if nprocs is None:
-            raise UsageError("multigpu.launch: no GPU is visible here; pass nprocs=N to run N CPU ranks")
-        return "cpu", nprocs, ()
-    count = len(gpus) if nprocs is None else nprocs
-    if not gpus or count > len(gpus):
+    visible = 0 if wished == "cpu" else len(visible_gpus(env))
+    if nprocs is None and (wished == "cpu" or (wished == "auto" and not visible)):
+        raise UsageError("multigpu.launch: no GPU is visible here; pass nprocs=N to run N CPU ranks")
+    try:
+        found = choose_devices(visible, device=wished, count=nprocs, cpu_fallback=nprocs)
+    except NotVisibleError:
         raise UsageError(
-            f"multigpu.launch: {count} GPU rank(s) asked for, {len(gpus)} GPU(s) visible; "
-            "pass a smaller nprocs, or device='cpu'"
-        )
-    return "cuda", count, tuple(gpus[:count])
+            f"multigpu.launch: {visible if nprocs is None else nprocs} GPU rank(s) asked for, "
+            f"{visible} GPU(s) visible; pass a smaller nprocs, or device='cpu'"
+        ) from None
+    return found.device, found.count, found.gpus
 
 
 def launch_config(

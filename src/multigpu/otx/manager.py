@@ -22,7 +22,7 @@ from datetime import datetime
 from types import FrameType
 from typing import Any
 
-from multigpu.cluster.devices import dedupe, get_gpu_ids, parse_index_list
+from multigpu.cluster.devices import dedupe, device_wish, keep_visible, parse_index_list, visible_gpus
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import SupervisionConfig
 from multigpu.console.caller import caller_lines
@@ -32,6 +32,7 @@ from multigpu.contract.names import LAUNCHER_PID_ENV
 from multigpu.otx import prepare as fm
 from multigpu.otx.interrupt_caller import FailureDelivery, abort_collectives, hook_collective_errors
 from multigpu.otx.rank_setup import (
+    Member,
     become_rank_environ,
     child_entry,
     join_group,
@@ -57,7 +58,7 @@ class MultiGPUManager:
     slots and the backend is gloo.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913, RUF100 - OTX's public signature (seed API), plus three keyword-only options
         self,
         train_func: Callable[..., Any],
         gpu_ids: str,
@@ -72,14 +73,14 @@ class MultiGPUManager:
     ) -> None:
         if not callable(train_func):
             raise ValueError(f"train_func must be callable, got {train_func!r}")
-        if device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+        wished = device_wish(device)
         requested = dedupe(parse_index_list(gpu_ids), what="gpu_ids")
-        self._device: Device = "cpu" if device == "cpu" else "cuda"
-        self._gpu_ids = requested if device == "cpu" else get_gpu_ids(gpu_ids)
+        self._device: Device = "cpu" if wished == "cpu" else "cuda"
+        # CPU: the ids name worker slots. GPUs: OTX's policy, one not visible is dropped with a warning.
+        self._gpu_ids = requested if wished == "cpu" else keep_visible(requested, len(visible_gpus()))
         self._endpoint = parse_endpoint(rdzv_endpoint)
-        self._world_size = fm.check_layout(
-            self._endpoint, rdzv_endpoint, base_rank, world_size, len(requested)
+        self._world_size = fm.check_layout(  # the local count is the workers that will start
+            self._endpoint, rdzv_endpoint, base_rank, world_size, len(self._gpu_ids)
         )
         self._train_func, self._base_rank = train_func, base_rank
         self._start_time, self._timeout, self._grace_period = start_time, timeout, grace_period
@@ -162,10 +163,10 @@ class MultiGPUManager:
         rdzv_endpoint: str, rank: int, local_rank: int, gpu_ids: list[int], world_size: int
     ) -> bool:
         """Set this process's rank environment, pick its device, and init the default process group."""
-        return join_group(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
+        return join_group(rdzv_endpoint, Member(rank, local_rank, gpu_ids, world_size))
 
     @staticmethod
-    def run_child_process(
+    def run_child_process(  # noqa: PLR0913, RUF100 - OTX's public signature (seed API)
         train_func: Callable[..., Any],
         output_path: str,
         rdzv_endpoint: str,
@@ -176,7 +177,7 @@ class MultiGPUManager:
     ) -> None:
         """What each spawned rank runs: fix its argv the OTX way, join the group, call ``train_func``."""
         MultiGPUManager.check_parent_processes_alive()
-        run_child(train_func, output_path, rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
+        run_child(train_func, output_path, rdzv_endpoint, Member(rank, local_rank, gpu_ids, world_size))
 
     # ---- setup: each step registers its undo ---------------------------------------------------------
 
@@ -199,18 +200,7 @@ class MultiGPUManager:
             undo.callback(setattr, self, "_store", None)
         endpoint = format_endpoint(rdzv.master_addr, rdzv.master_port)
         out = prepared.output_dir
-        fm.write_inputs(
-            prepared,
-            child_entry,
-            (
-                MultiGPUManager.run_child_process,
-                self._train_func,
-                str(out),
-                endpoint,
-                self._gpu_ids,
-                self._world_size,
-            ),
-        )
+        self._write_payload(prepared, endpoint)
         specs = build_specs(
             config, AttemptContext(rdzv.run_id, out, 0, rdzv.master_addr, rdzv.master_port), os.environ
         )
@@ -225,12 +215,23 @@ class MultiGPUManager:
         self._children.start(specs, undo)
         atexit.register(self._close_at_exit)
         undo.callback(atexit.unregister, self._close_at_exit)
-        group = join_group(
-            endpoint, self._base_rank, 0, self._gpu_ids, self._world_size, failed=lambda: self._delivery.error
-        )
+        me = Member(self._base_rank, 0, self._gpu_ids, self._world_size)
+        group = join_group(endpoint, me, failed=lambda: self._delivery.error)
         if group:
             undo.callback(_destroy_group)
             undo.callback(self._children.stop)  # runs first: no group teardown while children run
+
+    def _write_payload(self, prepared: fm.Prepared, endpoint: str) -> None:
+        """What every child loads: ``child_entry`` and its arguments (each child reads its own rank)."""
+        entry_args = (
+            MultiGPUManager.run_child_process,
+            self._train_func,
+            str(prepared.output_dir),
+            endpoint,
+            self._gpu_ids,
+            self._world_size,
+        )
+        fm.write_inputs(prepared, child_entry, entry_args)
 
     def _install_handlers(self, undo: contextlib.ExitStack) -> None:
         self._previous_excepthook = sys.excepthook

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -80,28 +81,31 @@ def restore_environ(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
+@dataclass(frozen=True)
+class Member:
+    """Where a process sits in the job: OTX's ``rank``, ``local_rank``, ``gpu_ids`` and ``world_size``."""
+
+    rank: int
+    local_rank: int
+    gpu_ids: list[int]
+    """The node's GPUs (or CPU slots); local rank i uses ``gpu_ids[i]``."""
+    world_size: int
+
+
 def join_group(
-    rdzv_endpoint: str,
-    rank: int,
-    local_rank: int,
-    gpu_ids: list[int],
-    world_size: int,
-    failed: Callable[[], BaseException | None] | None = None,
+    rdzv_endpoint: str, member: Member, failed: Callable[[], BaseException | None] | None = None
 ) -> bool:
     """Set this process's rank environment, pick its device, and init the default process group.
 
-    Every rank first counts itself in through the store (``wait_for_every_rank``). The caller (it
-    passes ``failed``, which names a child's failure) then creates a gloo group with a short connect
-    timeout (``CONNECT_TIMEOUT_S``), so a child that dies inside its own ``init_process_group`` cannot
-    keep the caller there for the whole process-group timeout. Returns True when it created the group
-    (False when one already existed).
+    Returns True when it created the group (False when one already existed); ``failed`` is the
+    caller's, naming a child's failure (see ``_init_group``).
     """
     endpoint = parse_endpoint(rdzv_endpoint)
     import torch
     import torch.distributed as dist
 
     device = device_named(os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu"))
-    placement = RankPlacement.on_node(rank, local_rank, world_size, len(gpu_ids))
+    placement = RankPlacement.on_node(member.rank, member.local_rank, member.world_size, len(member.gpu_ids))
     job = JobContext(
         master_addr=endpoint.bind_host,
         master_port=endpoint.port,
@@ -111,14 +115,28 @@ def join_group(
     )
     os.environ.update(rank_env(placement, job))  # the one place: this process becomes the rank
     if device == "cuda":
-        torch.cuda.set_device(gpu_ids[local_rank])
+        torch.cuda.set_device(member.gpu_ids[member.local_rank])
     if dist.is_initialized():
         return False
+    _init_group(job, member.world_size, failed)
+    return True
+
+
+def _init_group(job: JobContext, world_size: int, failed: Callable[[], BaseException | None] | None) -> None:
+    """The default process group, through the job's store at ``job.master_addr:master_port``.
+
+    Every rank first counts itself in through the store (``wait_for_every_rank``). The caller (it
+    passes ``failed``) then creates a gloo group with a short connect timeout (``CONNECT_TIMEOUT_S``),
+    so a child that dies inside its own ``init_process_group`` cannot keep the caller there for the
+    whole process-group timeout.
+    """
+    import torch.distributed as dist
+
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    bounded = failed is not None and device != "cuda"
+    bounded = failed is not None and job.device != "cuda"
     try:
-        with GROUP_SOCKETS.recording(store_port=endpoint.port):
-            store = connect_store(endpoint.bind_host, endpoint.port, timeout.total_seconds())
+        with GROUP_SOCKETS.recording(store_port=job.master_port):
+            store = connect_store(job.master_addr, job.master_port, timeout.total_seconds())
             wait_for_every_rank(
                 store,
                 f"multigpu/joined/{job.run_id}",
@@ -127,7 +145,7 @@ def join_group(
                 failed or (lambda: None),
             )
             dist.init_process_group(
-                "nccl" if device == "cuda" else "gloo",
+                "nccl" if job.device == "cuda" else "gloo",
                 timeout=timedelta(seconds=CONNECT_TIMEOUT_S) if bounded else timeout,
             )
         if bounded:  # the connect phase is over: collectives and the store get the full timeout again
@@ -140,24 +158,15 @@ def join_group(
             # world resets it; with no world to destroy, reset it the same way.
             dist.distributed_c10d._world.group_count = 0
         raise
-    return True
 
 
-def run_child(
-    train_func: Callable[..., Any],
-    output_path: str,
-    rdzv_endpoint: str,
-    rank: int,
-    local_rank: int,
-    gpu_ids: list[int],
-    world_size: int,
-) -> None:
+def run_child(train_func: Callable[..., Any], output_path: str, rdzv_endpoint: str, member: Member) -> None:
     """What each spawned rank runs: fix its argv the OTX way, join the group, call ``train_func``."""
     sys.argv = remove_option(sys.argv, "--gpus")
     sys.argv = remove_option(sys.argv, "--enable-hpo", takes_value=False)
     set_arguments_to_argv(["--output", "-o"], output_path)
     set_arguments_to_argv("--rdzv-endpoint", rdzv_endpoint)
-    join_group(rdzv_endpoint, rank, local_rank, gpu_ids, world_size)
+    join_group(rdzv_endpoint, member)
     train_func()
     import torch.distributed as dist
 

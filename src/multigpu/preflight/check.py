@@ -10,16 +10,14 @@ stderr and exit 1, and the launcher handles it as any failure before the ranks s
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
 
 from multigpu.contract.prctl import set_pdeathsig
+from multigpu.contract.preflight_wire import Figures, PreflightResult, PreflightTask
 from multigpu.rendezvous.store import connect_store
 
 COMPUTE_S = 0.5
@@ -29,31 +27,6 @@ MATMUL_N = {"cpu": 256, "cuda": 4096}
 ALL_REDUCE_BYTES = 4 << 20
 ALL_REDUCE_ROUNDS = 3
 """Timed all_reduce calls of ``ALL_REDUCE_BYTES``, after one untimed (the connections' set-up)."""
-
-
-@dataclass(frozen=True)
-class Task:
-    """What the launcher asks of its node's check (one JSON argument)."""
-
-    host: str
-    port: int
-    """The job's c10d store."""
-    prefix: str
-    """The check's keys in it (``multigpu/<run id>/preflight/<round>/``)."""
-    node: int
-    nodes: int
-    device: str
-    """``cpu`` or ``cuda:<i>``."""
-    timeout_s: float
-    launcher: int
-    """The launcher's pid: the check ends with it."""
-
-    def to_argv(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_argv(cls, text: str) -> Task:
-        return cls(**json.loads(text))
 
 
 def synchronize(device: str) -> None:
@@ -97,7 +70,7 @@ def all_reduce_gbps(device: str, rounds: int = ALL_REDUCE_ROUNDS) -> float:
     return ALL_REDUCE_BYTES * rounds / (time.perf_counter() - start) / 1e9
 
 
-def join_group(task: Task) -> None:
+def join_group(task: PreflightTask) -> None:
     """The nodes' own process group, on the job's store under the check's prefix."""
     import torch
     import torch.distributed as dist
@@ -117,7 +90,7 @@ def join_group(task: Task) -> None:
     )
 
 
-def gather(task: Task, figures: list[float]) -> list[list[float]]:
+def gather(task: PreflightTask, figures: list[float]) -> list[list[float]]:
     """Every node's figures, by node rank (an all_gather of a small tensor)."""
     import torch
     import torch.distributed as dist
@@ -128,7 +101,7 @@ def gather(task: Task, figures: list[float]) -> list[list[float]]:
     return [[float(x) for x in row.tolist()] for row in every]
 
 
-def run(task: Task) -> dict[str, Any]:
+def run(task: PreflightTask) -> PreflightResult:
     """The check itself: this node's matmul, then the group's all_reduce, then everyone's figures."""
     import torch.distributed as dist
 
@@ -140,17 +113,17 @@ def run(task: Task) -> dict[str, Any]:
         rows = gather(task, [gflops, gbps])
     finally:
         dist.destroy_process_group()
-    return {"figures": rows, "seconds": time.perf_counter() - started}
+    return PreflightResult(tuple(Figures(*row) for row in rows), time.perf_counter() - started)
 
 
 def main(argv: list[str]) -> int:
-    """Run the check of ``argv[0]`` (a ``Task``); its result on stdout, or one line on stderr."""
+    """Run the check of ``argv[0]`` (a ``PreflightTask``); its result on stdout, or one line on stderr."""
     try:
-        task = Task.from_argv(argv[0])
+        task = PreflightTask.decode(argv[0])
         set_pdeathsig(signal.SIGKILL)
         if os.getppid() != task.launcher:  # the launcher is gone already (or this is not its child)
             return 1
-        print(json.dumps(run(task)), flush=True)
+        print(run(task).encode(), flush=True)
         return 0
     except Exception as exc:  # one line for the launcher: it names the node and the cause
         first = (str(exc).strip().splitlines() or [""])[0]

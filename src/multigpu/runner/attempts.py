@@ -147,7 +147,6 @@ def run_attempts(run: Run) -> int:
         config.preflight_mode,
         env,
         record,
-        run.console.say,
         every_round=is_elastic(config),
         auto=config.rdzv.preflight == "auto",
     )

@@ -8,44 +8,39 @@ of threads to fork. Each node's check prints every node's figures (they gathered
 launcher reaches the same verdict here, from the same numbers: a warning (``on``), or a refusal with
 ``EXIT_PREFLIGHT`` (``strict``). A check that fails (a node died during it) ends the run as a failed
 rendezvous does, with one line; its process is ended and reaped whatever happens.
+
+Here: when a meeting is checked, and what follows from the check. Its parts: the task and result on
+the wire (``contract/preflight_wire.py``), the verdict (``preflight_verdict``), the check's process
+(``preflight_child``) and the other nodes' launchers watched meanwhile (``preflight_peers``). Its lines
+go to this module's logger (the run's console).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import os
-import selectors
-import signal
-import statistics
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from multigpu.contract.errors import PEER_LOST_MARKERS, PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.preflight_wire import Figures, PreflightResult, PreflightTask
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore
-from multigpu.rendezvous.latency import BeatWatch
+from multigpu.runner import preflight_child
 from multigpu.runner.membership import Meeting
+from multigpu.runner.preflight_peers import BEAT_S, LOST_AFTER_S, START_S, NodeLost, PeerBeats
+from multigpu.runner.preflight_verdict import leavers, record_entry, slow_line, slow_nodes, verdict_lines
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
-from multigpu.supervisor.states import ProcessHandle, WorkerSpec
-from multigpu.template.client import PREFLIGHT_MODULE
+from multigpu.supervisor.states import ProcessHandle
 
-SLOW_BELOW = 0.5
-"""A node whose figure is under this share of the median of the other nodes' is slow (one threshold,
-for both figures): far outside the noise of a healthy node, well inside a throttled or shared one."""
+log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 60.0
-"""The check's own bound on every wait (its store, its peers, each collective)."""
-START_S = 30.0
-"""Added to ``CHECK_TIMEOUT_S`` for the launcher's bound: a plain check process imports torch first.
-Also how long a node may take to begin its check."""
-BEAT_S = 0.5
-LOST_AFTER_S = 10.0
-"""A node whose launcher's beats stop this long during the check is lost (``PeerBeats``)."""
+"""The check's own bound on every wait (its store, its peers, each collective); the launcher's bound
+adds ``START_S`` (``preflight_peers``): a plain check process imports torch first."""
 
 
 def one_machine(job: JobStore) -> bool:
@@ -54,180 +49,25 @@ def one_machine(job: JobStore) -> bool:
     return len(machines) == 1 and None not in machines
 
 
-@dataclass(frozen=True)
-class Figures:
-    """One node's results."""
-
-    matmul_gflops: float
-    all_reduce_gbps: float
-
-
-METRICS = (("matmul", "matmul_gflops", "GFLOP/s"), ("all_reduce", "all_reduce_gbps", "GB/s"))
-"""(what the line calls it, the field, its unit), in the line's order."""
-
-
-def others_median(figures: Sequence[Figures], node: int, field: str) -> float:
-    return statistics.median(float(getattr(f, field)) for n, f in enumerate(figures) if n != node)
-
-
-def slow_nodes(figures: Sequence[Figures]) -> list[int]:
-    """The nodes whose matmul is under ``SLOW_BELOW`` x the median of the others' (none alone).
-
-    The all_reduce figure names no node: each node times the same collective, and the time it sees
-    includes its wait for the others, so a slow node, arriving last, sees the shortest time and the
-    healthy ones the longest (two nodes here, one throttled: 1.16 GB/s on the slow node, 0.139 on the
-    healthy one). It is the job's figure (``job_all_reduce``)."""
-    if len(figures) < 2:
-        return []
-    field = "matmul_gflops"
-    return [
-        n
-        for n, mine in enumerate(figures)
-        if mine.matmul_gflops < SLOW_BELOW * others_median(figures, n, field)
-    ]
-
-
-def job_all_reduce(figures: Sequence[Figures]) -> float:
-    """The nodes' all_reduce as the job sees it: the longest any node waited for it (lowest GB/s)."""
-    return min(f.all_reduce_gbps for f in figures)
-
-
-def slow_line(figures: Sequence[Figures], node: int) -> str:
-    """``node 1 is slow: matmul 0.9 GFLOP/s (others 14.2); all_reduce 0.3 GB/s between the nodes``."""
-    mine, others = figures[node].matmul_gflops, others_median(figures, node, "matmul_gflops")
-    return (
-        f"node {node} is slow: matmul {mine:.3g} GFLOP/s (others {others:.3g}); "
-        f"all_reduce {job_all_reduce(figures):.3g} GB/s between the nodes"
+def task_for(meeting: Meeting) -> PreflightTask:
+    """What this node's check is asked: the meeting's store and layout, its keys under the round's."""
+    config, job = meeting.config, meeting.job
+    assert job is not None
+    return PreflightTask(
+        host=meeting.master_addr,
+        port=meeting.master_port,
+        prefix=job.key("preflight", meeting.attempt),
+        node=config.group_rank,
+        nodes=config.group_world_size,
+        device="cuda:0" if config.device == "cuda" else "cpu",
+        timeout_s=CHECK_TIMEOUT_S,
+        launcher=os.getpid(),
     )
 
 
-def healthy_line(figures: Sequence[Figures], seconds: float) -> str:
-    """The one line of a healthy check: the median figures and how long it took."""
-    parts = [
-        f"{name} {statistics.median(getattr(x, f) for x in figures):.3g} {unit}" for name, f, unit in METRICS
-    ]
-    return f"every node healthy ({len(figures)} nodes, {seconds:.1f}s): {', '.join(parts)} (medians)"
-
-
-def verdict_lines(figures: Sequence[Figures], seconds: float, mode: str) -> tuple[list[str], str | None]:
-    """(the console's lines, the refusal's text or None): every node comes to the same."""
-    slow = slow_nodes(figures)
-    if not slow:
-        return [f"preflight: {healthy_line(figures, seconds)}"], None
-    named = [slow_line(figures, node) for node in slow]
-    if mode == "strict":
-        return [], f"{'; '.join(named)}; every node refuses the job (--preflight=strict)"
-    return [f"preflight: {line}; running anyway (--preflight=strict refuses)" for line in named], None
-
-
-def record_entry(
-    figures: Sequence[Figures], seconds: float, mode: str, withdrawn: Sequence[int] = ()
-) -> dict[str, Any]:
-    """run.json's ``preflight`` (``withdrawn``: the slow nodes that left an elastic round)."""
-    slow = slow_nodes(figures)
-    verdict = "withdrawn" if withdrawn else "refused" if mode == "strict" else "slow"
-    return {
-        "mode": mode,
-        "verdict": verdict if slow else "healthy",
-        "slow_nodes": slow,
-        "seconds": round(seconds, 3),
-        "nodes": {
-            str(n): {"matmul_gflops": f.matmul_gflops, "all_reduce_gbps": f.all_reduce_gbps}
-            for n, f in enumerate(figures)
-        },
-        "slow_below": SLOW_BELOW,
-    }
-
-
-def parse_result(out: bytes) -> tuple[list[Figures], float]:
-    """The check's JSON line: every node's figures, by node rank, and the check's own seconds."""
-    data = json.loads(out.decode().strip().splitlines()[-1])
-    return [Figures(*row[:2]) for row in data["figures"]], float(data["seconds"])
-
-
-class NodeLost(Exception):
-    """A node's launcher stopped beating during the check (its text says which, and for how long)."""
-
-
-class PeerBeats:
-    """Every launcher beats while its check runs and watches the other nodes' counters, so a node whose
-    launcher died is named within ``LOST_AFTER_S``, not at the check's own time-out. Runs in the
-    launcher's main thread, between reads of the check's pipes: one ``add`` and one ``check`` (then one
-    ``multi_get``) per ``BEAT_S``, under the round's keys."""
-
-    def __init__(self, job: JobStore, scope: object, nodes: int, me: int) -> None:
-        self._store, self.me = job.store, me
-        self._keys = [job.key("preflight", scope, "beat", n) for n in range(nodes)]
-        self._watch = BeatWatch(time.monotonic)
-        self._started = self._next = time.monotonic()
-
-    def poll(self) -> None:
-        """Beat when due, and raise ``NodeLost`` for a node silent too long (or never started)."""
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + BEAT_S
-        self._store.add(self._keys[self.me], 1)
-        if not self._store.check(self._keys):  # a node has not begun its check yet
-            if now - self._started > START_S:
-                missing = next(n for n, key in enumerate(self._keys) if not self._store.check([key]))
-                raise NodeLost(f"node {missing} never began the check within {START_S:g}s")
-            return
-        counts = dict(enumerate(int(value) for value in self._store.multi_get(self._keys)))
-        del counts[self.me]
-        silent = self._watch.silent(counts, LOST_AFTER_S)
-        if silent is not None:
-            raise NodeLost(
-                f"node {silent[0]} was lost during the check: its launcher stopped beating for "
-                f"{silent[1]:.1f}s (killed, or its network is down)"
-            )
-
-    def name_lost(self, within: float) -> str | None:
-        """Keep beating for up to ``within`` seconds: the lost node's line, or None if none shows."""
-        deadline = time.monotonic() + within
-        try:
-            while time.monotonic() < deadline:
-                self.poll()
-                time.sleep(BEAT_S / 5)
-        except NodeLost as lost:
-            return str(lost)
-        return None
-
-
-def collect(
-    handle: ProcessHandle, deadline: float, tick: Callable[[], None] = lambda: None
-) -> tuple[bytes, bytes]:
-    """The check's stdout and stderr, read to their ends (both: neither pipe may fill and stall it);
-    TimeoutError at ``deadline``; ``tick`` called at least every ``BEAT_S`` meanwhile."""
-    chunks: dict[str, list[bytes]] = {"out": [], "err": []}
-    with selectors.DefaultSelector() as selector:
-        for name, pipe in (("out", handle.stdout), ("err", handle.stderr)):
-            if pipe is not None:
-                selector.register(pipe, selectors.EVENT_READ, name)
-        while selector.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            tick()
-            for key, _ in selector.select(min(left, BEAT_S)):
-                data = os.read(key.fd, 1 << 16)
-                if data:
-                    chunks[key.data].append(data)
-                else:
-                    selector.unregister(key.fileobj)
-    return b"".join(chunks["out"]), b"".join(chunks["err"])
-
-
-def end(handle: ProcessHandle) -> None:
-    """The check's process group killed (it started its own session) and the process reaped; its pipes
-    closed. Safe on a process that ended already."""
-    if handle.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(handle.pid, signal.SIGKILL)
-    handle.wait()
-    for pipe in (handle.stdout, handle.stderr):
-        if pipe is not None:
-            pipe.close()
+def parse_result(out: bytes) -> PreflightResult:
+    """The check's result: its last line on stdout (anything it printed before is not ours)."""
+    return PreflightResult.decode(out.decode().strip().splitlines()[-1])
 
 
 @dataclass
@@ -239,7 +79,6 @@ class Preflight:
     env: Mapping[str, str]
     """The check's environment (the ranks' base, one thread; the GPUs the ranks see)."""
     record: RunRecord
-    say: Callable[[str], None]
     every_round: bool = False
     """An elastic job: every round is checked (a node may have joined it), else only the first meeting.
     Every node of a round must come to the same answer, or a check would wait for a peer that skips it."""
@@ -264,44 +103,32 @@ class Preflight:
         self.done = True
         config, job = meeting.config, meeting.job
         assert job is not None
-        task = {
-            "host": meeting.master_addr,
-            "port": meeting.master_port,
-            "prefix": job.key("preflight", meeting.attempt),
-            "node": config.group_rank,
-            "nodes": config.group_world_size,
-            "device": "cuda:0" if config.device == "cuda" else "cpu",
-            "timeout_s": CHECK_TIMEOUT_S,
-            "launcher": os.getpid(),
-        }
         started = time.monotonic()
         beats = PeerBeats(job, meeting.attempt, config.group_world_size, config.group_rank)
         beats.poll()  # the first beat before the fork: a node killed from here on is silent, not absent
-        result = self._run(json.dumps(task), spawner or PopenSpawner(), beats)
+        result = self._run(task_for(meeting), spawner or PopenSpawner(), beats)
         if result is None:  # an elastic round lost a node during the check: a new round forms without it
             return False
-        figures, _ = result
-        seconds = time.monotonic() - started
-        leaving = self.withdrawing(meeting, slow_nodes(figures))
+        figures, seconds = result.figures, time.monotonic() - started
+        slow = slow_nodes(figures)
+        leaving = self.withdrawing(meeting, slow)
         self.record.note_preflight(record_entry(figures, seconds, self.mode, withdrawn=leaving))
         if leaving:
             return self._withdraw(figures, leaving, config.group_rank)
         lines, refusal = verdict_lines(figures, seconds, self.mode)
-        for line in lines:
-            self.say(line)
+        for line in lines:  # a slow node run with anyway is a warning, a healthy check news
+            log.log(logging.WARNING if slow else logging.INFO, line)
         if refusal is not None:
             raise PreflightRefused(f"preflight: {refusal}")
         return True
 
     def withdrawing(self, meeting: Meeting, slow: list[int]) -> list[int]:
-        """The slow nodes that leave an elastic round themselves (torch's rendezvous cannot exclude
-        another node): where the nodes left are enough (``--nnodes MIN:``) and none of the slow serves
-        the job's store. Every node of the round comes to the same list, from the same figures."""
+        """The slow nodes that leave an elastic round themselves (``preflight_verdict.leavers``): none
+        in a static job. Every node of the round comes to the same list, from the same figures."""
         if not self.every_round or not slow or meeting.job is None:
             return []
         config = meeting.config
-        enough = config.group_world_size - len(slow) >= (config.rdzv.min_nodes or 1)
-        return slow if enough and meeting.job.store_host not in slow else []
+        return leavers(slow, config.group_world_size, config.rdzv.min_nodes or 1, meeting.job.store_host)
 
     def _withdraw(self, figures: Sequence[Figures], leaving: list[int], me: int) -> bool:
         """This node leaves the job (raised), or says who leaves and meets again without them."""
@@ -311,39 +138,44 @@ class Preflight:
             raise PreflightWithdrew(
                 f"preflight: {named}; node {me} (this one) leaves the job, which goes on with {left} node(s)"
             )
-        self.say(f"preflight: {named}; it leaves the job: a new round with {left} node(s)")
+        log.warning(f"preflight: {named}; it leaves the job: a new round with {left} node(s)")
         return False
 
-    def _run(self, task: str, spawner: Spawner, beats: PeerBeats) -> tuple[list[Figures], float] | None:
-        """The check's figures; else (it failed, timed out, or a node was lost) one line, raised. None:
+    def _run(self, task: PreflightTask, spawner: Spawner, beats: PeerBeats) -> PreflightResult | None:
+        """The check's result; else (it failed, timed out, or a node was lost) one line, raised. None:
         an elastic round lost a node (said here), which a new round leaves out, as after a lost node
         during an attempt."""
-        argv = [sys.executable, "-m", PREFLIGHT_MODULE, task]
-        spec = WorkerSpec(rank=-1, local_rank=-1, argv=argv, env=dict(self.env), cwd=os.getcwd())
-        handle, lost = spawner.spawn(spec, dict(self.env), ()), None
-        try:
-            out, err = collect(handle, time.monotonic() + CHECK_TIMEOUT_S + START_S, beats.poll)
-            code = handle.wait(timeout=5.0)
-        except (TimeoutError, subprocess.TimeoutExpired):
-            why = f"the check gave no result within {CHECK_TIMEOUT_S + START_S:g}s"
-        except NodeLost as exc:
-            why = lost = str(exc)
-        else:
-            if code == 0:
-                with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
-                    return parse_result(out)
-            line = (err.decode(errors="replace").strip().splitlines() or [f"it exited with code {code}"])[-1]
-            why = f"the check failed on node {beats.me}: {line}"
-            if any(marker in line for marker in PEER_LOST_MARKERS):  # a peer's end: which node was lost?
-                lost = beats.name_lost(LOST_AFTER_S + 2 * BEAT_S)
-            why = lost or why
-        finally:
-            end(handle)
+        outcome, lost = self._outcome(preflight_child.start(task, self.env, spawner), beats)
+        if isinstance(outcome, PreflightResult):
+            return outcome
+        why = outcome
         self.record.note_preflight({"mode": self.mode, "verdict": "failed", "error": why})
         if lost is not None and self.every_round:
-            self.say(f"preflight: {lost}; meeting again without it")
+            log.warning(f"preflight: {lost}; meeting again without it")
             return None
         raise RendezvousError(f"preflight: {why}; no rank was started (--no-preflight skips the check)")
+
+    def _outcome(self, handle: ProcessHandle, beats: PeerBeats) -> tuple[PreflightResult | str, str | None]:
+        """(the check's result, or why it gave none; the lost node's line, if a node was lost), the
+        check's process ended and reaped whatever happened."""
+        lost = None
+        try:
+            deadline = time.monotonic() + CHECK_TIMEOUT_S + START_S
+            out, err = preflight_child.collect(handle, deadline, beats.poll)
+            code = handle.wait(timeout=5.0)
+        except (TimeoutError, subprocess.TimeoutExpired):
+            return f"the check gave no result within {CHECK_TIMEOUT_S + START_S:g}s", None
+        except NodeLost as exc:
+            return str(exc), str(exc)
+        finally:
+            preflight_child.end(handle)
+        if code == 0:
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                return parse_result(out), None
+        line = (err.decode(errors="replace").strip().splitlines() or [f"it exited with code {code}"])[-1]
+        if any(marker in line for marker in PEER_LOST_MARKERS):  # a peer's end: which node was lost?
+            lost = beats.name_lost(LOST_AFTER_S + 2 * BEAT_S)
+        return lost or f"the check failed on node {beats.me}: {line}", lost
 
 
 def check_env(base_env: Mapping[str, str], extra: Mapping[str, str], cvd: str | None) -> dict[str, str]:

@@ -290,7 +290,7 @@ def test_the_options_object_is_the_option_table() -> None:
 
     fields = dataclasses.fields(options.RunOptions)
     assert [f.name for f in fields] == [opt.dest for opt in options.ALL]
-    assert options.ALL == options.OURS + options.TORCHRUN  # ours first: --help's two groups, in order
+    assert options.ALL == options.OURS + options.TORCHRUN  # ours first, then torchrun's
     for f, opt in zip(fields, options.ALL, strict=True):
         assert f.type == ("str | None" if opt.takes_value else "bool | None"), f.name
         longest = max((flag for flag in opt.flags if flag.startswith("--")), key=len)

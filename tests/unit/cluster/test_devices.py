@@ -12,11 +12,16 @@ import pytest
 
 from multigpu.cluster import devices
 from multigpu.cluster.devices import (
+    Devices,
     GPUInfo,
+    NotVisibleError,
     apply_visible_devices,
+    choose_devices,
     cuda_visible_devices_for,
     dedupe,
+    device_wish,
     get_gpu_ids,
+    keep_visible,
     parse_index_list,
     visible_gpus,
 )
@@ -156,6 +161,72 @@ def test_get_gpu_ids_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# ---- choose_devices: pure, the visible count given -----------------------------------------------------
+
+
+def test_choose_devices_takes_every_visible_gpu_by_default() -> None:
+    assert choose_devices(4) == Devices("cuda", 4, (0, 1, 2, 3))
+
+
+def test_choose_devices_takes_the_listed_gpus_in_their_order() -> None:
+    assert choose_devices(4, gpus=[2, 0]) == Devices("cuda", 2, (2, 0))
+
+
+def test_choose_devices_by_count_gives_local_rank_i_gpu_i() -> None:
+    assert choose_devices(4, count=3) == Devices("cuda", 3, (0, 1, 2))
+    assert choose_devices(2, device="cuda", count=2) == Devices("cuda", 2, (0, 1))
+
+
+def test_choose_devices_on_the_cpu_discovers_nothing_and_counts_workers() -> None:
+    assert choose_devices(4, device="cpu", count=3) == Devices("cpu", 3)
+    assert choose_devices(0, device="cpu", gpus=[0, 1]) == Devices("cpu", 2)
+
+
+def test_choose_devices_falls_back_to_the_cpu_only_for_auto_without_a_gpu() -> None:
+    assert choose_devices(0, cpu_fallback=1) == Devices("cpu", 1)
+    assert choose_devices(0, count=3, cpu_fallback=3) == Devices("cpu", 3)
+    assert choose_devices(2, cpu_fallback=1) == Devices("cuda", 2, (0, 1))  # GPUs visible: no fallback
+    with pytest.raises(NotVisibleError):
+        choose_devices(0, device="cuda", count=2, cpu_fallback=2)
+
+
+def test_a_gpu_that_is_not_visible_is_refused_naming_it() -> None:
+    with pytest.raises(NotVisibleError) as info:
+        choose_devices(2, gpus=[0, 5, 7])
+    assert (info.value.missing, info.value.visible) == ((5, 7), 2)
+    assert str(info.value) == "GPU indices [5, 7] are not visible (2 visible)"
+    with pytest.raises(NotVisibleError) as by_count:
+        choose_devices(2, count=3)
+    assert by_count.value.missing == (2,)
+
+
+def test_no_visible_gpu_is_refused_even_when_none_is_named() -> None:
+    with pytest.raises(NotVisibleError) as info:
+        choose_devices(0)
+    assert (info.value.missing, info.value.visible) == ((), 0)
+
+
+def test_a_gpu_that_is_not_visible_is_dropped_under_the_drop_policy() -> None:
+    assert choose_devices(2, gpus=[1, 5, 0], missing="drop") == Devices("cuda", 2, (1, 0), dropped=(5,))
+    assert choose_devices(0, gpus=[0, 1], missing="drop") == Devices("cuda", 0, (), dropped=(0, 1))
+
+
+def test_keep_visible_is_otx_policy_warn_and_drop() -> None:
+    with pytest.warns(UserWarning, match=r"GPU indices \[5\] are not visible \(2 visible\); dropped them"):
+        assert keep_visible([1, 5], 2) == [1]
+    with pytest.warns(UserWarning, match=r"no GPU is visible; get_gpu_ids returns \[\]"):
+        assert keep_visible([0], 0) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert keep_visible([1, 0], 2) == [1, 0]
+
+
+def test_device_wish_names_a_wrong_device() -> None:
+    assert [device_wish(d) for d in ("auto", "cuda", "cpu")] == ["auto", "cuda", "cpu"]
+    with pytest.raises(ValueError, match="device must be 'auto', 'cuda' or 'cpu', got 'tpu'"):
+        device_wish("tpu")
 
 
 # ---- CUDA_VISIBLE_DEVICES mapping ------------------------------------------------------------------------

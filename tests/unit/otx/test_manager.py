@@ -131,6 +131,21 @@ def test_auto_device_with_gpus_uses_them(monkeypatch: pytest.MonkeyPatch) -> Non
     assert manager.is_available() and manager._gpu_ids == [0, 1] and manager._device == "cuda"
 
 
+def test_gpu_ids_read_once_a_warning_each_for_duplicates_and_hidden_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpus = [devices.GPUInfo(index=i, ordinal=str(i), name="GPU") for i in range(2)]
+    monkeypatch.setattr(devices, "_nvml_gpus", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.warns(UserWarning) as record:
+        manager = MultiGPUManager(train, "1,1,7,0")
+    assert [str(w.message) for w in record] == [
+        "gpu_ids: dropped duplicate indices [1]",
+        "GPU indices [7] are not visible (2 visible); dropped them",
+    ]
+    assert manager._gpu_ids == [1, 0] and manager._world_size == 2  # the dropped GPU is no rank
+
+
 # ---- dist_timeout_s -----------------------------------------------------------------------------------
 
 NOW = datetime(2024, 5, 1, 12, 0, 0)

@@ -1,5 +1,6 @@
-"""The check process's parts (``preflight/check.py``), in the test's process or as their own: its
-task's round trip, a timed matmul, and a whole check of a one-node group over a real c10d store."""
+"""The check process's parts (``preflight/check.py``), in the test's process or as their own: a timed
+matmul, and a whole check of a one-node group over a real c10d store, its task in and its result out in
+the one wire format (``contract/preflight_wire.py``, whose round trips are tested beside it)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import textwrap
 
 import pytest
 
-from multigpu.preflight.check import Task, main, matmul_gflops
+from multigpu.contract.preflight_wire import PreflightResult, PreflightTask
+from multigpu.preflight.check import main, matmul_gflops
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def task(port: int, **changes: object) -> Task:
+def task(port: int, **changes: object) -> PreflightTask:
     fields: dict[str, object] = {
         "host": "127.0.0.1",
         "port": port,
@@ -27,12 +29,12 @@ def task(port: int, **changes: object) -> Task:
         "timeout_s": 30.0,
         "launcher": os.getpid(),
     }
-    return Task(**{**fields, **changes})  # type: ignore[arg-type]
+    return PreflightTask(**{**fields, **changes})  # type: ignore[arg-type]
 
 
-def test_the_task_goes_through_one_argument_unchanged() -> None:
+def test_the_check_reads_the_task_the_launcher_encodes() -> None:
     one = task(1234, node=1, nodes=3)
-    assert Task.from_argv(one.to_argv()) == one
+    assert PreflightTask.decode(one.encode()) == one
 
 
 def test_the_matmul_runs_for_the_time_asked_and_gives_a_rate() -> None:
@@ -43,11 +45,11 @@ ONE_NODE = """
     import json, os, subprocess, sys
     from datetime import timedelta
     from torch.distributed import TCPStore
-    from multigpu.preflight.check import Task
+    from multigpu.contract.preflight_wire import PreflightTask
 
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    task = Task("127.0.0.1", store.port, "multigpu/r/preflight/0/", 0, 1, "cpu", 30.0, os.getpid())
-    argv = [sys.executable, "-m", "multigpu.preflight", task.to_argv()]
+    task = PreflightTask("127.0.0.1", store.port, "multigpu/r/preflight/0/", 0, 1, "cpu", 30.0, os.getpid())
+    argv = [sys.executable, "-m", "multigpu.preflight", task.encode()]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=90, check=False)
     print(json.dumps({"code": done.returncode, "out": done.stdout, "err": done.stderr,
                       "keys": store.num_keys()}))
@@ -61,14 +63,14 @@ def test_a_one_node_check_over_the_store_gives_both_figures_under_its_prefix() -
     done = subprocess.run(argv, capture_output=True, text=True, timeout=110, check=True)
     outcome = json.loads(done.stdout.splitlines()[-1])
     assert outcome["code"] == 0, outcome["err"]
-    result = json.loads(outcome["out"])
-    [(gflops, gbps)] = result["figures"]
-    assert gflops > 0 and gbps > 0 and result["seconds"] > 0
+    result = PreflightResult.decode(outcome["out"])
+    [figures] = result.figures
+    assert figures.matmul_gflops > 0 and figures.all_reduce_gbps > 0 and result.seconds > 0
     assert outcome["keys"] > 0  # the group met through the job's store
 
 
 def test_a_check_not_started_by_its_launcher_does_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([task(1, launcher=1).to_argv()]) == 1  # pid 1 is not our parent
+    assert main([task(1, launcher=1).encode()]) == 1  # pid 1 is not our parent
     assert capsys.readouterr().out == ""
 
 
