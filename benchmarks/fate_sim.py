@@ -32,7 +32,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.rendezvous.failure_sharing import (
     BEAT_S,
     FateMonitor,

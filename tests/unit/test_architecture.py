@@ -4,7 +4,8 @@ The layers, lowest first; a module may import its own subpackage and the layers 
 above. ``contract`` is the vocabulary every process shares (standard library only); ``rank`` runs
 inside a training process; the launcher's side (``supervisor`` up to ``cli``) sits above both. A circle
 between modules, even through an import inside a function, fails too. The folder map
-(docs/architecture.md) is checked against the tree.
+(docs/architecture.md) is checked against the tree. Sizes are checked too: no function or method over
+50 lines, no module over 400, so a concern that grows gets its own function or module.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ IN_THE_LAUNCHER = (
 """Code that runs only in the launcher (``multigpu run``; function mode's caller runs it too, and is a rank
 as well). Shared by both sides, and so in neither list: ``contract``, the store (``rendezvous.store``),
 the template's channel (``template.wire``)."""
+
+MAX_FUNCTION_LINES = 50
+MAX_MODULE_LINES = 400
 
 Graph = Mapping[str, set[str]]
 
@@ -192,6 +196,46 @@ def test_the_checks_find_what_they_look_for() -> None:
     ]
     assert crossings(graph, IN_A_RANK_OR_THE_TEMPLATE, IN_THE_LAUNCHER) == [
         "multigpu.rank.bootstrap -> multigpu.supervisor.loop"
+    ]
+
+
+def oversized(source: str, where: str) -> list[str]:
+    """The module (over ``MAX_MODULE_LINES``) and the functions and methods (over ``MAX_FUNCTION_LINES``,
+    decorators not counted) in ``source`` that are too long, each as ``where[:line name] (N lines)``."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{where} ({lines} lines)")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_function_over_50_lines_and_no_module_over_400() -> None:
+    found = [
+        bad
+        for path in sorted(MODULES.values())
+        for bad in oversized(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
+    assert not found, (
+        f"over {MAX_FUNCTION_LINES} lines a function, {MAX_MODULE_LINES} a module; split them:\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_size_check_finds_a_long_function_and_a_long_module() -> None:
+    """The size check can fail: a planted 51-line method and a 401-line module are found, a 50-line
+    function is not."""
+    body = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    planted = "class C:\n    def long(self) -> None:\n" + body
+    assert oversized(planted, "planted.py") == [f"planted.py:2 long ({MAX_FUNCTION_LINES + 1} lines)"]
+    short = "def short() -> None:\n" + "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    assert oversized(short, "short.py") == []
+    assert oversized("x = 1\n" * (MAX_MODULE_LINES + 1), "big.py") == [
+        f"big.py ({MAX_MODULE_LINES + 1} lines)"
     ]
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +147,14 @@ def train(args: argparse.Namespace, device: str) -> dict[str, Any]:
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    dev, dataset, sampler, loader, model = _setup(args, device, distributed, rank, world)
+    setup = _setup(args, device, distributed, rank, world)
+    dev, dataset, model = setup.dev, setup.dataset, setup.model
     if rank == 0:
         show(
             f"demo: {world} rank(s) on {device}, {len(dataset)} samples, {args.steps} steps, "
             f"batch {args.batch_size} per rank"
         )
-    step, samples, elapsed, first_loss, loss_value = _loop(args, model, sampler, loader, dev, rank, world)
+    step, samples, elapsed, first_loss, loss_value = _loop(args, setup, rank, world)
     accuracy = evaluate(model, dataset, dev, rank, world)
     device_index = dev.index if dev.type == "cuda" else -1
     summaries = gather_summaries(
@@ -173,10 +175,19 @@ def train(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return {"accuracy": accuracy, "summaries": summaries}
 
 
-def _setup(
-    args: argparse.Namespace, device: str, distributed: bool, rank: int, world: int
-) -> tuple[Any, Any, Any, Any, Any]:
-    """(device, dataset, sampler, loader, model): the same on every rank, sharded by the sampler."""
+@dataclass(frozen=True)
+class _Setup:
+    """What a rank trains with: the same on every rank, sharded by the sampler."""
+
+    dev: Any
+    dataset: Any
+    sampler: Any
+    loader: Any
+    model: Any
+
+
+def _setup(args: argparse.Namespace, device: str, distributed: bool, rank: int, world: int) -> _Setup:
+    """The rank's device, dataset, sampler, loader and model (DDP-wrapped when ``distributed``)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler
@@ -191,14 +202,16 @@ def _setup(
     ).to(dev)
     if distributed:
         model = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    return dev, dataset, sampler, loader, model
+    return _Setup(dev, dataset, sampler, loader, model)
 
 
 def _loop(
-    args: argparse.Namespace, model: Any, sampler: Any, loader: Any, dev: Any, rank: int, world: int
+    args: argparse.Namespace, setup: _Setup, rank: int, world: int
 ) -> tuple[int, int, float, float, float]:
     """``args.steps`` SGD steps; (steps, samples, seconds, first loss, last loss)."""
     import torch
+
+    model, sampler, loader, dev = setup.model, setup.sampler, setup.loader, setup.dev
 
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -83,6 +83,43 @@ def _elastic_layout(config: RunConfig, values: LayoutOptions) -> RunConfig | Non
     )
 
 
+def _ranks_from_nodes(
+    nproc: int, nnodes: int | None, node_rank: int | None, base_rank: int | None, world_size: int | None
+) -> tuple[int | None, int | None]:
+    """Base rank and world size, derived from ``--nnodes``/``--node-rank`` when given; an explicit value
+    that disagrees with the derived one is a usage error."""
+    if (nnodes is None) != (node_rank is None):
+        raise UsageError("--nnodes and --node-rank go together")
+    if nnodes is None or node_rank is None:
+        return base_rank, world_size
+    if node_rank >= nnodes:
+        raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    derived_base, derived_world = node_rank * nproc, nnodes * nproc
+    if base_rank is not None and base_rank != derived_base:
+        raise UsageError(
+            f"--base-rank {base_rank} disagrees with --node-rank {node_rank} "
+            f"x {nproc} workers = {derived_base}"
+        )
+    if world_size is not None and world_size != derived_world:
+        raise UsageError(
+            f"--world-size {world_size} disagrees with --nnodes {nnodes} x {nproc} workers = {derived_world}"
+        )
+    return derived_base, derived_world
+
+
+def _check_endpoint(endpoint: Endpoint | None, world_size: int, nproc: int) -> None:
+    """A job beyond this machine needs a fixed endpoint; port 0 (pick one) is for loopback only."""
+    if world_size > nproc:
+        if endpoint is None:
+            raise UsageError(
+                "a multi-node job needs --rdzv-endpoint HOST:PORT (the base-rank-0 node's address)"
+            )
+        if endpoint.port == 0:
+            raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
+    elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
+        raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
+
+
 def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str]) -> RunConfig:
     """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
     if config.rdzv.backend == "c10d":
@@ -103,35 +140,11 @@ def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str
         run_id = run_id or f"slurm-{found.job_id}"
         if endpoint is None:
             endpoint = Endpoint(found.master_host, int(env.get("MASTER_PORT", TORCHRUN_MASTER_PORT)))
-    if (nnodes is None) != (node_rank is None):
-        raise UsageError("--nnodes and --node-rank go together")
-    if nnodes is not None and node_rank is not None:
-        if node_rank >= nnodes:
-            raise UsageError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
-        derived_base, derived_world = node_rank * config.nproc, nnodes * config.nproc
-        if base_rank is not None and base_rank != derived_base:
-            raise UsageError(
-                f"--base-rank {base_rank} disagrees with --node-rank {node_rank} "
-                f"x {config.nproc} workers = {derived_base}"
-            )
-        if world_size is not None and world_size != derived_world:
-            raise UsageError(
-                f"--world-size {world_size} disagrees with --nnodes {nnodes} "
-                f"x {config.nproc} workers = {derived_world}"
-            )
-        base_rank, world_size = derived_base, derived_world
+    base_rank, world_size = _ranks_from_nodes(config.nproc, nnodes, node_rank, base_rank, world_size)
     base_rank = base_rank or 0
     world_size = world_size if world_size is not None else base_rank + config.nproc
     check_layout(base_rank, config.nproc, world_size)
-    if world_size > config.nproc:
-        if endpoint is None:
-            raise UsageError(
-                "a multi-node job needs --rdzv-endpoint HOST:PORT (the base-rank-0 node's address)"
-            )
-        if endpoint.port == 0:
-            raise UsageError("a multi-node --rdzv-endpoint needs a fixed port; port 0 is for one machine")
-    elif endpoint is not None and endpoint.port == 0 and not endpoint.is_loopback:
-        raise UsageError(f"--rdzv-endpoint {endpoint}: port 0 is only allowed on a loopback host")
+    _check_endpoint(endpoint, world_size, config.nproc)
     return dataclasses.replace(
         config,
         base_rank=base_rank,

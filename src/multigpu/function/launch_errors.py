@@ -15,7 +15,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from multigpu.contract.errors import MultiGPUError, WorkerFailedError, WorkerFailure
+from multigpu.contract.errors import MultiGPUError, WorkerFailedError
+from multigpu.contract.failure import WorkerFailure
 from multigpu.function.rank_call import error_path
 
 

@@ -17,7 +17,8 @@ import threading
 import time
 
 from multigpu.console.ranks import PrefixedConsole
-from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+from multigpu.contract.errors import WorkerFailedError
+from multigpu.contract.failure import WorkerFailure
 from multigpu.otx.interrupt_caller import FailureDelivery
 from multigpu.rendezvous.failure_sharing import FateMonitor, share_failure
 from multigpu.rendezvous.job import JobStore

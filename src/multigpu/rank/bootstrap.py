@@ -44,7 +44,7 @@ def write_error_file(path: str, exc: BaseException) -> None:
 
     In function mode the parent is told at once: the record is all it needs to raise the typed error.
     """
-    from multigpu.contract.errors import WorkerFailure
+    from multigpu.contract.failure import WorkerFailure
 
     WorkerFailure.from_exception(exc).write(path)
     announce_failure()
@@ -63,7 +63,7 @@ def quiet_if_stopping(exc: BaseException) -> None:
     stops every rank after a peer's failure. SIGTERM's default action then ends this rank silently,
     its error record already written, instead of a traceback of a mere consequence on the console.
     A rank whose job is not being stopped prints it ``PEER_LOST_QUIET_S`` later."""
-    from multigpu.contract.errors import PEER_LOST_MARKERS
+    from multigpu.contract.failure import PEER_LOST_MARKERS
 
     if any(marker in str(exc) for marker in PEER_LOST_MARKERS):
         time.sleep(PEER_LOST_QUIET_S)

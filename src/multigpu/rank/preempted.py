@@ -28,7 +28,6 @@ over all ranks (DDP, FSDP) and that call ``should_stop`` at every step with the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -156,15 +155,3 @@ def _store(state: _State) -> Any:
             timedelta(seconds=STORE_TIMEOUT_S),
         )
     return state.store
-
-
-@contextlib.contextmanager
-def _fresh_state(store: Any = None, env: Mapping[str, str] | None = None) -> Any:
-    """Tests: a clean slate (and a fake store) for the duration, the real state restored after."""
-    global _state
-    saved = _state
-    _state = _State(store=store, env=os.environ if env is None else env)
-    try:
-        yield _state
-    finally:
-        _state = saved

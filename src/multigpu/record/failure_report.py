@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Iterable
 
-from multigpu.contract.errors import Subject, WorkerFailure
+from multigpu.contract.failure import Subject, WorkerFailure
 from multigpu.contract.frames import fold_own_frames, fold_own_threads, library_file
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState

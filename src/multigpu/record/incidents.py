@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from multigpu.contract.errors import FailureKind
+from multigpu.contract.failure import FailureKind
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus
 

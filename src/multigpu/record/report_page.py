@@ -108,22 +108,29 @@ def timeline_svg(data: dict[str, Any]) -> str:
             )
             parts.extend(_straggling(attempt, rank, end, i * row, x))
     bottom = row * len(ranks) + 10
-    for item in data.get("incidents") or []:
-        parts.append(
-            f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
-            f'x2="{x(item["failed_time"]):.1f}" y2="{bottom}" stroke="#b71c1c" stroke-width="2"/>'
-        )
-        if item.get("next_attempt_time"):
-            parts.append(
-                f'<line class="restart" x1="{x(item["next_attempt_time"]):.1f}" y1="0" '
-                f'x2="{x(item["next_attempt_time"]):.1f}" y2="{bottom}" stroke="#0d47a1" '
-                f'stroke-dasharray="4 3"/>'
-            )
+    parts.extend(_incident_lines(data.get("incidents") or [], bottom, x))
     parts.append(
         f'<text x="{left}" y="{bottom + 24}" font-size="12">0 s</text>'
         f'<text x="{width - 70}" y="{bottom + 24}" font-size="12">{t1 - t0:.1f} s</text></svg>'
     )
     return "".join(parts)
+
+
+def _incident_lines(incidents: list[dict[str, Any]], bottom: int, x: Callable[[float], float]) -> list[str]:
+    """A red line at each incident's failure, a dashed blue one where the next attempt began."""
+    lines = []
+    for item in incidents:
+        lines.append(
+            f'<line class="failure" x1="{x(item["failed_time"]):.1f}" y1="0" '
+            f'x2="{x(item["failed_time"]):.1f}" y2="{bottom}" stroke="#b71c1c" stroke-width="2"/>'
+        )
+        if item.get("next_attempt_time"):
+            lines.append(
+                f'<line class="restart" x1="{x(item["next_attempt_time"]):.1f}" y1="0" '
+                f'x2="{x(item["next_attempt_time"]):.1f}" y2="{bottom}" stroke="#0d47a1" '
+                f'stroke-dasharray="4 3"/>'
+            )
+    return lines
 
 
 def _straggling(

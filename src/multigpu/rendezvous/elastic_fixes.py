@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -53,6 +54,16 @@ def handler_class() -> Any:
     return ElasticHandler
 
 
+@dataclass(frozen=True)
+class LivenessPace:
+    """``Liveness``'s times: how often a launcher beats, how long one may be silent before it is aged
+    out, and the clock the silence is measured on (a test's own, to take no time)."""
+
+    beat_s: float = BEAT_S
+    lost_after_s: float = EVICT_AFTER_S
+    clock: Callable[[], float] = time.monotonic
+
+
 class Liveness:
     """Our launchers' own beats on the store, and the eviction of silent ones from torch's state.
 
@@ -73,13 +84,11 @@ class Liveness:
         me: Any,
         *,
         evicts: bool = True,
-        beat_s: float = BEAT_S,
-        lost_after_s: float = EVICT_AFTER_S,
-        clock: Callable[[], float] = time.monotonic,
+        pace: LivenessPace = LivenessPace(),
     ) -> None:
         self.store, self.backend, self.run_id = store, backend, run_id
         self.me, self.evicts = me, evicts
-        self.beat_s, self.lost_after_s, self._clock = beat_s, lost_after_s, clock
+        self.beat_s, self.lost_after_s, self._clock = pace.beat_s, pace.lost_after_s, pace.clock
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)

@@ -20,15 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from multigpu.contract.errors import (
-    LEARNED_FROM_SILENCE,
-    NO_NODE,
-    STORE_HOST_ENDED,
-    FailureKind,
-    StoreLostError,
-    Subject,
-    WorkerFailure,
-)
+from multigpu.contract.errors import STORE_HOST_ENDED, StoreLostError
+from multigpu.contract.failure import LEARNED_FROM_SILENCE, NO_NODE, FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.latency import BeatWatch, Latency

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
+from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.rendezvous.failure_sharing import failure_record
 from multigpu.rendezvous.job import DONE, JobStore
 from multigpu.supervisor.hangs.verdict import GATHER_S, RankState, decide

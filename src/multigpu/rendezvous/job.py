@@ -63,12 +63,16 @@ class JobStore:
     def key(self, *parts: object) -> str:
         return "/".join(["multigpu", self.run_id, *self.scope, *map(str, parts)])
 
+    def _copy(self, store: Any, scope: tuple[str, ...]) -> JobStore:
+        """This node's view over ``store``, its keys under ``scope``."""
+        layout = {"node": self.node, "base_rank": self.base_rank, "nproc": self.nproc}
+        job = JobStore(store, **layout, world_size=self.world_size)
+        job.run_id, job.scope = self.run_id, scope
+        return job
+
     def for_attempt(self, attempt: int) -> JobStore:
         """This node in a later attempt of the same job: fresh rank claims, beats and abort record."""
-        job = JobStore(
-            self.store, node=self.node, base_rank=self.base_rank, nproc=self.nproc, world_size=self.world_size
-        )
-        job.run_id, job.scope = self.run_id, (f"attempt_{attempt}",)
+        job = self._copy(self.store, (f"attempt_{attempt}",))
         job.waiter_store = self.waiter_store
         return job
 
@@ -79,15 +83,7 @@ class JobStore:
         lookup there would freeze every thread of the launcher, the beats included)."""
         if self.waiter_store is None:
             self.waiter_store = self.store.clone()
-        job = JobStore(
-            self.waiter_store,
-            node=self.node,
-            base_rank=self.base_rank,
-            nproc=self.nproc,
-            world_size=self.world_size,
-        )
-        job.run_id, job.scope = self.run_id, self.scope
-        return job
+        return self._copy(self.waiter_store, self.scope)
 
     def settle_run_id(self, wanted: str | None) -> str:
         """The job's run id: node 0 publishes its own; the others adopt it, or are refused on a mismatch."""
@@ -116,11 +112,7 @@ class JobStore:
     ) -> None:
         """Claim this node's ranks, check the world size, and wait until every rank is claimed;
         ``on_wait`` hears the seconds left at each poll that still waits (it may say so, or raise)."""
-        # The token makes every launcher distinct: the same command started twice is refused too.
-        me = (
-            f"node {self.node} (base rank {self.base_rank}, {self.nproc} worker(s), "
-            f"{socket.gethostname()} pid {os.getpid()})"
-        )
+        me = _claim_token(self.node, self.base_rank, self.nproc)
         world = self.store.compare_set(self.key("world_size"), "", str(self.world_size)).decode()
         if world != str(self.world_size):
             self._refuse(f"{me} says world size {self.world_size}, the job says {world}")
@@ -165,12 +157,9 @@ class JobStore:
 
     def launcher_of(self, base_rank: int) -> str | None:
         """ "host H, pid N" of the launcher that claimed ``base_rank`` (its claim names both), or None."""
-        import re
-
         if not self.store.check([self.key("rank", base_rank)]):
             return None
-        found = re.search(r", (\S+) pid (\d+)\)$", self.store.get(self.key("rank", base_rank)).decode())
-        return f"host {found.group(1)}, pid {found.group(2)}" if found else None
+        return _launcher_in(self.store.get(self.key("rank", base_rank)).decode())
 
     def beat(self) -> int:
         return int(self.store.add(self.key("beat", self.base_rank), 1))
@@ -210,9 +199,6 @@ class JobStore:
         if not others or self.store.check(keys):
             return []
         return [base for base, key in zip(others, keys, strict=True) if not self.store.check([key])]
-
-    def is_done(self, base_rank: int) -> bool:
-        return self.beats_of(base_rank) >= DONE
 
     def all_done(self) -> bool:
         return all(count >= DONE for count in self.beat_counts(sorted(self.members())).values())
@@ -286,20 +272,37 @@ class JobStore:
         """Make the abort record the earliest failure in time (compare-and-set, so concurrent writers
         from several nodes agree), then wake every node's waiter; return the record that stands.
         Waking even when an earlier record stands covers a writer that died between its two calls."""
-        standing = self._settle_abort(record)
+        standing = _settle_abort(self.store, self.key("abort"), record)
         self.wake_all()
         return standing
 
-    def _settle_abort(self, record: dict[str, Any]) -> dict[str, Any]:
-        key, ours = self.key("abort"), json.dumps(record)
-        current = self.store.compare_set(key, "", ours).decode()
-        while current != ours:
-            existing = dict(json.loads(current))
-            never = float("inf")
-            if "reason" in existing or (existing.get("time") or never) <= (record.get("time") or never):
-                return existing
-            current = self.store.compare_set(key, current, ours).decode()
-        return record
+
+def _settle_abort(store: Any, key: str, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` at ``key`` unless an earlier failure (or a refused layout) stands there: the one that
+    stands, after compare-and-set rounds against concurrent writers."""
+    ours = json.dumps(record)
+    current = store.compare_set(key, "", ours).decode()
+    while current != ours:
+        existing = dict(json.loads(current))
+        never = float("inf")
+        if "reason" in existing or (existing.get("time") or never) <= (record.get("time") or never):
+            return existing
+        current = store.compare_set(key, current, ours).decode()
+    return record
+
+
+def _claim_token(node: int, base_rank: int, nproc: int) -> str:
+    """What this launcher writes on each rank it claims. The host and pid make every launcher distinct:
+    the same command started twice is refused too."""
+    return f"node {node} (base rank {base_rank}, {nproc} worker(s), {socket.gethostname()} pid {os.getpid()})"
+
+
+def _launcher_in(claim: str) -> str | None:
+    """ "host H, pid N" from a rank's claim (``_claim_token``), or None."""
+    import re
+
+    found = re.search(r", (\S+) pid (\d+)\)$", claim)
+    return f"host {found.group(1)}, pid {found.group(2)}" if found else None
 
 
 def _ranges(ranks: list[int]) -> str:

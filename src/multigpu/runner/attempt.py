@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from multigpu.config.run import RunConfig
 from multigpu.console.ranks import PrefixedConsole
 from multigpu.console.writer import Console
-from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
+from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.record.failure_report import plain_summary
 from multigpu.record.run_json import RunRecord, complete_error_files

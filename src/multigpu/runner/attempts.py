@@ -23,8 +23,9 @@ from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
 from multigpu.console.log import lines_through
 from multigpu.console.writer import Console, ConsoleWriter
-from multigpu.contract.errors import FailureKind, Interrupted, MultiGPUError, RendezvousError
+from multigpu.contract.errors import Interrupted, MultiGPUError, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+from multigpu.contract.failure import FailureKind
 from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.record.failure_report import format_report

@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from multigpu.contract.errors import WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.frames import library_file
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)', re.MULTILINE)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from multigpu.config.endpoint import is_loopback_host
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import LEARNED_FROM_SILENCE
+from multigpu.contract.failure import LEARNED_FROM_SILENCE
 from multigpu.contract.names import debug_server_settings
 from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.failure_sharing import finish_job

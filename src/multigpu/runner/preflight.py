@@ -25,7 +25,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from multigpu.contract.errors import PEER_LOST_MARKERS, PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.errors import PreflightRefused, PreflightWithdrew, RendezvousError
+from multigpu.contract.failure import PEER_LOST_MARKERS
 from multigpu.contract.preflight_wire import Figures, PreflightResult, PreflightTask
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
-from multigpu.contract.errors import FailureKind
+from multigpu.contract.failure import FailureKind
 from multigpu.record.folder import check_run_id
 from multigpu.rendezvous.elastic import (
     ElasticRendezvous,

@@ -82,25 +82,28 @@ def _rank_envs(
     return envs
 
 
+def _job_context(config: RunConfig, context: AttemptContext) -> JobContext:
+    """What every rank of this attempt shares in its environment: the job, not the rank."""
+    return JobContext(
+        master_addr=context.master_addr,
+        master_port=context.master_port,
+        run_id=context.run_id,
+        device=config.device,
+        restart_count=context.attempt,
+        max_restarts=config.supervision.max_restarts,
+        output_dir=str(context.output_dir),
+        cuda_visible_devices=context.cuda_visible_devices,
+        cpu_count=usable_cpu_count(),
+        launcher_pid=context.launcher_pid,
+    )
+
+
 def build_specs(config: RunConfig, context: AttemptContext, base_env: Mapping[str, str]) -> list[WorkerSpec]:
     """One spec per local rank, from the arguments alone (function mode: ranks 1..n-1; 0 is the caller)."""
     run_id, output_dir, attempt = context.run_id, context.output_dir, context.attempt
-    master_addr, master_port = context.master_addr, context.master_port
     cuda_visible_devices, launcher_pid = context.cuda_visible_devices, context.launcher_pid
-    job = JobContext(
-        master_addr=master_addr,
-        master_port=master_port,
-        run_id=run_id,
-        device=config.device,
-        restart_count=attempt,
-        max_restarts=config.supervision.max_restarts,
-        output_dir=str(output_dir),
-        cuda_visible_devices=cuda_visible_devices,
-        cpu_count=usable_cpu_count(),
-        launcher_pid=launcher_pid,
-    )
     logs = output_dir / "logs" / f"attempt_{attempt}"
-    envs = _rank_envs(config, job, {**base_env, **config.extra_env}, logs)
+    envs = _rank_envs(config, _job_context(config, context), {**base_env, **config.extra_env}, logs)
     attempt_dir = None
     if config.output.logs_specs is not None:
         rank_logs = extras.plugin_rank_logs(config, run_id, launcher_pid, envs)

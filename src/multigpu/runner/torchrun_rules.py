@@ -101,26 +101,31 @@ def line_copies(
     return tuple(copies)
 
 
+@dataclass(frozen=True)
+class _LogsSpecs:
+    """What a ``torchrun.logs_specs`` plugin is made with: ``--logs-specs NAME``, ``--log-dir``,
+    ``-r``, ``-t`` and ``--local-ranks-filter``."""
+
+    name: str
+    log_dir: str | None
+    redirects: str
+    tee: str
+    ranks: frozenset[int] | None
+
+
 @functools.lru_cache(maxsize=4)
-def _plugin(
-    name: str,
-    log_dir: str | None,
-    redirects: str,
-    tee: str,
-    ranks: frozenset[int] | None,
-    run_id: str,
-    launcher_pid: int,
-) -> Any:
-    """One ``torchrun.logs_specs`` instance per launcher and run, as torchrun keeps one for the job
-    (its run directory is made once, on the first attempt)."""
+def _plugin(specs: _LogsSpecs, run_id: str, launcher_pid: int) -> Any:
+    """One ``torchrun.logs_specs`` instance per launcher and run (``run_id`` and ``launcher_pid`` are
+    the cache's key), as torchrun keeps one for the job (its run directory is made once, on the first
+    attempt)."""
     from torch.distributed.elastic.multiprocessing.api import Std
 
-    (entry,) = metadata.entry_points(group="torchrun.logs_specs", name=name)
+    (entry,) = metadata.entry_points(group="torchrun.logs_specs", name=specs.name)
     return entry.load()(
-        log_dir=log_dir,
-        redirects=Std.from_str(redirects),
-        tee=Std.from_str(tee),
-        local_ranks_filter=set(ranks) if ranks is not None else None,
+        log_dir=specs.log_dir,
+        redirects=Std.from_str(specs.redirects),
+        tee=Std.from_str(specs.tee),
+        local_ranks_filter=set(specs.ranks) if specs.ranks is not None else None,
     )
 
 
@@ -128,17 +133,13 @@ def plugin_rank_logs(
     config: RunConfig, run_id: str, launcher_pid: int, envs: dict[int, dict[str, str]]
 ) -> list[RankLogs]:
     """``--logs-specs NAME``: the plugin's ``reify`` decides every path, as under torchrun."""
-    assert config.output.logs_specs is not None
-    log_dir = str(config.output.log_dir) if config.output.log_dir is not None else None
-    spec = _plugin(
-        config.output.logs_specs,
-        log_dir,
-        config.output.redirects.text,
-        config.output.tee.text,
-        config.output.local_ranks_filter,
-        run_id,
-        launcher_pid,
+    output = config.output
+    assert output.logs_specs is not None
+    log_dir = str(output.log_dir) if output.log_dir is not None else None
+    specs = _LogsSpecs(
+        output.logs_specs, log_dir, output.redirects.text, output.tee.text, output.local_ranks_filter
     )
+    spec = _plugin(specs, run_id, launcher_pid)
     dest = spec.reify(envs)
     answer = []
     for rank in sorted(envs):

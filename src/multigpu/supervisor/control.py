@@ -27,7 +27,6 @@ from multigpu.supervisor.states import Worker
 CLIENT_WAIT_S = 0.5
 REFUSE_WAIT_S = 0.1
 """How long another user's client may keep the loop waiting for its request (it sends it at once)."""
-REQUESTS = ("stacks", "status")
 
 
 def socket_name(run_id: str, pid: int | None = None) -> str:

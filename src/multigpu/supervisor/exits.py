@@ -12,7 +12,7 @@ import logging
 import signal
 import time
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS, signal_name
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.file_timer import TimerKills

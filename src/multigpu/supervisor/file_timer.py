@@ -147,6 +147,26 @@ def _release_opener(path: str) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def _wait_for_watchdog(thread: threading.Thread | None, path: str) -> None:
+    """Up to ``STOP_WAIT_S`` for the server's thread, told to stop, to end: each round releases a
+    thread blocked opening the FIFO."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+        _release_opener(path)
+        thread.join(MAX_INTERVAL_S)
+
+
+def _kill_of(request: Any, arrived: float) -> TimerKill:
+    """The kill torch's server is about to send for an expired timer that reached it at ``arrived``."""
+    pid = request.worker_pid
+    try:
+        group: int | None = os.getpgid(pid)
+    except OSError:
+        group = None
+    seconds = max(0.0, request.expiration_time - arrived + MAX_INTERVAL_S)  # it arrived that late
+    return TimerKill(pid, group, request.scope_id, seconds, request.signal)
+
+
 def _server_class() -> Any:
     """torch's ``FileTimerServer`` with the traps above handled (built on first use: it imports torch)."""
     from torch.distributed.elastic.timer.file_based_local_timer import FileTimerServer
@@ -178,14 +198,8 @@ def _server_class() -> Any:
             # one noted here, before the signal is sent
             if name != "timer expired" or request is None or request.signal <= 0:
                 return
-            pid, scope = request.worker_pid, request.scope_id
-            arrived = self._arrived.get((pid, scope), request.expiration_time)
-            try:
-                group: int | None = os.getpgid(pid)
-            except OSError:
-                group = None
-            seconds = max(0.0, request.expiration_time - arrived + MAX_INTERVAL_S)  # it arrived that late
-            self._kills.note(TimerKill(pid, group, scope, seconds, request.signal))
+            arrived = self._arrived.get((request.worker_pid, request.scope_id), request.expiration_time)
+            self._kills.note(_kill_of(request, arrived))
 
         def _reap_worker(self, worker_pid: int, signal: int) -> bool:
             if worker_pid == os.getpid():
@@ -194,11 +208,7 @@ def _server_class() -> Any:
 
         def stop(self) -> None:
             self._stop_signaled = True
-            thread = self._watchdog_thread
-            deadline = time.monotonic() + STOP_WAIT_S
-            while thread is not None and thread.is_alive() and time.monotonic() < deadline:
-                _release_opener(self._file_path)
-                thread.join(MAX_INTERVAL_S)
+            _wait_for_watchdog(self._watchdog_thread, self._file_path)
             super().stop()
 
     return HostedFileTimerServer

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from functools import partial
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import exits, reaping, spawning, teardown
 from multigpu.supervisor.control import answer

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from multigpu.contract.beats import BeatDecoder
-from multigpu.contract.errors import Subject, WorkerFailure, exit_status, exit_text
+from multigpu.contract.failure import RankIdentity, Subject, WorkerFailure, exit_status, exit_text
 from multigpu.supervisor.oom import OomWatch
 
 LOG_TAIL_LINES = 20
@@ -288,10 +288,7 @@ class Worker:
         the last lines it wrote unless another thread may be adding to them (``with_tail=False``)."""
         spec = self.spec
         return WorkerFailure.from_exit(
-            spec.rank,
-            spec.local_rank,
-            spec.node,
-            self.pid,
+            RankIdentity(spec.rank, spec.local_rank, spec.node, self.pid),
             returncode,
             record,
             log_path=str(spec.log_path) if spec.log_path else None,

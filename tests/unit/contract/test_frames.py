@@ -7,7 +7,7 @@ import sys
 import traceback
 
 import multigpu.runner.crash_loop
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.frames import library_file, module_of_file, own_file, own_frame, own_module
 from multigpu.rank.bootstrap import user_frames
 from multigpu.runner.crash_loop import signature

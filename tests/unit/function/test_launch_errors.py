@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import MultiGPUError, WorkerFailedError, WorkerFailure
+from multigpu.contract.errors import MultiGPUError, WorkerFailedError
+from multigpu.contract.failure import WorkerFailure
 from multigpu.function.launch_errors import failure_of
 from multigpu.function.rank_call import error_path
 from multigpu.record.run_json import RunRecord

@@ -6,7 +6,8 @@ import pytest
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 import multigpu
-from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+from multigpu.contract.errors import WorkerFailedError
+from multigpu.contract.failure import WorkerFailure
 from multigpu.function.launch_errors import RemoteTraceback
 from multigpu.function.spawning import as_torch_error, call_with_index
 

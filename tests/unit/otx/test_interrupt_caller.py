@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+from multigpu.contract.errors import WorkerFailedError
+from multigpu.contract.failure import RankIdentity, WorkerFailure
 from multigpu.otx import interrupt_caller as delivery
 from multigpu.otx.argv import flatten_parameters
 from multigpu.otx.interrupt_caller import FailureDelivery, hook_collective_errors
@@ -113,14 +114,14 @@ def test_record_from_exception_and_the_supervisor_view(tmp_path: Path) -> None:
     assert "KeyError: 'missing'" in (record.traceback or "")
     record.write(tmp_path / "e.json")
     assert WorkerFailure.read(tmp_path / "e.json") == record  # what the supervisor reads back
-    ended = WorkerFailure.from_exit(3, 1, 1, record.pid, -9, record, log_path="rank_3.log")
+    ended = WorkerFailure.from_exit(RankIdentity(3, 1, 1, record.pid), -9, record, log_path="rank_3.log")
     assert (ended.signal, ended.exit_code, ended.error_type, ended.traceback) == (
         "SIGKILL",
         None,
         "KeyError",
         record.traceback,
     )
-    exited = WorkerFailure.from_exit(3, 1, 1, None, 2)
+    exited = WorkerFailure.from_exit(RankIdentity(3, 1, 1, None), 2)
     assert exited.describe() == "rank 3 (node 1, pid None) exited with code 2"
 
 
@@ -246,7 +247,8 @@ def test_the_collective_hook_is_undone() -> None:
 def test_a_failure_recorded_during_setup_is_raised_once_back_in_the_callers_code() -> None:
     """A child that fails while setup is still running cannot be raised inside multigpu's code; the end
     of setup raises it, and only once (finalize() reports it again on its own)."""
-    from multigpu.contract.errors import WorkerFailedError, WorkerFailure
+    from multigpu.contract.errors import WorkerFailedError
+    from multigpu.contract.failure import WorkerFailure
     from multigpu.otx.interrupt_caller import FailureDelivery
 
     delivery = FailureDelivery()

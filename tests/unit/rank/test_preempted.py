@@ -178,10 +178,11 @@ def test_installed_handler_only_records(monkeypatch: pytest.MonkeyPatch) -> None
             signal.signal(sig, handler)
 
 
-def test_outside_a_run_nothing_happens() -> None:
-    with preemption._fresh_state(env={}) as state:
-        assert not preemption.preempted() and not preemption.should_stop(0)
-        assert state.store is None
+def test_outside_a_run_nothing_happens(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _State(env={})  # a clean slate, the real state restored after
+    monkeypatch.setattr(preemption, "_state", state)
+    assert not preemption.preempted() and not preemption.should_stop(0)
+    assert state.store is None
 
 
 def _unused(*_: Any) -> None:  # keeps the fake's signature honest for mypy's Protocol check

@@ -3,7 +3,7 @@ shows them."""
 
 from __future__ import annotations
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.record.incidents import incident, next_attempt_began, phase_seconds, progress_seen
 from multigpu.supervisor.states import RunResult, RunStatus
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from multigpu.config.run import RunConfig
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.record.run_json import RunRecord, complete_error_files, with_utc_times
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState
 

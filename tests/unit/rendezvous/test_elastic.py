@@ -23,7 +23,7 @@ SCENARIO = """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-    from multigpu.rendezvous.elastic_fixes import Liveness
+    from multigpu.rendezvous.elastic_fixes import Liveness, LivenessPace
 
     class Clock:
         now = 100.0
@@ -42,7 +42,7 @@ SCENARIO = """
         state.last_heartbeats[node] = fresh
     backend.set_state(pickle.dumps(state))
     clock = Clock()
-    liveness = Liveness(store, backend, "job", me, lost_after_s=3.0, clock=clock)
+    liveness = Liveness(store, backend, "job", me, pace=LivenessPace(lost_after_s=3.0, clock=clock))
     for node in (dead, alive):
         store.add(liveness.key(node), 1)  # the torchrun node never beats on our keys
 

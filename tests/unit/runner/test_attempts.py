@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from multigpu.config.run import RunConfig, SupervisionConfig
-from multigpu.contract.errors import NO_NODE, FailureKind, WorkerFailure, subject_without_rank
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+from multigpu.contract.failure import NO_NODE, FailureKind, WorkerFailure, subject_without_rank
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner import attempts

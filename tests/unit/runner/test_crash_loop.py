@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sysconfig
 
-from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
+from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.runner.crash_loop import CrashLoopPolicy, Signature, signature
 
 LIB = sysconfig.get_paths()["purelib"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from types import SimpleNamespace
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, RankIdentity, WorkerFailure
 from multigpu.supervisor.exits import STOP_RACE_S, StopRace, failure_of, outside_stop, who_killed
 from multigpu.supervisor.file_timer import TimerKill, TimerKills
 
@@ -56,7 +56,7 @@ def test_a_kill_the_file_timer_sent_is_named_before_any_oom_check() -> None:
         end_time=5.0,
         lines=SimpleNamespace(tail=[]),
         own_record=lambda: None,
-        ended_with=lambda rc, record: WorkerFailure.from_exit(0, 0, 0, 40, rc, record),
+        ended_with=lambda rc, record: WorkerFailure.from_exit(RankIdentity(0, 0, 0, 40), rc, record),
     )
     output = SimpleNamespace(of=lambda w: w, drain=lambda stream: None)
     kills = TimerKills()

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.supervisor import file_timer
 from multigpu.supervisor.file_timer import FileTimerHost, TimerKill, TimerKills, hosted

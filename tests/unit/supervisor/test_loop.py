@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, logged, pids_in, write_script
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec, WorkerState

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from multigpu.contract.errors import WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.supervisor.oom import MemoryCgroup, OomWatch, kernel_kill_rss, size
 

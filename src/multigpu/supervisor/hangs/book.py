@@ -18,13 +18,13 @@ The rules (``--hang-timeout`` is the ceiling C; F the safety factor, L the floor
 * Across nodes the silence is the job's: another node's progress (``remote_progress``, learned through
   the job's store once per fate beat, ``hangs.verdict.JobProgress``) counts as much as this node's own.
 
-On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named. The
-book also names stragglers (``stragglers.py``), ranks slower than the others though not stuck.
+On a hang the rank(s) that stopped first (lowest step, then earliest last progress) are named
+(``hang.py`` words it). The book also names stragglers (``stragglers.py``), ranks slower than the
+others though not stuck.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -36,23 +36,19 @@ from typing import TYPE_CHECKING, Any
 
 from multigpu.config.run import HangConfig
 from multigpu.contract.beats import Beat
-from multigpu.contract.errors import FailureKind, WorkerFailure
-from multigpu.supervisor.hangs.culprit import find_culprits
+from multigpu.supervisor.hangs.hang import Hang, Timeout, hang_line, hang_notice
 from multigpu.supervisor.hangs.lateness import StragglerWatch
 from multigpu.supervisor.hangs.learned import LEARNED_FILE, Learned
 from multigpu.supervisor.states import WINDOW, RankProgress, rounded
 
 if TYPE_CHECKING:
     from multigpu.config.run import RunConfig
-    from multigpu.supervisor.hangs.flight_record import Finding
-    from multigpu.supervisor.states import Worker, WorkerSpec
+    from multigpu.supervisor.states import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 2.0
 """Learned numbers go to the output folder at most this often (and at the attempt's end)."""
-TIE_S = 0.01
-"""Ranks whose last progress at the same step is this close are named together: no one is first."""
 
 
 @dataclass(frozen=True)
@@ -72,24 +68,6 @@ class HangPolicy:
     def clamp(self, seconds: float) -> float:
         value = max(self.floor, self.factor * seconds)
         return value if self.ceiling is None else min(self.ceiling, value)
-
-
-@dataclass(frozen=True)
-class Timeout:
-    seconds: float
-    why: str
-
-
-@dataclass(frozen=True)
-class Hang:
-    """A hang decision: the ranks that stopped first, in order, and the line that says so."""
-
-    culprits: list[int]
-    line: str
-    quiet: dict[int, float]
-    """Seconds since each running rank's last progress, when the hang was called."""
-    notice: str = ""
-    """What is known before any stack is read, naming no rank: the first line on the console."""
 
 
 class ProgressBook:
@@ -271,51 +249,15 @@ class ProgressBook:
         late: set[int],
         silent: float | None = None,
     ) -> Hang:
-        culprits = self.order(running, late)
-        first = culprits[0]
-        p = self.ranks[first]
-        window = min(TIE_S, 0.05 * quiet[first])
-        tied = [
-            r
-            for r in culprits
-            if r in late
-            and self.ranks[r].step == p.step
-            and self.ranks[r].last_progress - p.last_progress <= window
-        ]
-        where = f"at step {p.step}" if p.step is not None else "before any step"
-        if p.section is not None:
-            where += f" in section {p.section!r}"
-        names = ", ".join(str(r) for r in tied)
-        who = f"rank {names}" if len(tied) == 1 else f"ranks {names}"
-        others = [r for r in culprits if r not in tied]
-        rest = "; ".join(f"rank {r} {self._at(r)}, {quiet[r]:.1f}s ago" for r in others[:4])
-        why = limit.why if limit.why.startswith("no rank") else f"timeout {limit.seconds:.3g}s, {limit.why}"
-        line = f"{who} stopped progressing first: last progress {quiet[first]:.1f}s ago {where} ({why})" + (
-            f"; {rest}" if rest else ""
-        )
-        notice = self._notice(running, quiet[first] if silent is None else silent, limit)
-        return Hang(tied + others, line, quiet, notice)
-
-    def _notice(self, running: list[int], silent: float, limit: Timeout) -> str:
-        """``no progress for 5.0s since step 29 (--hang-timeout 5s)``: the silence and the last step any
-        rank here reached, before the stacks say who holds the job up."""
-        steps = [s for r in running if (s := self.ranks[r].step) is not None]
-        since = f" since step {max(steps)}" if steps else ""
-        why = (
-            f"--hang-timeout {limit.seconds:g}s"
-            if limit.why.startswith(("no rank", "--hang"))
-            else f"timeout {limit.seconds:.3g}s, {limit.why}"
-        )
-        return f"no progress for {silent:.1f}s{since} ({why})"
+        ordered = self.order(running, late)
+        culprits, line = hang_line(self.ranks, ordered, quiet, limit, late)
+        silence = quiet[ordered[0]] if silent is None else silent
+        return Hang(culprits, line, quiet, hang_notice(self.ranks, running, silence, limit))
 
     def shortest_timeout(self) -> float | None:
         """The shortest timeout any rank has now: how often the loop must look."""
         limits = [t for r in self.ranks if (t := self.timeout_seconds(r)) is not None]
         return min(limits, default=None)
-
-    def _at(self, rank: int) -> str:
-        step = self.ranks[rank].step
-        return "before any step" if step is None else f"at step {step}"
 
     def order(self, ranks: Iterable[int], late: set[int] | None = None) -> list[int]:
         """Who stopped first: the ranks past their timeout (``late``), then the lowest step (no step
@@ -352,38 +294,6 @@ class ProgressBook:
             data.update(self.stragglers.fields(r))
             out[str(r)] = data
         return out
-
-
-def hang_failures(
-    hang: Hang, running: list[Worker], flight: list[Finding], wall_now: float
-) -> list[WorkerFailure]:
-    """One ``Hang`` failure per running rank, the first culprit first in time (the report's root
-    cause); its message is the report's first line: the flight recorder's findings when there are
-    any (which rank is missing from which collective; those ranks go first), then the ranks whose
-    stacks are outside torch.distributed while the others wait in it (``culprit.py``), then who
-    stopped progressing first."""
-    blamed = [r for f in flight for r in f.ranks]
-    stacks = find_culprits({w.rank: w.dumps.stacks for w in running})
-    outside = stacks.ranks if stacks is not None else []
-    culprits = [*dict.fromkeys([r for r in blamed if r in hang.culprits] + outside + hang.culprits)]
-    order = {r: i for i, r in enumerate(culprits)}
-    progress = hang.line.split(" stopped progressing first: ", 1)[-1] if stacks else hang.line
-    first = "; ".join([*(f.line for f in flight), *([stacks.line] if stacks else []), progress])
-    failures = []
-    base = wall_now - max(hang.quiet.values(), default=0.0)  # the earliest last progress, roughly
-    for w in sorted(running, key=lambda w: order.get(w.rank, len(order))):
-        quiet = hang.quiet.get(w.rank, 0.0)
-        message = first if w.rank == culprits[0] else f"no progress for {quiet:.1f}s"
-        failures.append(
-            dataclasses.replace(
-                w.ended_with(None),
-                error_type=FailureKind.HANG,
-                message=message,
-                traceback="\n".join(w.dumps.stacks) or None,
-                time=base + order.get(w.rank, len(order)) * 1e-3,
-            )
-        )  # sorted later: keeps the culprits' order
-    return failures
 
 
 def progress_book(

@@ -29,9 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from multigpu.contract.errors import FailureKind, WorkerFailure
-from multigpu.supervisor.hangs.book import ProgressBook, hang_failures
+from multigpu.contract.failure import FailureKind, WorkerFailure
+from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.hangs.culprit import find_culprits
+from multigpu.supervisor.hangs.hang import hang_failures
 from multigpu.supervisor.hangs.stack_dumps import DumpRequest, flight_record
 from multigpu.supervisor.outcome import Outcome
 from multigpu.supervisor.states import Worker

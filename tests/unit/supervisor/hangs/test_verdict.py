@@ -15,7 +15,7 @@ import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, logged, supervisor_arguments, write_script
 from multigpu.contract.beats import BeatDecoder
-from multigpu.contract.errors import FailureKind, Subject, WorkerFailure
+from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.rank import progress
 from multigpu.rendezvous.hang_store import Exchange, StoreHangs
 from multigpu.rendezvous.job import JobStore

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from multigpu.contract.errors import NO_NODE, NO_RANK, FailureKind, Subject, WorkerFailure
+from multigpu.contract.failure import NO_NODE, NO_RANK, FailureKind, Subject, WorkerFailure
 from multigpu.rendezvous.failure_sharing import (
     failure_from_record,
     failure_record,
