@@ -8,8 +8,10 @@ deadline, SIGKILL for what is left, a bounded reap. ``close()`` is safe to call 
 twice raises. What the workers write is ``output.WorkerOutput``'s business: the loop hands it ready
 pipes and never waits on a console.
 
-Progress and the hang decision are ``hang.ProgressBook``'s: the loop feeds it every rank's beats
-(``beat_pipe.py``) and asks it each turn; ``stack_dumps`` collects stacks and flight records.
+Progress and the hang decision are ``hangs/``'s: the loop feeds the ``ProgressBook`` every rank's
+beats (``beat_pipe.py``) and asks ``verdict.HangWatch`` each turn, which judges a hang on this node
+or declares it to the job; ``stack_dumps`` collects stacks and flight records. The loop's own lines
+(a hang, a SIGKILL, a late death) are logged (``console/log.py`` shows them).
 A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
 succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
 Worker states and the other types are in ``states.py``; an exit's meaning in ``exits.py``, the

@@ -2,7 +2,8 @@
 read from every rank's stacks. Runs in each node's launcher (the supervisor's thread, and the fate
 monitor's beat thread for ``JobProgress``).
 
-On one node the supervisor sees every rank, so its ``ProgressBook`` decides alone. Across nodes a
+The supervisor asks ``HangWatch`` each turn. On one node it sees every rank, so its ``ProgressBook``
+decides alone, and this node's stacks and flight records judge the hang. Across nodes a
 rank that prints nothing (most print from rank 0 only) would look silent to its own node while the
 job trains, and the rank that holds a collective up may be on another node than the ranks that wait
 for it. So:
