@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import multigpu.console.log  # noqa: F401 - the ``multigpu`` logger at INFO, as in every launcher
 from helpers import alive, record_problems
 
 

@@ -14,7 +14,10 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import pytest
 
 PYTHON = sys.executable
 MULTIGPU = [PYTHON, "-m", "multigpu"]
@@ -186,15 +189,21 @@ def node_args(
     return args
 
 
-def supervisor_arguments(notes: list[str], **kwargs: Any) -> dict[str, Any]:
-    """``Supervisor``'s keyword arguments from flat ones (``grace_period=``, ``tick=``...), with notes."""
+def supervisor_arguments(**kwargs: Any) -> dict[str, Any]:
+    """``Supervisor``'s keyword arguments from flat ones (``grace_period=``, ``tick=``...)."""
     from multigpu.supervisor.settings import Hooks, SupervisorOptions
 
     option_names = {f.name for f in dataclasses.fields(SupervisorOptions)}
     hook_names = {f.name for f in dataclasses.fields(Hooks)}
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names}
     hooks = {k: kwargs.pop(k) for k in list(kwargs) if k in hook_names}
-    return {"options": SupervisorOptions(**options), "hooks": Hooks(notify=notes.append, **hooks), **kwargs}
+    return {"options": SupervisorOptions(**options), "hooks": Hooks(**hooks), **kwargs}
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The launcher's own lines that the code under test logged (``console/log.py``), in order: what a
+    run's console would show after ``multigpu: ``."""
+    return [r.getMessage() for r in caplog.records if r.name.split(".")[0] == "multigpu"]
 
 
 NUMPY_SITE = Path(os.environ.get("MULTIGPU_TEST_NUMPY_SITE", "/tmp/multigpu-test-numpy"))

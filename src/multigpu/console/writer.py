@@ -24,6 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from multigpu.console.log import line_on_stderr
+
 CAPACITY = 4 << 20
 """Bytes the console may hold unwritten; a single larger line is still taken when the buffer is empty."""
 WRITE_CHUNK = 4096  # PIPE_BUF: after POLLOUT, a write this size does not block on a pipe
@@ -39,19 +41,12 @@ past it the console counts as stopped, and lines are dropped instead."""
 CLEAR_LINE = b"\x1b[K"
 
 
-def say_on_stderr(message: str) -> None:
-    """A launcher line straight onto stderr: where no console writer runs (function mode's caller, a
-    library's default, a test), and for a run's lines before its writer starts or once it closed."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        sys.stderr.write(f"multigpu: {message}\n")
-        sys.stderr.flush()
-
-
 class Console:
     """The launcher's console for one ``multigpu run``: made where its ``ConsoleWriter`` is made
-    (``runner/attempts.py``) and handed to every part that writes to it; nothing reads it from a global.
-    ``say`` is the launcher's own one-line messages; ``writer`` is what the ranks' lines, the live view
-    and the summary table go through."""
+    (``runner/attempts.py``) and handed to every part that writes to the console itself; nothing reads
+    it from a global. ``say`` shows the launcher's own lines (every module logs them; the run's log
+    handler, ``log.lines_through``, calls it); ``writer`` is what the ranks' lines, the live view and the
+    summary table go through."""
 
     def __init__(self, writer: ConsoleWriter | None = None) -> None:
         self._writer = writer
@@ -66,7 +61,7 @@ class Console:
         """One line of the launcher's own, through the writer while it takes lines, else onto stderr."""
         writer = self.writer
         if writer is None:
-            say_on_stderr(message)
+            line_on_stderr(message)
             return
         text = f"multigpu: {message}\n"
         writer.put(2, text.encode(errors="replace"), text.count("\n"), keep=True)

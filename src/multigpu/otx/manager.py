@@ -26,7 +26,6 @@ from multigpu.cluster.devices import dedupe, device_wish, keep_visible, parse_in
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import SupervisionConfig
 from multigpu.console.caller import caller_lines
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.environment import Device, inside_launched_worker
 from multigpu.contract.errors import MultiGPUError, WorkerFailedError
 from multigpu.contract.names import LAUNCHER_PID_ENV
@@ -193,7 +192,7 @@ class MultiGPUManager:
         # (whose import_torch_quietly, for the CLI's launcher, then leaves c10's log level alone).
         import torch.distributed  # noqa: F401
 
-        self._rdzv = rdzv = rendezvous(config, sock, say_on_stderr)  # no console writer here
+        self._rdzv = rdzv = rendezvous(config, sock)  # no console writer here: its lines go to stderr
         undo.callback(setattr, self, "_rdzv", None)
         if rdzv.one_node:  # this process is rank 0 and serves the store
             assert sock is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import socket
 import sys
@@ -22,13 +23,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from multigpu.config.run import RunConfig
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import UsageError
 from multigpu.contract.files import open_existing, temporary_beside
 from multigpu.contract.signals import signal_name
 from multigpu.record import incidents
 from multigpu.record.failure_report import rank_reason
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -114,11 +116,8 @@ class RunRecord:
         run_id: str,
         devices: list[str],
         command: list[str] | None = None,
-        notify: Callable[[str], None] = say_on_stderr,
     ) -> None:
         self.path = path
-        self._notify = notify
-        """Where the one line of a record that cannot be updated goes (the run's console)."""
         resolved = _config_dict(config)  # what the run uses, not only what was given
         resolved["output"].update(dir=str(path.parent), run_id=run_id)
         self.data: dict[str, Any] = {
@@ -147,12 +146,10 @@ class RunRecord:
         config: RunConfig,
         run_id: str,
         devices: list[str],
-        *,
-        notify: Callable[[str], None] = say_on_stderr,
     ) -> RunRecord:
         """A new record, or one line (exit 2) when its folder cannot take it: before any worker runs."""
         try:
-            return cls(path, config, run_id, devices, notify=notify)
+            return cls(path, config, run_id, devices)
         except OSError as exc:
             raise UsageError(
                 f"output folder {path.parent}: cannot write {path.name}: {exc.strerror or exc}"
@@ -253,7 +250,7 @@ class RunRecord:
                 raise  # the first write, before any worker: the caller turns it into one line
             if self._write_error is None:
                 self._write_error = exc.strerror or str(exc)
-                self._notify(
+                logger.warning(
                     f"cannot update {self.path}: {self._write_error}; it stays as last written "
                     f"until a write succeeds"
                 )

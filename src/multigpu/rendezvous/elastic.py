@@ -19,20 +19,21 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
 from multigpu.rendezvous.elastic_fixes import Liveness, handler_class
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
+
+logger = logging.getLogger(__name__)
 
 WAITING_POLL_S = 0.5
 WATCHER_KEY = "multigpu/watcher"
@@ -184,9 +185,8 @@ class ElasticRendezvous:
         settings: ElasticSettings,
         *,
         hosted: bool,
-        notify: Callable[[str], None],
     ) -> None:
-        """``notify``: where a node waiting for its round says so (the run's console)."""
+        """A node waiting for its round says so in a log line (``RoundWait``: the run's console)."""
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
@@ -195,7 +195,6 @@ class ElasticRendezvous:
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
         self.hosted = hosted
         """Whether this launcher serves the job's store: then it leaves last."""
-        self._notify = notify
         self.addr = local_address(rdzv.endpoint)
         self.backend = C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(
@@ -239,7 +238,7 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
-        wait = RoundWait(self.backend, self.config, self.settings.join_timeout, self._notify)
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
         try:
             with wait:
                 return self.handler.next_rendezvous()
@@ -339,10 +338,9 @@ class RoundWait:
         backend: Any,
         config: RunConfig,
         timeout_s: float,
-        notify: Callable[[str], None] = say_on_stderr,
         first_s: float = 2.0,
     ) -> None:
-        self.backend, self.config, self.timeout_s, self._notify = backend, config, timeout_s, notify
+        self.backend, self.config, self.timeout_s = backend, config, timeout_s
         self.first_s = first_s
         self.last: str | None = None
         """Who had joined at the last look, for a Ctrl-C's line."""
@@ -365,7 +363,7 @@ class RoundWait:
             with contextlib.suppress(Exception):  # the store is gone: the rendezvous itself says so
                 joined = self.joined()
                 if not self._stop.is_set():
-                    self._notify(round_wait_line(joined, self.config, self._deadline - time.monotonic()))
+                    logger.info(round_wait_line(joined, self.config, self._deadline - time.monotonic()))
 
     def joined(self) -> list[str]:
         """The nodes in the round being formed (and those waiting for the next), as ``host pid N``."""

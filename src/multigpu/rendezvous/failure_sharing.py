@@ -14,12 +14,12 @@ measured round trips (``latency.Latency``), not a fixed one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import STORE_HOST_ENDED, StoreLostError
 from multigpu.contract.failure import LEARNED_FROM_SILENCE, NO_NODE, FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
@@ -28,6 +28,8 @@ from multigpu.rendezvous.latency import BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
 from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
+
+logger = logging.getLogger(__name__)
 
 BEAT_S = 0.2
 T = TypeVar("T")
@@ -87,15 +89,11 @@ class FateMonitor:
         watcher: bool | None = None,
         latency: Latency | None = None,
         clock: Callable[[], float] = time.monotonic,
-        progress: JobProgress | None = None,
-        notify: Callable[[str], None] = say_on_stderr,
     ) -> None:
         self.job = job
-        self._notify = notify
-        """Where the one line of a lost store goes (the run's console in ``multigpu run``)."""
-        self.progress = progress
+        self.progress: JobProgress | None = None
         """This node's ranks' progress, shared with the job's once per beat
-        (``hangs.verdict.JobProgress``)."""
+        (``hangs.verdict.JobProgress``): set before ``start`` by an attempt, which has ranks."""
         self.watcher = job.is_watcher if watcher is None else watcher
         self.latency = latency or Latency()
         self._on_failure = on_remote_failure
@@ -145,7 +143,7 @@ class FateMonitor:
             self.verdict = failure
         self._verdict.set()
         if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
-            self._notify(f"{failure.describe()}; stopping")
+            logger.warning(f"{failure.describe()}; stopping")
         self._on_failure(failure)
 
     def await_verdict(self) -> WorkerFailure | None:
@@ -372,13 +370,11 @@ def finish_job(job: JobStore | None, hosts_store: bool) -> None:
         leave_job(job)
 
 
-def serve_until_all_done(
-    job: JobStore, poll_s: float = 0.2, notify: Callable[[str], None] = say_on_stderr
-) -> None:
+def serve_until_all_done(job: JobStore, poll_s: float = 0.2) -> None:
     """The store's host keeps serving until every node is done or the job died, and watches the nodes
     still running meanwhile (it is the watcher now, whoever watched during the attempt)."""
     lost: list[WorkerFailure] = []
-    monitor = FateMonitor(job, lost.append, watcher=True, notify=notify)
+    monitor = FateMonitor(job, lost.append, watcher=True)
     monitor.start()
     try:
         while not lost and not job.all_done() and job.read_abort() is None:

@@ -6,9 +6,13 @@ attempt, whatever the membership, through here.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from multigpu.config.run import RunConfig
 from multigpu.console.ranks import PrefixedConsole
@@ -26,6 +30,7 @@ from multigpu.rendezvous.failure_sharing import (
 )
 from multigpu.rendezvous.hang_store import StoreHangs
 from multigpu.rendezvous.job import JobStore
+from multigpu.runner.membership import Meeting, Membership
 from multigpu.runner.preempt_watch import PreemptWatch
 from multigpu.runner.sentinel_handle import node_sentinel
 from multigpu.supervisor.control import ControlSocket, socket_name
@@ -34,9 +39,35 @@ from multigpu.supervisor.hangs.book import progress_book
 from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
-from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
 from multigpu.supervisor.stop_requests import capture_signals
+
+if TYPE_CHECKING:
+    from multigpu.runner.live_view import LiveStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """One run on this node, for all its attempts: what each attempt starts from (made by
+    ``attempts.py``, which runs the attempts)."""
+
+    config: RunConfig
+    members: Membership
+    record: RunRecord
+    output_dir: Path
+    base_env: Mapping[str, str]
+    cvd: str | None
+    """``CUDA_VISIBLE_DEVICES`` for the ranks (GPU jobs)."""
+    reaper: bool = False
+    """This launcher is a child subreaper: it ends and reaps what left the ranks' groups."""
+    watch: PreemptWatch | None = None
+    over: bool = False
+    """The job is over for every node (an elastic rendezvous is then closed: a latecomer is told so)."""
+    console: Console = field(default_factory=Console)
+    """The run's console (``launch``'s writer): the ranks' lines, the live view and the summary go
+    through it; without a writer they go straight to stderr."""
 
 
 def exit_code(result: RunResult) -> int:
@@ -78,16 +109,10 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
 
 
 def _end(
-    supervisor: Supervisor,
-    result: RunResult,
-    config: RunConfig,
-    record: RunRecord,
-    job: JobStore | None,
-    monitor: FateMonitor | None = None,
-    warned: bool = False,
+    supervisor: Supervisor, result: RunResult, run: Run, meeting: Meeting, monitor: FateMonitor | None
 ) -> RunResult:
     """Stop the attempt's ranks the way its outcome asks, and settle its result with the other nodes."""
-    say = supervisor.hooks.notify  # the run's console (``run_attempt``)
+    job = meeting.job
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
         result = share_failure(job, _lost_node_first(result, monitor))
     if result.status is RunStatus.INTERRUPTED:
@@ -102,9 +127,9 @@ def _end(
             if told is None
             else f"node {told.node}'s launcher received {signal_name(sig)}"
         )
-        say(
-            f"{heard}: stopping every rank (grace {config.supervision.grace_period:g}s; Ctrl-C again to "
-            "kill now)"
+        logger.info(
+            f"{heard}: stopping every rank (grace {meeting.config.supervision.grace_period:g}s; Ctrl-C "
+            "again to kill now)"
         )
         supervisor.close(sig=sig)
     else:
@@ -112,10 +137,11 @@ def _end(
     result = supervisor.final_result(result)
     complete_error_files(supervisor.workers)
     for loss in supervisor.output_losses():
-        say(f"output lost: {loss}")
-    record.note_losses(supervisor.output_losses())
+        logger.warning(f"output lost: {loss}")
+    run.record.note_losses(supervisor.output_losses())
     if job is not None:
         result = settle_root(job, result)
+    warned = run.watch is not None and run.watch.warned
     if job is not None and result.status is RunStatus.SUCCEEDED and not warned:
         mark_done(job)  # after a preemption warning: once the record says so (preemption.finish_preempted)
     return result
@@ -152,78 +178,76 @@ def open_control(record: RunRecord) -> Iterator[ControlSocket | None]:
 
 
 def run_attempt(
-    config: RunConfig,
-    specs: list[WorkerSpec],
-    record: RunRecord,
-    reaper: bool,
-    attempt: int,
-    job: JobStore | None = None,
-    preempt: PreemptWatch | None = None,
-    spawner: Spawner | None = None,
-    *,
-    console: Console,
-    timer: TimerKills | None = None,
+    run: Run, meeting: Meeting, specs: list[WorkerSpec], timer: TimerKills | None = None
 ) -> tuple[RunResult, list[Worker]]:
     """One attempt on this node, from its ranks' start to their end; its result and its ranks' records.
-    ``console``: the run's, which every line of the attempt goes through; ``timer``: the kills of the
-    attempt's file timer, where the node hosts one."""
+    ``specs``: the ranks it starts; ``timer``: the kills of the attempt's file timer, where the node
+    hosts one. The ranks' lines, the live view and the summary go through the run's console; the
+    launcher's own lines are logged (the run's handler shows them on the same console)."""
+    config, console = meeting.config, run.console
     ranks = PrefixedConsole(config.output.log_ranks, qualify_node=config.multi_node, writer=console.writer)
     live = None
     if _use_live_view(config, console):
         from multigpu.runner.live_view import LiveStatus
 
-        live = LiveStatus(f"multigpu attempt {attempt}", ranks, console.writer)
+        live = LiveStatus(f"multigpu attempt {meeting.attempt}", ranks, console.writer)
     with ExitStack() as stack:
-        options = SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=reaper)
-        sentinel = node_sentinel()
-        control = stack.enter_context(open_control(record))
-        hooks = Hooks(
-            listener=record,
-            tick=live.refresh if live else None,
-            notify=console.say,
-            console=console,
-            control=control,
-            guard=sentinel.watch if sentinel is not None else None,
-            job_hang=StoreHangs(job) if job is not None else None,
-            timer=timer,
-        )
         supervisor = Supervisor(
             specs,
             sink=live or ranks,
-            options=options,
-            hooks=hooks,
-            spawner=spawner,
-            progress=progress_book(config, record.path.parent, specs, console.say),
+            options=SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=run.reaper),
+            hooks=_hooks(run, meeting.job, stack, live, timer),
+            spawner=run.members.spawner,
+            progress=progress_book(config, run.record.path.parent, specs),
         )
         stack.callback(supervisor.close)
         if live is not None:
             live.workers = supervisor.workers
             stack.enter_context(live)
+        preempt = run.watch
         stack.enter_context(
             capture_signals(
                 preempt.attach(stack, supervisor) if preempt is not None else supervisor.request_signal
             )
         )
         supervisor.start()
-        monitor = None
-        if job is not None:
-            monitor = FateMonitor(
-                job,
-                _on_remote(supervisor, job),
-                progress=JobProgress(supervisor.progress),
-                notify=console.say,
-            )
-            monitor.start()
-            stack.callback(monitor.stop)
+        monitor = _fate_monitor(supervisor, meeting.job, stack)
         result = supervisor.wait()
         assert result is not None
-        result = _end(
-            supervisor, result, config, record, job, monitor, warned=preempt is not None and preempt.warned
-        )
+        result = _end(supervisor, result, run, meeting, monitor)
     if live is not None:
         from multigpu.runner.live_view import print_summary_table
 
         print_summary_table(supervisor.workers, console.writer)
     else:
-        console.say(plain_summary(supervisor.workers).removeprefix("multigpu: "))
+        logger.info(plain_summary(supervisor.workers).removeprefix("multigpu: "))
     return result, supervisor.workers
+
+
+def _hooks(
+    run: Run, job: JobStore | None, stack: ExitStack, live: LiveStatus | None, timer: TimerKills | None
+) -> Hooks:
+    """What the attempt's supervisor calls back: the record, the live view, the console, the control
+    socket (open for the attempt), the node's sentinel, the job's hang exchange, the file timer."""
+    sentinel = node_sentinel()
+    return Hooks(
+        listener=run.record,
+        tick=live.refresh if live else None,
+        console=run.console,
+        control=stack.enter_context(open_control(run.record)),
+        guard=sentinel.watch if sentinel is not None else None,
+        job_hang=StoreHangs(job) if job is not None else None,
+        timer=timer,
+    )
+
+
+def _fate_monitor(supervisor: Supervisor, job: JobStore | None, stack: ExitStack) -> FateMonitor | None:
+    """A job of several nodes: the thread that shares this attempt's fate with theirs, until ``stack``
+    closes."""
+    if job is None:
+        return None
+    monitor = FateMonitor(job, _on_remote(supervisor, job))
+    monitor.progress = JobProgress(supervisor.progress)
+    monitor.start()
+    stack.callback(monitor.stop)
+    return monitor

@@ -9,18 +9,19 @@ launcher.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from multigpu.cluster import requeue
 from multigpu.cluster.devices import cuda_visible_devices_for, visible_gpus
 from multigpu.cluster.requeue import allocation_dir
 from multigpu.config.run import RunConfig
+from multigpu.console.log import lines_through
 from multigpu.console.writer import Console, ConsoleWriter
 from multigpu.contract.errors import Interrupted, MultiGPUError, RendezvousError
 from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
@@ -33,7 +34,7 @@ from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import serve_until_all_done
 from multigpu.rendezvous.store import STORE_NOTES
-from multigpu.runner.attempt import exit_code, run_attempt
+from multigpu.runner.attempt import Run, exit_code, run_attempt
 from multigpu.runner.crash_loop import CrashLoopPolicy
 from multigpu.runner.membership import Meeting, Membership, StaticMembership
 from multigpu.runner.preempt_watch import PreemptWatch, finish_preempted
@@ -44,19 +45,23 @@ from multigpu.supervisor import file_timer
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 from multigpu.supervisor.stop_requests import end_with_signal
 
+logger = logging.getLogger(__name__)
+
 
 def launch(config: RunConfig, base_env: Mapping[str, str] | None = None) -> int:
     """Run the job to its end and return the launcher's exit code.
 
     The console is a ``ConsoleWriter`` for the whole run, so no console (stalled, closed, full) can
-    hold the launcher; its ``Console`` is handed to every part of the run that writes to it. After a
+    hold the launcher; its ``Console`` is handed to every part of the run that writes to it, and every
+    line the launcher logs goes through it meanwhile (``console.log.lines_through``). After a
     Ctrl-C the launcher ends itself with SIGINT once everything is torn down, as Python does for
     KeyboardInterrupt, so a shell loop around it stops too.
     """
     base_env = dict(os.environ if base_env is None else base_env)
     try:
-        with ConsoleWriter() as writer, _debug_sockets(config, base_env):
-            code, record = _launch(config, base_env, Console(writer))
+        writer = ConsoleWriter()  # closed (flushed) before the run's log handler goes
+        with lines_through(Console(writer)) as console, writer, _debug_sockets(config, base_env):
+            code, record = _launch(config, base_env, console)
     finally:
         close_node_sentinel()  # every rank is reaped: nothing left for it to guard
     if record is not None and record.stop_signal == signal.SIGINT:
@@ -88,7 +93,7 @@ def _launch(config: RunConfig, base_env: dict[str, str], console: Console) -> tu
     if config.device == "cuda":
         cvd = cuda_visible_devices_for(list(config.gpus), visible_gpus(base_env))
         devices = [f"cuda:{i}" for i in config.gpus]
-    members = open_membership(config, base_env, console)
+    members = open_membership(config, base_env)
     run: Run | None = None
     record: RunRecord | None = None
     try:
@@ -100,11 +105,9 @@ def _launch(config: RunConfig, base_env: dict[str, str], console: Console) -> tu
             notes = members.record_name.replace("run", "store", 1).replace(".json", ".log")
             STORE_NOTES.attach(output_dir / notes)
         try:
-            record = RunRecord.create(
-                output_dir / members.record_name, config, members.run_id, devices, notify=console.say
-            )
+            record = RunRecord.create(output_dir / members.record_name, config, members.run_id, devices)
             for line in members.opening(output_dir):
-                console.say(line)
+                logger.info(line)
             run = Run(config, members, record, output_dir, base_env, cvd, console=console)
             return run_attempts(run), record  # finishes the record
         finally:
@@ -116,33 +119,13 @@ def _launch(config: RunConfig, base_env: dict[str, str], console: Console) -> tu
         members.close(over=over)
 
 
-def open_membership(config: RunConfig, base_env: Mapping[str, str], console: Console) -> Membership:
+def open_membership(config: RunConfig, base_env: Mapping[str, str]) -> Membership:
     """This node's membership of the job, met (its run id agreed): elastic rounds or a fixed set."""
     if is_elastic(config):  # torch's dynamic rendezvous; imports torch
         from multigpu.runner.rounds import ElasticMembership
 
-        return ElasticMembership(config, base_env, console.say)
-    return StaticMembership(config, base_env, console.say)
-
-
-@dataclass
-class Run:
-    """One run on this node, for all its attempts: what each attempt starts from."""
-
-    config: RunConfig
-    members: Membership
-    record: RunRecord
-    output_dir: Path
-    base_env: Mapping[str, str]
-    cvd: str | None
-    """``CUDA_VISIBLE_DEVICES`` for the ranks (GPU jobs)."""
-    reaper: bool = False
-    """This launcher is a child subreaper: it ends and reaps what left the ranks' groups."""
-    watch: PreemptWatch | None = None
-    over: bool = False
-    """The job is over for every node (an elastic rendezvous is then closed: a latecomer is told so)."""
-    console: Console = field(default_factory=Console)
-    """The run's console (``launch``'s writer); without one, lines go straight to stderr."""
+        return ElasticMembership(config, base_env)
+    return StaticMembership(config, base_env)
 
 
 def run_attempts(run: Run) -> int:
@@ -151,13 +134,11 @@ def run_attempts(run: Run) -> int:
 
     One loop for every membership (torch elastic's agent runs one ``_invoke_run`` whatever its
     rendezvous): meet, run the attempt, then decide (``_verdict``) whether the run ends or meets again."""
-    config, record, say = run.config, run.record, run.console.say
+    config, record = run.config, run.record
     run.reaper = set_child_subreaper()
     _resume(run)
     run.watch = (
-        PreemptWatch(
-            requeue.warning_names(config), grace=config.preemption.grace, job=run.members.job, notify=say
-        )
+        PreemptWatch(requeue.warning_names(config), grace=config.preemption.grace, job=run.members.job)
         if config.preemption.signals
         else None
     )
@@ -199,7 +180,7 @@ def _resume(run: Run) -> None:
     resumed, previous = int(env[RESUMED_ENV]), env.get(PREVIOUS_OUTPUT_ENV)
     run.record.data.update(resumed=resumed, previous_output=previous)
     if resumed:
-        run.console.say(
+        logger.info(
             f"resuming: {resumed} earlier allocation(s) of this job (MULTIGPU_RESUMED={resumed}); the "
             f"latest one's output is in {previous} (MULTIGPU_PREVIOUS_OUTPUT)"
         )
@@ -218,18 +199,7 @@ def _attempt(run: Run, meeting: Meeting) -> tuple[RunResult, list[Worker]]:
             if spec.error_file is not None:
                 spec.error_file.unlink(missing_ok=True)
         record.begin_attempt(meeting.attempt, meeting.master_addr, meeting.master_port)
-        result, workers = run_attempt(
-            meeting.config,
-            specs,
-            record,
-            run.reaper,
-            meeting.attempt,
-            meeting.job,
-            run.watch,
-            run.members.spawner,
-            console=run.console,
-            timer=timer.kills if timer is not None else None,
-        )
+        result, workers = run_attempt(run, meeting, specs, timer.kills if timer is not None else None)
     record.end_attempt(result)
     return result, workers
 
@@ -242,29 +212,27 @@ def _verdict(
     torchrun's rules: a node waiting to join ends the round without counting as a restart; a failed
     attempt counts once, job-wide, while ``--max-restarts`` allows; every node reads the same root
     cause, so every node comes to the same answer (the crash-loop stop included)."""
-    config, members, watch, say = run.config, run.members, run.watch, run.console.say
+    config, members, watch = run.config, run.members, run.watch
     warned = watch is not None and watch.warned
     if result.status is RunStatus.SUCCEEDED and not warned:
         if meeting.job is not None and members.serves_store:  # it leaves last: every node read the end
-            serve_until_all_done(meeting.job, notify=say)
+            serve_until_all_done(meeting.job)
         return _finish(run, 0)
     root = result.root_cause
     if root is not None and root.kind is FailureKind.MEMBERSHIP_CHANGE:
-        say(f"{root.message}; stopping this round on every node")
+        logger.info(f"{root.message}; stopping this round on every node")
         return None
     if result.status is not RunStatus.SUCCEEDED:
-        say(format_report(result, workers, attempt=meeting.attempt))
+        logger.warning(format_report(result, workers, attempt=meeting.attempt))
     if watch is not None and warned and not _interrupted_by_user(result):
         run.over = True
         return finish_preempted(
-            meeting.config,
-            meeting.job,
+            meeting,
             run.record,
             watch,
             result,
             run.base_env,
             leads=members.serves_store or meeting.job is None,
-            notify=say,
         )
     if result.status is RunStatus.INTERRUPTED:
         return _finish(run, exit_code(result), over=False)  # this node leaves; an elastic job goes on
@@ -272,10 +240,10 @@ def _verdict(
         return _finish(run, exit_code(result))
     loop = policy.check(root if result.status is RunStatus.FAILED else None, meeting.attempt)
     if loop is not None:
-        say(loop)
+        logger.warning(loop)
         run.record.data["crash_loop"] = loop
         return _finish(run, EXIT_CRASH_LOOP)
-    say(members.restart(meeting))
+    logger.info(members.restart(meeting))
     return None
 
 

@@ -14,7 +14,7 @@ Two memberships:
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -114,17 +114,16 @@ class Membership(Protocol):
 class StaticMembership:
     """One node, or a fixed set: met once by ``meeting.rendezvous``, and again by ``meet_again``."""
 
-    def __init__(self, config: RunConfig, base_env: Mapping[str, str], notify: Callable[[str], None]) -> None:
-        """Bind the store's socket (node 0), start the node's spawner, and meet the other nodes;
-        ``notify``: the run's console (``Console.say``)."""
-        self.config, self._notify = config, notify
+    def __init__(self, config: RunConfig, base_env: Mapping[str, str]) -> None:
+        """Bind the store's socket (node 0), start the node's spawner, and meet the other nodes."""
+        self.config = config
         endpoint = config.rdzv.endpoint or LOOPBACK
         self._sock: socket.socket | None = bind_store_socket(endpoint) if config.base_rank == 0 else None
         self.spawner: NodeSpawner | None = None
         try:
-            spawner = node_spawner(config, self._sock, notify, base_env)
+            spawner = node_spawner(config, self._sock, base_env)
             self.spawner = spawner
-            self.rdzv: Rendezvous = replace(rendezvous(config, self._sock, notify), spawner=spawner)
+            self.rdzv: Rendezvous = replace(rendezvous(config, self._sock), spawner=spawner)
             check_run_id(self.rdzv.run_id, "the run id agreed at rendezvous")
         except BaseException:
             self.close(over=True)
@@ -157,9 +156,7 @@ class StaticMembership:
         attempt, self._worker_store = self._next, None
         job, port = self.rdzv.job, self.rdzv.master_port
         if job is not None and attempt > 0:
-            job, port, self._worker_store = meet_again(
-                self.config, job, self.rdzv.master_addr, attempt, self._notify
-            )
+            job, port, self._worker_store = meet_again(self.config, job, self.rdzv.master_addr, attempt)
         return Meeting(attempt, self.config, self.rdzv.master_addr, port, job)
 
     def can_meet_again(self, result: RunResult) -> bool:

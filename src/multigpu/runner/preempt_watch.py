@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -25,15 +26,16 @@ from contextlib import ExitStack
 from typing import Any, Protocol
 
 from multigpu.cluster import requeue
-from multigpu.config.run import RunConfig
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.exitcodes import EXIT_FAILED, EXIT_PREEMPTED
 from multigpu.contract.signals import signal_name
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import mark_done, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
+from multigpu.runner.membership import Meeting
 from multigpu.supervisor.states import RunResult, RunStatus
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
 JOIN_S = 2 * POLL_S
@@ -54,13 +56,12 @@ class PreemptWatch:
         *,
         grace: float | None = None,
         job: JobStore | None = None,
-        notify: Callable[[str], None] = say_on_stderr,
         poll_s: float = POLL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signals = frozenset(signals)
         self.grace, self.job, self.poll_s = grace, job, poll_s
-        self._notify, self._clock = notify, clock
+        self._clock = clock
         self.signum: int | None = None
         self.time: float | None = None
         """Wall-clock time of the warning (for run.json)."""
@@ -135,7 +136,7 @@ class PreemptWatch:
             if self.warned:
                 self._on_warning()
                 if not stopped and self._grace_over():
-                    self._notify(
+                    logger.warning(
                         f"the ranks are still running {self.grace:g}s after the warning "
                         "(--preempt-grace): stopping them"
                     )
@@ -160,7 +161,7 @@ class PreemptWatch:
         if not self._announced:
             self._announced = True
             where = "" if self.source == "signal" else " (from another node, through the store)"
-            self._notify(
+            logger.warning(
                 f"{signal_name(self.signum or 0)}: preemption warning{where}; every rank has it "
                 "(multigpu.preempted(), multigpu.should_stop(step)); waiting for the ranks to "
                 "save and exit"
@@ -189,22 +190,21 @@ class PreemptWatch:
 
 
 def finish_preempted(
-    config: RunConfig,
-    job: JobStore | None,
+    meeting: Meeting,
     record: RunRecord,
     watch: PreemptWatch,
     result: RunResult,
     env: Mapping[str, str],
     *,
     leads: bool,
-    notify: Callable[[str], None],
 ) -> int:
     """After a warning: wait for the other nodes (the leader), finish the record, then requeue the job.
 
     ``leads``: this node serves the job's store (node 0 of a static job, the store's host of an elastic
     one; a job of one node leads itself). Every node says it is done only once its record says
     "preempted": the leader requeues the moment all are done, and SLURM then ends every node's
-    launcher, wherever it is. ``notify``: the run's console."""
+    launcher, wherever it is."""
+    config, job = meeting.config, meeting.job
     info: dict[str, Any] = {
         "signal": signal_name(watch.signum or 0),
         "time": watch.time,
@@ -218,7 +218,7 @@ def finish_preempted(
             _record_preempted(record)
         mark_done(job)
         if leads:
-            serve_until_all_done(job, notify=notify)
+            serve_until_all_done(job)
     ok = result.status is RunStatus.SUCCEEDED
     stopped = "the ranks stopped" if ok else f"the run {result.status.value}"
     if not config.preemption.requeue or not leads:
@@ -230,18 +230,25 @@ def finish_preempted(
             if requeue.under_slurm(env)
             else "not requeued (not a SLURM job)"
         )
-        notify(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
+        logger.info(f"preempted: {stopped} after {info['signal']}; {reason}: exit {EXIT_PREEMPTED}")
         _record_preempted(record)
         return EXIT_PREEMPTED
-    notify(f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}")
+    logger.info(
+        f"preempted: {stopped} after {info['signal']}; requeueing SLURM job {requeue.slurm_job_id(env)}"
+    )
     _record_preempted(record)  # first: SLURM ends this allocation once it takes the request
+    return _requeue(record, info, env)
+
+
+def _requeue(record: RunRecord, info: dict[str, Any], env: Mapping[str, str]) -> int:
+    """The leader's last act: ``scontrol requeue``, said and recorded; the launcher's exit code."""
     job_id, why = requeue.requeue_job(env)
     info["requeued"] = why is None
     if why is not None:
-        notify(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
+        logger.warning(f"requeue of job {job_id} failed: {why}; resubmit the job to resume it")
         record.finish("failed", EXIT_FAILED)
         return EXIT_FAILED
-    notify(
+    logger.info(
         f"requeued job {job_id} (scontrol requeue); its next allocation resumes with "
         f"MULTIGPU_RESUMED={requeue.resume_count(env) + 1}: exit {EXIT_PREEMPTED}"
     )

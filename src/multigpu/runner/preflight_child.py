@@ -8,7 +8,6 @@ Runs in the launcher's main thread (``runner/preflight.py``).
 
 from __future__ import annotations
 
-import logging
 import os
 import selectors
 import signal
@@ -22,8 +21,6 @@ from multigpu.supervisor.settings import SupervisorOptions
 from multigpu.supervisor.spawning import Spawner
 from multigpu.supervisor.states import ProcessHandle, Worker, WorkerSpec, WorkerState
 from multigpu.template.client import PREFLIGHT_MODULE
-
-log = logging.getLogger(__name__)
 
 TICK_S = 0.5
 """The longest a read of the check's pipes waits before ``collect`` calls its ``tick`` again."""
@@ -81,7 +78,7 @@ def end(handle: ProcessHandle, grace: float = END_GRACE_S) -> None:
                 break
             time.sleep(END_POLL_S)
         why = f"{grace:g}s after SIGTERM"
-        teardown.kill_rest([check], why, SupervisorOptions(), frozenset, log.warning)
+        teardown.kill_rest([check], why, SupervisorOptions(), frozenset)
     finally:
         for pipe in (handle.stdout, handle.stderr):
             if pipe is not None:

@@ -12,7 +12,8 @@ torch).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from multigpu.config.run import RunConfig, new_run_id
@@ -34,25 +35,26 @@ from multigpu.runner.static_join import check_fingerprints
 from multigpu.supervisor.states import RunResult
 from multigpu.template.client import NodeSpawner, spawner_for
 
+logger = logging.getLogger(__name__)
+
 
 class ElasticMembership:
     """torch's rendezvous rounds on the job's c10d store (``rendezvous/elastic.py``), for this node."""
 
-    def __init__(self, config: RunConfig, base_env: Mapping[str, str], notify: Callable[[str], None]) -> None:
+    def __init__(self, config: RunConfig, base_env: Mapping[str, str]) -> None:
         """Open (or serve) the job's store, agree on the run id, and start the node's template: ready
-        before the first round, since a node still importing torch would look lost. ``notify``: the
-        run's console (``Console.say``)."""
+        before the first round, since a node still importing torch would look lost."""
         assert config.rdzv.endpoint is not None
-        self.config, self._notify = config, notify
+        self.config = config
         # --rdzv-timeout (or join_timeout in --rdzv-conf: the CLI resolved both into one) bounds the join.
         settings = dataclasses.replace(settings_from(config.rdzv.conf), join_timeout=config.rdzv.timeout)
         store, hosted = open_store(config.rdzv.endpoint, settings)
         self.run_id = settle_run_id(store, config.output.run_id, new_run_id())
         check_run_id(self.run_id, "the run id agreed at rendezvous")
-        self.rdzv = ElasticRendezvous(config, store, self.run_id, settings, hosted=hosted, notify=notify)
+        self.rdzv = ElasticRendezvous(config, store, self.run_id, settings, hosted=hosted)
         self.spawner: NodeSpawner | None = None
         try:
-            self.spawner = spawner_for(config, None, notify, base_env)  # every round's ranks fork from it
+            self.spawner = spawner_for(config, None, base_env)  # every round's ranks fork from it
             self.spawner.wait_ready()
         except BaseException:
             self.close(over=False)
@@ -82,9 +84,9 @@ class ElasticMembership:
         self.rdzv.handler.worker_store = None  # the last round's workers are gone: so is their store
         rnd = self.rdzv.next_round()
         self.last_round = rnd.job
-        check_fingerprints(rnd.job, self.config.rdzv.allow_mismatch, self._notify)  # every node refuses
+        check_fingerprints(rnd.job, self.config.rdzv.allow_mismatch)  # every node refuses
         last = rnd.base_rank + self.config.nproc - 1
-        self._notify(
+        logger.info(
             f"node {rnd.group_rank} of {rnd.group_world_size}: ranks {rnd.base_rank}..{last} of "
             f"{rnd.world_size}, restart count {rnd.restart_count}"
         )

@@ -8,6 +8,7 @@ launcher serves it and every launcher joins the job's membership (``rendezvous/j
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -16,7 +17,6 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig, new_run_id
-from multigpu.console.writer import say_on_stderr
 from multigpu.contract.errors import Interrupted, RendezvousError
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
 from multigpu.rendezvous.failure_sharing import finish_job
@@ -25,6 +25,8 @@ from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.store import bind_store_socket, connect_store, serve_store_on
 from multigpu.template.client import NodeSpawner, spawner_for
 from multigpu.template.process import StoreSocket
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = Endpoint("127.0.0.1", 0)
 
@@ -45,9 +47,9 @@ class Rendezvous:
     """Starts this node's ranks: forked from the node's template, or plain processes."""
 
 
-def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None]) -> Rendezvous:
-    """Meet the other nodes (a job of several); ``notify``: where this node's lines go (the run's
-    console, or stderr in function mode's caller)."""
+def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
+    """Meet the other nodes (a job of several); this node's lines are logged (the run's console, or
+    stderr in function mode's caller)."""
     endpoint = config.rdzv.endpoint or LOOPBACK
     if not config.multi_node:
         assert sock is not None
@@ -59,7 +61,7 @@ def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[
         store = serve_store_on(sock, endpoint.bind_host, timeout_s=config.rdzv.timeout)
     else:
         port = endpoint.port
-        left = wait_for_store_host(config, endpoint.host, port, notify)
+        left = wait_for_store_host(config, endpoint.host, port)
         store = connect_store(endpoint.host, port, left)
     job = JobStore(
         store,
@@ -70,21 +72,21 @@ def rendezvous(config: RunConfig, sock: socket.socket | None, notify: Callable[[
     )
     try:
         run_id = job.settle_run_id(config.output.run_id or (new_run_id() if sock is not None else None))
-        notify(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
+        logger.info(f"node {config.group_rank}: joined run {run_id} at {endpoint}")
         job.publish_fingerprint(fingerprint(config.target, config.target_args, config.device))
-        JoinWait(config, job, notify=notify).join()
-        check_fingerprints(job, config.rdzv.allow_mismatch, notify)
+        JoinWait(config, job).join()
+        check_fingerprints(job, config.rdzv.allow_mismatch)
     except RendezvousError:  # a refusal every node reads: the store's host outlives their reads
         finish_job(job, hosts_store=sock is not None)
         raise
     return Rendezvous(endpoint.host, port, run_id, one_node=False, job=job)
 
 
-def check_fingerprints(job: JobStore, allow: bool, notify: Callable[[str], None]) -> None:
+def check_fingerprints(job: JobStore, allow: bool) -> None:
     """Every node reads every node's fingerprint and reaches the same verdict (``fingerprint.py``)."""
     breaking, soft = differences(job.fingerprints())
     for line in soft:
-        notify(f"warning: the nodes differ: {line}")
+        logger.warning(f"warning: the nodes differ: {line}")
     if not breaking:
         return
     text = "; ".join(breaking)
@@ -93,27 +95,25 @@ def check_fingerprints(job: JobStore, allow: bool, notify: Callable[[str], None]
             f"the nodes would run different things: {text}; every node refuses the "
             f"job (--allow-mismatch runs it anyway)"
         )
-    notify(f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)")
+    logger.warning(
+        f"warning: the nodes would run different things: {text}; running anyway (--allow-mismatch)"
+    )
 
 
-def node_spawner(
-    config: RunConfig, sock: socket.socket | None, notify: Callable[[str], None], base_env: Mapping[str, str]
-) -> NodeSpawner:
+def node_spawner(config: RunConfig, sock: socket.socket | None, base_env: Mapping[str, str]) -> NodeSpawner:
     """This node's spawner, started before the rendezvous so the template imports torch meanwhile; on
     one node it also serves the job's store (not rank 0's bootstrap), so the store outlives rank 0."""
     store = None
     if sock is not None and not config.multi_node:
         host = (config.rdzv.endpoint or LOOPBACK).bind_host
         store = StoreSocket(sock.fileno(), host, sock.getsockname()[1])
-    spawner = spawner_for(config, store, notify, base_env)
+    spawner = spawner_for(config, store, base_env)
     if config.multi_node:
         spawner.wait_ready()  # ready before meeting the peers, which start beating at once
     return spawner
 
 
-def meet_again(
-    config: RunConfig, job: JobStore, master_addr: str, attempt: int, notify: Callable[[str], None]
-) -> tuple[JobStore, int, Any]:
+def meet_again(config: RunConfig, job: JobStore, master_addr: str, attempt: int) -> tuple[JobStore, int, Any]:
     """Every node of a multi-node job meets again for a restart, with fresh fate-sharing keys and a
     fresh store for the workers (torch's workers add no per-attempt prefix: the last attempt's keys
     would mislead gloo's rendezvous). Node 0 serves that store; (job, its port, the store)."""
@@ -124,7 +124,7 @@ def meet_again(
         port = sock.getsockname()[1]
         store = serve_store_on(sock, Endpoint(master_addr, 0).bind_host, timeout_s=config.rdzv.timeout)
         job.store.set(key, str(port))
-    JoinWait(config, job, notify=notify).join()  # every rank claimed again: the port is published
+    JoinWait(config, job).join()  # every rank claimed again: the port is published
     return job, int(job.store.get(key)), store
 
 
@@ -149,14 +149,8 @@ class JoinWait:
     said once the wait lasts ``FIRST_LINE_S``, then every ``WAIT_LINE_EVERY_S``; a time-out or a Ctrl-C
     names the missing nodes in one line. Runs in the launcher, on the thread that joins."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        job: JobStore,
-        clock: Callable[[], float] = time.monotonic,
-        notify: Callable[[str], None] = say_on_stderr,
-    ) -> None:
-        self.config, self.job, self._clock, self._notify = config, job, clock, notify
+    def __init__(self, config: RunConfig, job: JobStore, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.job, self._clock = config, job, clock
         self._next = clock() + FIRST_LINE_S
 
     def join(self) -> None:
@@ -189,14 +183,13 @@ class JoinWait:
             return
         self._next = now + WAIT_LINE_EVERY_S
         joined, missing = self.nodes()
-        self._notify(wait_line(self.config.group_rank, joined, missing, left_s))
+        logger.info(wait_line(self.config.group_rank, joined, missing, left_s))
 
 
 def wait_for_store_host(
     config: RunConfig,
     host: str,
     port: int,
-    notify: Callable[[str], None],
     clock: Callable[[], float] = time.monotonic,
     poll_s: float = 0.5,
 ) -> float:
@@ -217,7 +210,7 @@ def wait_for_store_host(
                 )
             if clock() >= due:
                 due = clock() + WAIT_LINE_EVERY_S
-                notify(
+                logger.info(
                     f"node {config.group_rank}: waiting for {where}; {duration_text(deadline - clock())} "
                     "left (--rdzv-timeout)"
                 )

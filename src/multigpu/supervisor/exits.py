@@ -8,9 +8,9 @@ process then dies in torch's exit-time teardown; that is a warning.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import time
-from collections.abc import Callable
 
 from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.contract.signals import STOP_SIGNALS, signal_name
@@ -18,6 +18,8 @@ from multigpu.supervisor.events import Events
 from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import Worker, WorkerState
+
+logger = logging.getLogger(__name__)
 
 STOP_RACE_S = 0.25
 """How long a rank that a stop signal killed, one the launcher did not send, waits for the launcher's
@@ -75,30 +77,33 @@ def outside_stop(worker: Worker, rc: int) -> bool:
     return rc < 0 and -rc in STOP_SIGNALS and not worker.finished and worker.own_record() is None
 
 
+@dataclasses.dataclass(frozen=True)
+class Moment:
+    """Where the attempt stands when a rank's exit is judged (``settle``)."""
+
+    ending: bool
+    """The launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is its doing,
+    unless the rank wrote its own error record: then it failed on its own, perhaps first."""
+    interrupted: bool
+    """A stop signal came (or is recorded and not yet handled)."""
+    first_failure: float | None = None
+    """When the attempt's first failure happened; a rank whose own error came after it and only says a
+    peer went away (gloo's "Connection closed by peer") raised because of it, so it counts as stopped,
+    its error kept in ``worker.ending.failure`` for the report's line about it."""
+
+
 def settle(
-    worker: Worker,
-    rc: int,
-    *,
-    ending: bool,
-    interrupted: bool,
-    output: WorkerOutput,
-    notify: Callable[[str], None],
-    first_failure: float | None = None,
-    timer: TimerKills | None = None,
+    worker: Worker, rc: int, moment: Moment, output: WorkerOutput, timer: TimerKills | None = None
 ) -> WorkerFailure | None:
     """Move ``worker`` to its final state from its exit status; its failure when the exit counts as one.
 
-    ``ending``: the launcher is stopping the ranks (a stop signal or teardown), so a non-zero exit is
-    its doing, unless the rank wrote its own error record: then it failed on its own, perhaps first.
-    ``first_failure``: when the attempt's first failure happened; a rank whose own error came after it
-    and only says a peer went away (gloo's "Connection closed by peer") raised because of it, so it
-    counts as stopped, its error kept in ``worker.ending.failure`` for the report's line about it.
     ``timer``: the kills of the node's file timer (``file_timer.py``), when it hosts one.
     """
+    ending = moment.ending
     if rc != 0 and worker.finished:
         how = signal_name(-rc) if rc < 0 else f"exit code {rc}"
         worker.ending.late_death = how
-        notify(
+        logger.warning(
             f"rank {worker.rank} (pid {worker.pid}) ended with {how} after its script had finished "
             f"(an exit-time crash, e.g. in torch's C++ teardown); its work is done, so it counts as a "
             f"success"
@@ -108,11 +113,11 @@ def settle(
         worker.to(WorkerState.SUCCEEDED)
         return None
     record = worker.own_record()
-    if ending and (interrupted or record is None):
+    if ending and (moment.interrupted or record is None):
         worker.to(WorkerState.STOPPED)
         return None
     worker.ending.failure = failure_of(worker, rc, ending, output, timer)
-    if _consequence(record, first_failure):
+    if _consequence(record, moment.first_failure):
         worker.to(WorkerState.STOPPED)
         return None
     worker.to(WorkerState.FAILED)

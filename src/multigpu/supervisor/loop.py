@@ -8,8 +8,10 @@ deadline, SIGKILL for what is left, a bounded reap. ``close()`` is safe to call 
 twice raises. What the workers write is ``output.WorkerOutput``'s business: the loop hands it ready
 pipes and never waits on a console.
 
-Progress and the hang decision are ``hang.ProgressBook``'s: the loop feeds it every rank's beats
-(``beat_pipe.py``) and asks it each turn; ``stack_dumps`` collects stacks and flight records.
+Progress and the hang decision are ``hangs/``'s: the loop feeds the ``ProgressBook`` every rank's
+beats (``beat_pipe.py``) and asks ``verdict.HangWatch`` each turn, which judges a hang on this node
+or declares it to the job; ``stack_dumps`` collects stacks and flight records. The loop's own lines
+(a hang, a SIGKILL, a late death) are logged (``console/log.py`` shows them).
 A rank whose bootstrap said "done" (its script returned, threads and atexit handlers finished) has
 succeeded even if the process then dies in torch's exit-time teardown; that is a warning.
 Worker states and the other types are in ``states.py``; an exit's meaning in ``exits.py``, the
@@ -20,22 +22,22 @@ until the deadline); its signals, SIGKILL and release are ``teardown.py``'s.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 
-from multigpu.contract.failure import FailureKind, WorkerFailure
+from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor import exits, reaping, spawning, teardown
 from multigpu.supervisor.control import answer
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.hangs.beat_pipe import read_beats
 from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
-from multigpu.supervisor.hangs.hang import hang_failures
-from multigpu.supervisor.hangs.stack_dumps import DumpRequest, flight_record
-from multigpu.supervisor.hangs.verdict import gather_verdict
+from multigpu.supervisor.hangs.stack_dumps import DumpRequest
+from multigpu.supervisor.hangs.verdict import HangWatch, Turns
 from multigpu.supervisor.outcome import Outcome
 from multigpu.supervisor.output import OutputSink, WorkerOutput, mute_all_but
 from multigpu.supervisor.run_updates import News
@@ -43,6 +45,8 @@ from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.spawning import PopenSpawner, Spawner
 from multigpu.supervisor.states import RunResult, Worker, WorkerSpec, WorkerState
 from multigpu.supervisor.stop_requests import StopRequests
+
+logger = logging.getLogger(__name__)
 
 
 class Supervisor:
@@ -62,19 +66,19 @@ class Supervisor:
         self.hooks = hooks = hooks or Hooks()
         self._spawner: Spawner = spawner or PopenSpawner()
         self.workers = [Worker(spec) for spec in specs]
-        self._clock, self._notify = options.clock, hooks.notify
+        self._clock = options.clock
         self.progress = progress or ProgressBook(
-            HangPolicy(ceiling=options.hang_timeout),
-            (w.rank for w in self.workers),
-            clock=self._clock,
-            notify=self._notify,
+            HangPolicy(ceiling=options.hang_timeout), (w.rank for w in self.workers), clock=self._clock
         )
-        self._output = WorkerOutput(sink, self._notify, self._clock, hooks.console)
+        self._output = WorkerOutput(sink, self._clock, hooks.console)
         self._events = Events()
         self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()
         self._lock = threading.Lock()
-        self._started = self._closed = self._closing = self._declared = False
+        self._started = self._closed = self._closing = False
+        self._hangs = HangWatch(
+            self.progress, hooks.job_hang, self.dump_stacks, Turns(self.turn, self._clock, self._stops.seen)
+        )
         self._outcome = Outcome()
         self._race = exits.StopRace()  # ranks killed by a stop signal we did not send
         self._news = News(hooks, self.progress, self._clock, options.tick_period)
@@ -116,11 +120,6 @@ class Supervisor:
 
     # ---- the loop ----------------------------------------------------------------------------------
 
-    def poll(self) -> RunResult | None:
-        """Handle what is ready now, without blocking; a result once the run has an outcome."""
-        self.turn(0)
-        return self._outcome.result(self._stops.signal, self.workers)
-
     def wait(self, timeout: float | None = None) -> RunResult | None:
         """Run the loop until the run has an outcome (or ``timeout`` seconds pass: then None)."""
         if not self._started:
@@ -155,7 +154,8 @@ class Supervisor:
             elif kind == "exit":
                 self.reap(obj)
             elif kind == "control":
-                answer(obj, self.workers, self._dump_for_a_request, self.progress, self._clock())
+                dump = partial(self.dump_stacks, goes_on=True)  # ``multigpu stacks``: the job goes on
+                answer(obj, self.workers, dump, self.progress, self._clock())
             else:
                 self._read_beats(obj)
         for worker in reaping.unwatched_exits(self.workers):
@@ -207,16 +207,8 @@ class Supervisor:
             self._judge(p.worker, p.rc, stop)
 
     def _judge(self, worker: Worker, rc: int, interrupted: bool) -> None:
-        failure = exits.settle(
-            worker,
-            rc,
-            ending=self._closing or interrupted,
-            interrupted=interrupted,
-            output=self._output,
-            notify=self._notify,
-            first_failure=self._outcome.first_time(),
-            timer=self.hooks.timer,
-        )
+        moment = exits.Moment(self._closing or interrupted, interrupted, self._outcome.first_time())
+        failure = exits.settle(worker, rc, moment, self._output, self.hooks.timer)
         if failure is not None:
             self._outcome.failures.append(failure)
             self._mute_others(worker)
@@ -227,57 +219,17 @@ class Supervisor:
     def _handle_signals(self) -> None:
         while self._external:
             failure = self._external.popleft()
-            if not self._job_hang(failure):
+            if self._closing or not self._hangs.job_hangs(failure, self.workers, self._outcome):
                 self._outcome.failures.append(failure)
         for signum in self._stops.take(self._closing):
             reaping.forward(self.workers, signum)  # SIGHUP, SIGUSR1/2: the ranks decide
 
     def _check_hang(self) -> None:
-        if self._outcome.failures or self._closing or self._outcome.hung or self._declared:
-            return
-        running = [w for w in self.workers if w.alive]
-        hang = self.progress.check([w.rank for w in running], self._clock())
-        if hang is not None and self.hooks.job_hang is not None:  # every node hears of it, this one too
-            self._declared = True
-            self.hooks.job_hang.declare(hang.notice)
-        elif hang is not None:
-            since = self._collect_stacks(hang.notice)
-            flight = flight_record(running, {w.rank for w in self.workers}, since - 1.0)
-            self._outcome.failures.extend(hang_failures(hang, running, flight, time.time()))
-
-    def _job_hang(self, notice: WorkerFailure) -> bool:
-        """The job hangs (a node said so through the store): dump this node's ranks, then judge with
-        every node (``hangs/verdict.py``). False for any other failure from outside, and once this node has
-        an outcome of its own."""
-        exchange, outcome = self.hooks.job_hang, self._outcome
-        if (
-            notice.kind is not FailureKind.HANG
-            or exchange is None
-            or outcome.hung
-            or self._closing
-            or outcome.failures
-        ):
-            return False  # a rank here failed already: that failure and the notice are ordered by time
-        self._collect_stacks(notice.message or "")
-        outcome.failures.extend(
-            gather_verdict(
-                exchange, notice, self.workers, self.progress, self.turn, self._clock, self._stops.seen
-            )
-        )
-        return True
-
-    def _collect_stacks(self, notice: str) -> float:
-        """Say what is known, then dump every live rank's stacks; when the request went out."""
-        self._notify(f"hang: {notice}; collecting every rank's stacks")
-        self._outcome.hung = True  # before dumping: dump_stacks runs the loop, which must not come back here
-        request = self.dump_stacks([w for w in self.workers if w.alive])
-        return request.wall_start if request is not None else time.time()
+        outcome = self._outcome
+        if not (outcome.failures or self._closing or outcome.hung or self._hangs.declared):
+            self._hangs.check(self.workers, outcome)
 
     # ---- teardown ----------------------------------------------------------------------------------
-
-    def _dump_for_a_request(self, workers: Sequence[Worker]) -> DumpRequest | None:
-        """``multigpu stacks`` from another shell: the job goes on, its console too."""
-        return self.dump_stacks(workers, goes_on=True)
 
     def dump_stacks(
         self, workers: Sequence[Worker] | None = None, *, goes_on: bool = False
@@ -331,7 +283,7 @@ class Supervisor:
             self.turn(0.01)
             teardown.reap_adopted(workers, self.options)
         why = "after a second interrupt" if self._stops.kill_now else f"{grace:g}s after {signal_name(sig)}"
-        for w in teardown.kill_rest(workers, why, self.options, self._spawner.spared, self._notify):
+        for w in teardown.kill_rest(workers, why, self.options, self._spawner.spared):
             if w.ending.unkillable:
                 self._news.changed(w)
             else:

@@ -18,6 +18,7 @@ unfinished line goes to the sink as a *partial* line at most every ``PARTIAL_INT
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,6 +31,8 @@ from multigpu.supervisor.events import Events
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
+
+logger = logging.getLogger(__name__)
 
 READ_SIZE = 1 << 16
 DRAIN_READS = 16
@@ -67,9 +70,8 @@ def display_text(line: bytes) -> bytes:
 class LogFile:
     """One log file that keeps working when the disk does not: a failed write is counted, not raised."""
 
-    def __init__(self, path: Path, notify: Callable[[str], None]) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self._notify = notify
         self.lost = 0
         self.error: str | None = None
         self._file: IO[bytes] | None = None
@@ -95,7 +97,7 @@ class LogFile:
 
     def _fail(self, exc: OSError) -> None:
         self.error = exc.strerror or str(exc)
-        self._notify(
+        logger.warning(
             f"cannot write {self.path}: {self.error}; the rest of its output is lost (the run goes on)"
         )
 
@@ -151,13 +153,11 @@ class WorkerOutput:
     def __init__(
         self,
         sink: OutputSink | None,
-        notify: Callable[[str], None],
         clock: Callable[[], float],
         console: Console | None = None,
     ) -> None:
         self._sink = sink
         self._console = console or Console()
-        self._notify = notify
         self._clock = clock
         self._logs: dict[int, LogFile] = {}
         self._stream_files: dict[tuple[int, str], LogFile] = {}
@@ -176,12 +176,12 @@ class WorkerOutput:
         """Create the worker's log files (truncated: a reused output folder gets this run's bytes)."""
         spec = worker.spec
         if spec.log_path is not None:
-            self._logs[worker.rank] = LogFile(spec.log_path, self._notify)
+            self._logs[worker.rank] = LogFile(spec.log_path)
         for name, path in spec.stream_files.items():
-            self._stream_files[(worker.rank, name)] = LogFile(Path(path), self._notify)
+            self._stream_files[(worker.rank, name)] = LogFile(Path(path))
         for copy in spec.line_copies:
             if copy.path not in self._shared:
-                self._shared[copy.path] = LogFile(copy.path, self._notify)
+                self._shared[copy.path] = LogFile(copy.path)
 
     def attach(self, worker: Worker, pipes: Iterable[tuple[str, IO[bytes] | None]]) -> list[Stream]:
         """Take the worker's pipes; the caller registers the returned streams with its selector."""
@@ -192,7 +192,6 @@ class WorkerOutput:
             extra = self._stream_files.get((worker.rank, name))
             stream = Stream(worker, name, pipe, [extra] if extra else [])
             self.streams[stream.fd] = stream
-            worker.lines.open_streams += 1
             streams.append(stream)
         return streams
 
@@ -282,7 +281,6 @@ class WorkerOutput:
             self._sink.write_lines(stream.worker, stream.name, [display_text(line) for line in held])
         self.streams.pop(stream.fd, None)
         stream.pipe.close()
-        stream.worker.lines.open_streams -= 1
 
     def due_in(self) -> float | None:
         """Seconds until a progress bar is due on the console, for the loop's select timeout."""

@@ -11,14 +11,17 @@ reaps descendants that left their group.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
+
+logger = logging.getLogger(__name__)
 
 KILL_WAIT_S = 5.0
 """How long a rank may take to vanish after SIGKILL; longer means uninterruptible sleep (a driver)."""
@@ -77,7 +80,7 @@ def unwatched_exits(workers: Sequence[Worker]) -> Iterator[Worker]:
             yield w
 
 
-def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> list[Worker]:
+def reap_killed(workers: Sequence[Worker]) -> list[Worker]:
     """Wait for every rank after SIGKILL, all within KILL_WAIT_S; returns the ranks that ended or
     were given up on. One that survives (uninterruptible sleep) is marked, named, and left."""
     from multigpu.supervisor.states import WorkerState
@@ -93,7 +96,7 @@ def reap_killed(workers: Sequence[Worker], notify: Callable[[str], None]) -> lis
             w.ending.unkillable = True
             w.to(WorkerState.STOPPED)
             w.returncode = None
-            notify(
+            logger.warning(
                 f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
                 f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
                 f"leaving it behind"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from multigpu.config.run import SupervisionConfig
-from multigpu.console.writer import Console, say_on_stderr
+from multigpu.console.writer import Console
 from multigpu.supervisor.control import ControlSocket
 from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.states import SupervisorListener, Worker
@@ -37,12 +37,11 @@ class SupervisorOptions:
 
 @dataclass(frozen=True)
 class Hooks:
-    """What the supervisor calls back, all optional: called on the loop's thread, never in a handler."""
+    """What the supervisor calls back, all optional: called on the loop's thread, never in a handler.
+    Its own lines it logs (``console/log.py`` shows them: on a run's console, else on stderr)."""
 
     listener: SupervisorListener | None = None
     tick: Callable[[], None] | None = None
-    notify: Callable[[str], None] = say_on_stderr
-    """The launcher's own lines (``multigpu run``: its console's ``say``)."""
     console: Console = field(default_factory=Console)
     """``multigpu run``: the console the ranks' lines go through; their pipes wait while its writer is
     congested (``output.WorkerOutput.hold``). Function mode has no writer."""

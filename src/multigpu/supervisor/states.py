@@ -178,7 +178,6 @@ class Lines:
     """Its last lines, for its failure's record and the report."""
     last_at: float = 0.0
     """When it last wrote anything (the loop's clock)."""
-    open_streams: int = 0
     muted: bool = False
     """Its lines go to its log only: the attempt already failed (what it says now is a consequence,
     named in the report) or it is dumping its stacks (shown by the report where they are the point)."""

@@ -9,6 +9,7 @@ console or a rank without a deadline.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +19,8 @@ from multigpu.supervisor.events import Events
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.settings import SupervisorOptions
 from multigpu.supervisor.states import Worker
+
+logger = logging.getLogger(__name__)
 
 ORPHAN_WAIT_S = 1.0
 """How long the groups of ranks that were killed may take to empty (their adopted orphans reaped)."""
@@ -39,7 +42,6 @@ def kill_rest(
     why: str,
     options: SupervisorOptions,
     spared: Callable[[], frozenset[int]],
-    notify: Callable[[str], None],
 ) -> list[Worker]:
     """SIGKILL for every group still open (the ranks still running named, ``why``), the escaped
     descendants ended, then every rank waited for (``reaping.reap_killed``): the ranks to reap.
@@ -49,12 +51,12 @@ def kill_rest(
     groups = reaping.open_groups(workers)
     if stragglers:
         ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
-        notify(f"{ranks}: still running {why}; sending SIGKILL")
+        logger.warning(f"{ranks}: still running {why}; sending SIGKILL")
     for pgid in groups:
         reaping.signal_group(pgid, signal.SIGKILL)
     if options.reap_orphans:
         reaping.kill_escaped(workers, spared())
-    return reaping.reap_killed(workers, notify)
+    return reaping.reap_killed(workers)
 
 
 def wait_for_groups(workers: Sequence[Worker], options: SupervisorOptions) -> None:

@@ -11,16 +11,19 @@ long as the attempt, not as long as rank 0, and the launcher imports no torch.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.supervisor.spawning import AdoptedProcess, PopenSpawner
 from multigpu.supervisor.states import ProcessHandle, WorkerSpec
 from multigpu.template.process import StoreSocket, TemplateProcess, retain, take_early
+
+logger = logging.getLogger(__name__)
 
 FORKABLE_MODES = ("script", "module", "function")
 PREFLIGHT_MODULE = "multigpu.preflight"
@@ -57,7 +60,6 @@ class NodeSpawner:
         use_template: bool,
         store: StoreSocket | None,
         preload: Sequence[str] = (),
-        notify: Callable[[str], None],
         why_not: str = "--no-template",
         python: str = sys.executable,
     ) -> None:
@@ -66,7 +68,6 @@ class NodeSpawner:
         self._why_not = why_not
         self._store = store
         self._preload = tuple(preload)
-        self._notify = notify
         self._template: TemplateProcess | None = None
         self._store_process: TemplateProcess | None = None
         self._plain = PopenSpawner()
@@ -122,7 +123,7 @@ class NodeSpawner:
             self._why_not = f"the worker template failed to start after {took:.1f}s: {why}"
             if self._store is not None:
                 self._store_process = self._host(self._env, ())
-        self._notify(f"ranks start as plain processes ({self._why_not})")
+        logger.info(f"ranks start as plain processes ({self._why_not})")
         if self._store_process is not None:
             why = self._store_process.wait_ready()
             if why is not None:
@@ -139,7 +140,9 @@ class NodeSpawner:
         except OSError as exc:
             host.close()
             self._template = None
-            self._notify(f"the worker template is gone ({exc}); ranks start as plain processes from here on")
+            logger.warning(
+                f"the worker template is gone ({exc}); ranks start as plain processes from here on"
+            )
             self._store_process = self._host(shared_env(specs), ())
             why = self._store_process.wait_ready()
             if why is not None:
@@ -158,7 +161,7 @@ class NodeSpawner:
             os.close(out_r)
             os.close(err_r)
             self._forks = False  # it still hosts the store
-            self._notify(
+            logger.warning(
                 f"the worker template could not fork rank {spec.rank} ({exc}); plain processes from here on"
             )
             return self._plain.spawn(spec, env, pass_fds)
@@ -182,9 +185,7 @@ class NodeSpawner:
             store_process.close()
 
 
-def spawner_for(
-    config: RunConfig, store: StoreSocket | None, notify: Callable[[str], None], base_env: Mapping[str, str]
-) -> NodeSpawner:
+def spawner_for(config: RunConfig, store: StoreSocket | None, base_env: Mapping[str, str]) -> NodeSpawner:
     """The node's spawner for a ``multigpu run`` (script, module or ``--no-python``) job or a
     ``multigpu.launch`` (function mode), started.
 
@@ -197,8 +198,6 @@ def spawner_for(
     why = "--no-python" if config.start.run_mode == "exec" else "--no-template"
     if use and not set_child_subreaper():  # forked ranks must be re-parented to the launcher
         use, why = False, "cannot adopt forked ranks: no child subreaper"
-    spawner = NodeSpawner(
-        use_template=use, store=store, preload=config.supervision.preload, notify=notify, why_not=why
-    )
+    spawner = NodeSpawner(use_template=use, store=store, preload=config.supervision.preload, why_not=why)
     spawner.start({**base_env, **config.extra_env})
     return spawner

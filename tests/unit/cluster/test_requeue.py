@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from helpers import logged
 from multigpu.cli.run_args import parse_run_args
 from multigpu.cluster import requeue
 from multigpu.contract.errors import UsageError
@@ -191,13 +192,14 @@ class Job:
         return "/".join(["multigpu", "run", *map(str, parts)])
 
 
-def _watch(notes: list[str], **kwargs: Any) -> PreemptWatch:
-    return PreemptWatch({signal.SIGUSR1, signal.SIGUSR2}, notify=notes.append, **kwargs)
+def _watch(**kwargs: Any) -> PreemptWatch:
+    return PreemptWatch({signal.SIGUSR1, signal.SIGUSR2}, **kwargs)
 
 
-def test_the_handler_records_and_forwards_and_the_grace_stops_the_ranks() -> None:
-    notes: list[str] = []
-    watch, target = _watch(notes, grace=0.05), Target()
+def test_the_handler_records_and_forwards_and_the_grace_stops_the_ranks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    watch, target = _watch(grace=0.05), Target()
     try:
         with ExitStack() as stack:
             handler = watch.attach(stack, target)
@@ -208,13 +210,14 @@ def test_the_handler_records_and_forwards_and_the_grace_stops_the_ranks() -> Non
             assert target.stopped.wait(5), "the grace never stopped the ranks"
     finally:
         watch.close()
+    notes = logged(caplog)
     assert notes[0].startswith("SIGUSR1: preemption warning;")
     assert "--preempt-grace" in notes[1]
 
 
-def test_a_node_that_missed_the_signal_learns_it_from_the_store() -> None:
-    store, notes = DictStore(), []
-    warned_node, other = _watch(notes, job=Job(store, 0)), _watch(notes, job=Job(store, 1), poll_s=0.01)
+def test_a_node_that_missed_the_signal_learns_it_from_the_store(caplog: pytest.LogCaptureFixture) -> None:
+    store = DictStore()
+    warned_node, other = _watch(job=Job(store, 0)), _watch(job=Job(store, 1), poll_s=0.01)
     target_a, target_b = Target(), Target()
     try:
         with ExitStack() as stack:
@@ -223,11 +226,11 @@ def test_a_node_that_missed_the_signal_learns_it_from_the_store() -> None:
             handler(signal.SIGUSR2)
             assert target_b.forwarded.wait(5), "the other node never passed the warning on"
             deadline = time.monotonic() + 5
-            while len(notes) < 2 and time.monotonic() < deadline:
+            while len(logged(caplog)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
     finally:
         warned_node.close()
         other.close()
     assert target_b.signals == [signal.SIGUSR2] and other.source == "store"
     assert json.loads(store.data["multigpu/run/preempt"])["node"] == 0
-    assert any("from another node, through the store" in n for n in notes)
+    assert any("from another node, through the store" in n for n in logged(caplog))

@@ -23,7 +23,6 @@ def record(out: Path, root: WorkerFailure) -> None:
         RunConfig(target="payload.pkl", function=True, nproc=2),
         "r1",
         ["cpu", "cpu"],
-        notify=lambda line: None,
     )
     run.begin_attempt(0, "127.0.0.1", 1)
     run.end_attempt(RunResult(RunStatus.FAILED, [root]))

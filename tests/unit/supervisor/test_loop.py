@@ -11,12 +11,12 @@ import re
 import signal
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env, pids_in, supervisor_arguments, write_script
+from helpers import PYTHON, assert_gone, clean_env, logged, pids_in, write_script
 from multigpu.contract.failure import WorkerFailure
 from multigpu.contract.names import FR_DUMP_ENV
 from multigpu.supervisor.loop import Supervisor
@@ -83,27 +83,6 @@ def pump_until(sup: Supervisor, predicate: Callable[[], bool], timeout: float = 
 
 def said(sup: Supervisor, rank: int, text: str) -> Callable[[], bool]:
     return lambda: any(text in line for line in sup.workers[rank].lines.tail)
-
-
-@pytest.fixture
-def notes() -> list[str]:
-    return []
-
-
-@pytest.fixture
-def make(notes: list[str]) -> Iterator[Callable[..., Supervisor]]:
-    """Build supervisors that are always closed, with a short grace period and notes collected."""
-    made: list[Supervisor] = []
-
-    def build(specs: list[WorkerSpec], **kwargs: object) -> Supervisor:
-        kwargs.setdefault("grace_period", GRACE)
-        sup = Supervisor(specs, **supervisor_arguments(notes, **kwargs))
-        made.append(sup)
-        return sup
-
-    yield build
-    for sup in made:
-        sup.close(grace_period=0)
 
 
 def finish(sup: Supervisor, timeout: float = 15.0) -> RunResult:
@@ -180,7 +159,7 @@ def test_killed_by_signal_is_named(make: Callable[..., Supervisor], tmp_path: Pa
 
 
 def test_ignored_sigterm_escalates_to_sigkill(
-    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+    make: Callable[..., Supervisor], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     stubborn = py("""
         import signal, time
@@ -199,7 +178,9 @@ def test_ignored_sigterm_escalates_to_sigkill(
     assert took >= GRACE * 0.9  # the grace period was granted before escalating
     assert sup.workers[0].returncode == -signal.SIGKILL
     assert sup.workers[0].state is WorkerState.STOPPED
-    assert any("SIGKILL" in n and "rank 0" in n and f"{GRACE:g}s after SIGTERM" in n for n in notes), notes
+    assert any(
+        "SIGKILL" in n and "rank 0" in n and f"{GRACE:g}s after SIGTERM" in n for n in logged(caplog)
+    ), logged(caplog)
     assert_gone(pids)
 
 
@@ -306,7 +287,7 @@ def test_user_signals_are_forwarded(
 
 
 def test_hang_timeout_dumps_stacks_and_fails(
-    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+    make: Callable[..., Supervisor], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     script = write_script(
         tmp_path,
@@ -333,7 +314,7 @@ def test_hang_timeout_dumps_stacks_and_fails(
         assert failure.traceback is not None, f"rank {failure.rank}: no stack dump captured"
         assert "most recent call first" in failure.traceback
         assert "stuck_in_here" in failure.traceback and "silent.py" in failure.traceback
-    assert any("hang-timeout" in n for n in notes), notes
+    assert any("hang-timeout" in n for n in logged(caplog)), logged(caplog)
     sup.close()
     for r in range(2):
         assert "stuck_in_here" in (tmp_path / f"rank_{r}.log").read_text()
@@ -515,7 +496,8 @@ def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tm
     while any(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None for pid in pids):
         assert time.monotonic() < deadline, "workers did not both exit"
         time.sleep(0.05)
-    result = sup.poll()
+    sup.turn(0)  # the exits that are ready now, in one turn: ordered by their time, not by the loop
+    result = sup.wait(timeout=0)
     assert result is not None and result.status is RunStatus.FAILED
     assert [f.rank for f in result.failures] == [1, 0]
     root = result.root_cause
@@ -527,7 +509,7 @@ def test_root_cause_is_first_failure_in_time(make: Callable[..., Supervisor], tm
 
 
 def test_ranks_that_never_answer_the_dump_signal(
-    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str]
+    make: Callable[..., Supervisor], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No stack dump arrives (the signal is ignored): one hang report per rank, not a loop of them."""
     deaf = py("import signal, time; signal.signal(signal.SIGURG, signal.SIG_IGN); time.sleep(30)")
@@ -538,7 +520,7 @@ def test_ranks_that_never_answer_the_dump_signal(
     assert result.status is RunStatus.HUNG
     assert sorted(f.rank for f in result.failures) == [0, 1]
     assert all(f.traceback is None for f in result.failures)
-    assert len([n for n in notes if "hang-timeout" in n]) == 1, notes
+    assert len([n for n in logged(caplog) if "hang-timeout" in n]) == 1, logged(caplog)
     sup.close()
     assert_gone(pids)
 

@@ -8,12 +8,12 @@ import os
 import signal
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments
+from helpers import PYTHON, assert_gone, clean_env, logged
 from multigpu.supervisor import reaping
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.output import LogFile, display_text
@@ -36,26 +36,6 @@ class Sink:
         self.partials.append((worker.rank, stream, text))
 
 
-@pytest.fixture
-def notes() -> list[str]:
-    return []
-
-
-@pytest.fixture
-def make(notes: list[str]) -> Iterator[Callable[..., Supervisor]]:
-    made: list[Supervisor] = []
-
-    def factory(specs: list[WorkerSpec], **kw: object) -> Supervisor:
-        kw.setdefault("grace_period", 0.3)
-        sup = Supervisor(specs, **supervisor_arguments(notes, **kw))
-        made.append(sup)
-        return sup
-
-    yield factory
-    for sup in made:
-        sup.close(grace_period=0)
-
-
 def run_to_end(sup: Supervisor) -> RunStatus:
     sup.start()
     result = sup.wait(timeout=20)
@@ -75,15 +55,15 @@ def test_display_text_is_what_a_terminal_leaves(line: bytes, shown: bytes) -> No
     assert display_text(line) == shown
 
 
-def test_log_file_counts_what_a_full_disk_lost(tmp_path: Path) -> None:
+def test_log_file_counts_what_a_full_disk_lost(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
-    said: list[str] = []
-    log = LogFile(Path("/dev/full"), said.append)
+    log = LogFile(Path("/dev/full"))
     log.write(b"x" * 100)
     log.write(b"y" * 50)
     log.close()
     assert log.lost == 150
+    said = logged(caplog)
     assert len(said) == 1 and "/dev/full" in said[0]
     assert log.loss() is not None and "150 byte(s) not written" in log.loss()  # type: ignore[operator]
 
@@ -156,7 +136,10 @@ def test_an_unfinished_bar_reaches_the_sink_before_its_line_ends(
 
 @pytest.mark.integration
 def test_a_rank_that_survives_sigkill_is_named_not_waited_on(
-    make: Callable[..., Supervisor], tmp_path: Path, notes: list[str], monkeypatch: pytest.MonkeyPatch
+    make: Callable[..., Supervisor],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Uninterruptible sleep, simulated: SIGKILL does not reach the rank. The wait is bounded."""
     real = reaping.signal_group
@@ -186,7 +169,9 @@ def test_a_rank_that_survives_sigkill_is_named_not_waited_on(
         os.kill(pid, signal.SIGKILL)
     assert took < 5
     assert sup.workers[0].ending.unkillable and sup.workers[0].state is WorkerState.STOPPED
-    assert any(f"rank 0 (pid {pid}) did not end" in n and "after SIGKILL" in n for n in notes), notes
+    assert any(f"rank 0 (pid {pid}) did not end" in n and "after SIGKILL" in n for n in logged(caplog)), (
+        logged(caplog)
+    )
     sup.workers[0].popen.wait(timeout=5)  # type: ignore[union-attr]
     assert_gone([pid])
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_gone
+from helpers import assert_gone, logged
 from multigpu.cli.run_args import parse_run_args
 from multigpu.contract.errors import UsageError
 from multigpu.supervisor.spawning import AdoptedProcess
@@ -90,9 +90,10 @@ def test_only_python_ranks_of_our_bootstrap_are_forked() -> None:
 
 
 @pytest.mark.integration
-def test_a_template_that_cannot_start_means_plain_processes_said_once() -> None:
-    notes: list[str] = []
-    spawner = NodeSpawner(use_template=True, store=None, notify=notes.append, python="/bin/false")
+def test_a_template_that_cannot_start_means_plain_processes_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spawner = NodeSpawner(use_template=True, store=None, python="/bin/false")
     plain = WorkerSpec(rank=0, local_rank=0, env={}, argv=[sys.executable, "-c", "pass"])
     try:
         spawner.start({"PATH": os.environ.get("PATH", "")})
@@ -106,6 +107,7 @@ def test_a_template_that_cannot_start_means_plain_processes_said_once() -> None:
             pipe.close()
     finally:
         spawner.close()
+    notes = logged(caplog)
     assert len(notes) == 1, notes
     assert "template failed to start" in notes[0] and "plain processes" in notes[0]
     assert_gone([child.pid])

@@ -25,6 +25,7 @@ others though not stuck.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -43,6 +44,8 @@ from multigpu.supervisor.states import WINDOW, RankProgress, rounded
 if TYPE_CHECKING:
     from multigpu.config.run import RunConfig
     from multigpu.supervisor.states import WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 SAVE_EVERY_S = 2.0
 """Learned numbers go to the output folder at most this often (and at the attempt's end)."""
@@ -78,12 +81,10 @@ class ProgressBook:
         store: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        notify: Callable[[str], None] | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
         self._wall_offset = wall() - clock()
-        self._notify = notify or (lambda _msg: None)
         self._store = store
         self.learned = Learned.load(store)
         self._inherited = self.learned.slowest_step is not None
@@ -217,7 +218,7 @@ class ProgressBook:
         now = self._clock() if now is None else now
         self.maybe_save(now)
         for line in self.stragglers.check(self.ranks, running, now, now + self._wall_offset):
-            self._notify(line)
+            logger.info(line)
         ceiling = self.policy.ceiling
         if ceiling is None or not running:
             return None
@@ -299,18 +300,13 @@ def progress_book(
     config: RunConfig,
     output_dir: Path,
     specs: Iterable[WorkerSpec],
-    notify: Callable[[str], None] | None = None,
 ) -> ProgressBook:
     """The book for one attempt of a run: its policy from the command line, its learned numbers in
     the output folder (shared by every attempt and every requeue that writes there)."""
-    from multigpu.console.writer import say_on_stderr
-
     policy = HangPolicy(
         ceiling=config.hang.timeout,
         factor=config.hang.factor,
         floor=config.hang.floor,
         straggler_threshold=config.hang.straggler_threshold,
     )
-    return ProgressBook(
-        policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE, notify=notify or say_on_stderr
-    )
+    return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE)

@@ -2,7 +2,8 @@
 read from every rank's stacks. Runs in each node's launcher (the supervisor's thread, and the fate
 monitor's beat thread for ``JobProgress``).
 
-On one node the supervisor sees every rank, so its ``ProgressBook`` decides alone. Across nodes a
+The supervisor asks ``HangWatch`` each turn. On one node it sees every rank, so its ``ProgressBook``
+decides alone, and this node's stacks and flight records judge the hang. Across nodes a
 rank that prints nothing (most print from rank 0 only) would look silent to its own node while the
 job trains, and the rank that holds a collective up may be on another node than the ranks that wait
 for it. So:
@@ -22,6 +23,7 @@ for it. So:
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +33,12 @@ from typing import Any, Protocol
 from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.hangs.culprit import find_culprits
+from multigpu.supervisor.hangs.hang import hang_failures
+from multigpu.supervisor.hangs.stack_dumps import DumpRequest, flight_record
+from multigpu.supervisor.outcome import Outcome
 from multigpu.supervisor.states import Worker
+
+logger = logging.getLogger(__name__)
 
 GATHER_S = 10.0
 """How long a node waits for the other nodes' stacks: their waiters wake at once, but a flight record
@@ -175,23 +182,80 @@ class HangExchange(Protocol):
         """Publish this node's rank states, gather every node's, settle the verdict."""
 
 
+@dataclass(frozen=True)
+class Turns:
+    """How a node waits for the job's verdict: the supervisor's loop turns meanwhile (``turn``), on its
+    clock, until a stop request (``stopped``) or the deadline."""
+
+    turn: Callable[[float], None]
+    clock: Callable[[], float]
+    stopped: Callable[[], bool] = lambda: False
+
+
 def gather_verdict(
     exchange: HangExchange,
     notice: WorkerFailure,
     workers: Sequence[Worker],
     book: ProgressBook,
-    turn: Callable[[float], None],
-    clock: Callable[[], float],
-    stopped: Callable[[], bool] = lambda: False,
+    turns: Turns,
 ) -> list[WorkerFailure]:
     """After this node's stacks are read: share them, wait for the others' while the loop runs on
     (bounded; a stop request, Ctrl-C, ends the wait), and make the job's failures from the verdict
     that stands (this node's own states and verdict when the store cannot answer)."""
+    clock = turns.clock
     mine = rank_states(workers, book, clock())
     pending = exchange.exchange(mine, notice)
     deadline = clock() + GATHER_S + 2.0
-    while not pending.done() and clock() < deadline and not stopped():
-        turn(0.05)
+    while not pending.done() and clock() < deadline and not turns.stopped():
+        turns.turn(0.05)
     answer = pending.result() if pending.done() else None
     states, verdict = answer if answer is not None else (mine, decide(mine, notice))
     return job_failures(verdict, states, workers)
+
+
+class HangWatch:
+    """The supervisor's hang duty, asked on its loop: each turn (``check``), whether the book calls a
+    hang; on one node this node's stacks and flight records judge it here, in a job of several the hang
+    is declared to every node, and each node judges with every node's stacks when the notice comes
+    back (``job_hangs``). ``dump``: the supervisor's ``dump_stacks``; ``turns``: its loop."""
+
+    def __init__(
+        self,
+        book: ProgressBook,
+        exchange: HangExchange | None,
+        dump: Callable[[list[Worker]], DumpRequest | None],
+        turns: Turns,
+    ) -> None:
+        self.book, self.exchange, self._dump, self._turns = book, exchange, dump, turns
+        self.declared = False
+        """This node declared the job's hang (its notice then comes back through the store)."""
+
+    def check(self, workers: Sequence[Worker], outcome: Outcome) -> None:
+        """One look while the attempt runs, with no outcome or hang yet (the caller's condition)."""
+        running = [w for w in workers if w.alive]
+        hang = self.book.check([w.rank for w in running], self._turns.clock())
+        if hang is not None and self.exchange is not None:  # every node hears of it, this one too
+            self.declared = True
+            self.exchange.declare(hang.notice)
+        elif hang is not None:
+            since = self._collect_stacks(workers, outcome, hang.notice)
+            flight = flight_record(running, {w.rank for w in workers}, since - 1.0)
+            outcome.failures.extend(hang_failures(hang, running, flight, time.time()))
+
+    def job_hangs(self, notice: WorkerFailure, workers: Sequence[Worker], outcome: Outcome) -> bool:
+        """The job hangs (a node said so through the store): dump this node's ranks, then judge with
+        every node. False for any other failure from outside, and once this node has an outcome of its
+        own (then the caller keeps ``notice`` as a failure)."""
+        exchange = self.exchange
+        if notice.kind is not FailureKind.HANG or exchange is None or outcome.hung or outcome.failures:
+            return False  # a rank here failed already: that failure and the notice are ordered by time
+        self._collect_stacks(workers, outcome, notice.message or "")
+        outcome.failures.extend(gather_verdict(exchange, notice, workers, self.book, self._turns))
+        return True
+
+    def _collect_stacks(self, workers: Sequence[Worker], outcome: Outcome, notice: str) -> float:
+        """Say what is known, then dump every live rank's stacks; when the request went out."""
+        logger.warning(f"hang: {notice}; collecting every rank's stacks")
+        outcome.hung = True  # before dumping: dumping runs the loop, which must not come back here
+        request = self._dump([w for w in workers if w.alive])
+        return request.wall_start if request is not None else time.time()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import logged
 from multigpu.contract.beats import Beat
 from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
 from multigpu.supervisor.hangs.learned import LEARNED_FILE
@@ -25,18 +26,9 @@ def step(n: int) -> list[Beat]:
     return [Beat("step", value=float(n))]
 
 
-def book(
-    policy: HangPolicy, ranks: int = 2, store: Path | None = None, notes: list[str] | None = None
-) -> tuple[ProgressBook, Clock]:
+def book(policy: HangPolicy, ranks: int = 2, store: Path | None = None) -> tuple[ProgressBook, Clock]:
     clock = Clock()
-    b = ProgressBook(
-        policy,
-        range(ranks),
-        store=store,
-        clock=clock,
-        wall=lambda: 5000.0,
-        notify=(notes.append if notes is not None else None),
-    )
+    b = ProgressBook(policy, range(ranks), store=store, clock=clock, wall=lambda: 5000.0)
     return b, clock
 
 
@@ -196,14 +188,14 @@ def test_a_damaged_or_unwritable_store_is_ignored(tmp_path: Path) -> None:
     assert not gone.exists() and b.learned.slowest_step == pytest.approx(0.1)
 
 
-def test_straggler_warned_once_with_its_numbers() -> None:
-    notes: list[str] = []
-    b, clock = book(HangPolicy(ceiling=None, straggler_window=10), ranks=3, notes=notes)
+def test_straggler_warned_once_with_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
+    b, clock = book(HangPolicy(ceiling=None, straggler_window=10), ranks=3)
     for n in range(1, 30):
         clock.now += 0.5
         for r in range(3):
             b.feed(r, [Beat("end", "forward", 0.3 if r == 2 else 0.1), *step(n)], clock.now)
         assert b.check([0, 1, 2], clock.now) is None  # no ceiling: never a hang
+    notes = logged(caplog)
     assert len(notes) == 1, notes
     assert notes[0] == (
         "rank 2 is a straggler: its section 'forward' takes 0.3s (median of the last 10) "
@@ -212,15 +204,14 @@ def test_straggler_warned_once_with_its_numbers() -> None:
     assert b.snapshot()["2"]["straggler"] == notes[0]
 
 
-def test_equal_ranks_are_no_stragglers() -> None:
-    notes: list[str] = []
-    b, clock = book(HangPolicy(straggler_window=5), ranks=2, notes=notes)
+def test_equal_ranks_are_no_stragglers(caplog: pytest.LogCaptureFixture) -> None:
+    b, clock = book(HangPolicy(straggler_window=5), ranks=2)
     for n in range(1, 20):
         clock.now += 0.5
         for r in range(2):
             b.feed(r, [Beat("end", "forward", 0.1 + 0.001 * (n % 3)), *step(n)], clock.now)
         b.check([0, 1], clock.now)
-    assert notes == []
+    assert logged(caplog) == []
 
 
 def test_snapshot_has_step_times() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
+from helpers import logged
 from multigpu.contract.beats import Beat, BeatDecoder
 from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
 from multigpu.supervisor.hangs.lateness import (
@@ -44,17 +45,17 @@ def entries(work: Work, ranks: int, count: int, seed: int = 0, start: float = 10
 
 
 def feed_and_check(
-    seen: list[list[float]], threshold: float = 0.2, every: int = 20
+    caplog: pytest.LogCaptureFixture, seen: list[list[float]], threshold: float = 0.2, every: int = 20
 ) -> tuple[ProgressBook, list[str]]:
-    """The book fed every rank's beats as they would come, judged once a second of the job."""
-    notes: list[str] = []
+    """The book fed every rank's beats as they would come, judged once a second of the job; the lines
+    it logged meanwhile."""
+    caplog.clear()
     clock = [seen[0][0]]
     b = ProgressBook(
         HangPolicy(straggler_threshold=threshold),
         range(len(seen)),
         clock=lambda: clock[0],
         wall=lambda: clock[0] + 1e9,
-        notify=notes.append,
     )
     for r in range(len(seen)):
         b.started(r, clock[0], pid=40 + r, node=0)
@@ -64,15 +65,17 @@ def feed_and_check(
         clock[0] = max(t[k] for t in seen)
         if k % every == every - 1:
             b.check(list(range(len(seen))), clock[0] + 1.0)
-    return b, notes
+    return b, logged(caplog)
 
 
 def healthy(r: int, k: int, rng: random.Random) -> float:
     return max(0.001, rng.gauss(0.05, 0.01))
 
 
-def test_a_rank_40_percent_slower_is_named_with_its_numbers() -> None:
-    b, notes = feed_and_check(entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 1 else 0), 2, 600))
+def test_a_rank_40_percent_slower_is_named_with_its_numbers(caplog: pytest.LogCaptureFixture) -> None:
+    b, notes = feed_and_check(
+        caplog, entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 1 else 0), 2, 600)
+    )
     assert len(notes) == 1, notes
     assert notes[0].startswith("rank 1 (node 0, pid 41) is a straggler: it enters collectives 2")
     assert re.search(
@@ -89,16 +92,18 @@ def test_a_rank_40_percent_slower_is_named_with_its_numbers() -> None:
     assert b.ranks[1].straggling and not b.ranks[0].straggling
 
 
-def test_the_straggler_among_eight_ranks_is_the_one_named() -> None:
-    _, notes = feed_and_check(entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 5 else 0), 8, 400))
+def test_the_straggler_among_eight_ranks_is_the_one_named(caplog: pytest.LogCaptureFixture) -> None:
+    _, notes = feed_and_check(
+        caplog, entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 5 else 0), 8, 400)
+    )
     assert [n.split(" (")[0] for n in notes] == ["rank 5"], notes
 
 
-def test_a_straggler_that_recovers_is_said_to_and_its_span_ends() -> None:
+def test_a_straggler_that_recovers_is_said_to_and_its_span_ends(caplog: pytest.LogCaptureFixture) -> None:
     def work(r: int, k: int, rng: random.Random) -> float:
         return healthy(r, k, rng) + (0.025 if r == 0 and k < 400 else 0)
 
-    b, notes = feed_and_check(entries(work, 3, 1200))
+    b, notes = feed_and_check(caplog, entries(work, 3, 1200))
     assert len(notes) == 2, notes
     assert "rank 0 (node 0, pid 40) is a straggler" in notes[0]
     assert notes[1].startswith("rank 0 (node 0, pid 40) is no longer a straggler")
@@ -109,39 +114,45 @@ def test_a_straggler_that_recovers_is_said_to_and_its_span_ends() -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("seed", range(4))
-def test_healthy_jobs_with_noisy_steps_are_not_named(seed: int, ranks: int) -> None:
+def test_healthy_jobs_with_noisy_steps_are_not_named(
+    seed: int, ranks: int, caplog: pytest.LogCaptureFixture
+) -> None:
     def noisy(r: int, k: int, rng: random.Random) -> float:
         return max(0.001, rng.gauss(0.05, 0.02)) * (3 if rng.random() < 0.02 else 1)
 
-    _, notes = feed_and_check(entries(noisy, ranks, 1000, seed=seed))
+    _, notes = feed_and_check(caplog, entries(noisy, ranks, 1000, seed=seed))
     assert notes == []
 
 
-def test_checkpoint_pauses_on_every_rank_or_written_by_rank_0_are_not_named() -> None:
+def test_checkpoint_pauses_on_every_rank_or_written_by_rank_0_are_not_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     def checkpoints(r: int, k: int, rng: random.Random) -> float:
         pause = 2.0 if k % 50 == 49 else 0.0
         return healthy(r, k, rng) + pause + (1.5 if r == 0 and k % 50 == 49 else 0.0)
 
-    _, notes = feed_and_check(entries(checkpoints, 2, 800))
+    _, notes = feed_and_check(caplog, entries(checkpoints, 2, 800))
     assert notes == []
 
 
-def test_rank_0_logging_in_a_few_steps_is_not_named() -> None:
+def test_rank_0_logging_in_a_few_steps_is_not_named(caplog: pytest.LogCaptureFixture) -> None:
     def logging(r: int, k: int, rng: random.Random) -> float:
         return healthy(r, k, rng) + (0.04 if r == 0 and k % 10 == 0 else 0.0)
 
-    _, notes = feed_and_check(entries(logging, 2, 800))
+    _, notes = feed_and_check(caplog, entries(logging, 2, 800))
     assert notes == []
 
 
-def test_a_small_lateness_under_the_threshold_is_not_named() -> None:
+def test_a_small_lateness_under_the_threshold_is_not_named(caplog: pytest.LogCaptureFixture) -> None:
     work: Work = lambda r, k, rng: healthy(r, k, rng) + (0.005 if r == 1 else 0)  # noqa: E731
-    _, notes = feed_and_check(entries(work, 2, 600))
+    _, notes = feed_and_check(caplog, entries(work, 2, 600))
     assert notes == []
 
 
-def test_threshold_0_turns_detection_off() -> None:
-    b, notes = feed_and_check(entries(lambda r, k, rng: 0.05 + (0.05 if r == 1 else 0), 2, 400), threshold=0)
+def test_threshold_0_turns_detection_off(caplog: pytest.LogCaptureFixture) -> None:
+    b, notes = feed_and_check(
+        caplog, entries(lambda r, k, rng: 0.05 + (0.05 if r == 1 else 0), 2, 400), threshold=0
+    )
     assert notes == [] and b.stragglers.lateness.entries == {}
 
 
@@ -169,16 +180,15 @@ def test_the_step_counts_several_collectives_in_a_step_once() -> None:
     assert step_from_entries([1.0]) is None
 
 
-def test_reported_steps_set_the_step() -> None:
+def test_reported_steps_set_the_step(caplog: pytest.LogCaptureFixture) -> None:
     seen = entries(lambda r, k, rng: 0.05 + (0.02 if r == 1 else 0), 2, 100)
-    notes: list[str] = []
-    b = ProgressBook(HangPolicy(), range(2), clock=lambda: 0.0, notify=notes.append)
+    b = ProgressBook(HangPolicy(), range(2), clock=lambda: 0.0)
     for r in range(2):
         b.feed(r, [Beat("entered", value=t, index=k) for k, t in enumerate(seen[r], 1)], 0.0)
         b.feed(r, [Beat("step", value=1.0)], 0.0)
         b.feed(r, [Beat("step", value=2.0)], 0.2)  # the script says its step is 200 ms: 20 ms is 11%
     b.check([0, 1], 5.0)
-    assert notes == [] and b.ranks[1].late_s == pytest.approx(0.02, abs=0.004)
+    assert logged(caplog) == [] and b.ranks[1].late_s == pytest.approx(0.02, abs=0.004)
 
 
 def test_the_entry_beat_decodes() -> None:
@@ -186,13 +196,15 @@ def test_the_entry_beat_decodes() -> None:
     assert beats == [Beat("entered", value=345.25, index=12), Beat("collectives", value=13.0)]
 
 
-def test_the_live_view_shows_how_late_each_rank_enters() -> None:
+def test_the_live_view_shows_how_late_each_rank_enters(caplog: pytest.LogCaptureFixture) -> None:
     from rich.console import Console
 
     from multigpu.runner.live_view import LATE_COLUMN, status_table
     from multigpu.supervisor.states import Worker, WorkerSpec
 
-    b, _ = feed_and_check(entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 1 else 0), 2, 300))
+    b, _ = feed_and_check(
+        caplog, entries(lambda r, k, rng: healthy(r, k, rng) + (0.02 if r == 1 else 0), 2, 300)
+    )
     workers = [Worker(WorkerSpec(rank=r, local_rank=r, argv=[], env={}), progress=b.ranks[r]) for r in (0, 1)]
     console = Console(width=200, record=True)
     console.print(status_table(workers, live=False))

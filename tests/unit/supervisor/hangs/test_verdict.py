@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env, supervisor_arguments, write_script
+from helpers import PYTHON, assert_gone, clean_env, logged, supervisor_arguments, write_script
 from multigpu.contract.beats import BeatDecoder
 from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.rank import progress
@@ -292,7 +292,9 @@ class FakeExchange:
 
 
 @pytest.mark.integration
-def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict(tmp_path: Path) -> None:
+def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     script = write_script(
         tmp_path,
         "waits.py",
@@ -312,10 +314,8 @@ def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict
         env=clean_env({"RANK": "0", "WORLD_SIZE": "2"}),
         log_path=tmp_path / "rank_0.log",
     )
-    exchange, notes = FakeExchange(), []
-    sup = Supervisor(
-        [rank0], **supervisor_arguments(notes, hang_timeout=1.0, grace_period=0.3, job_hang=exchange)
-    )
+    exchange = FakeExchange()
+    sup = Supervisor([rank0], **supervisor_arguments(hang_timeout=1.0, grace_period=0.3, job_hang=exchange))
     exchange.supervisor = sup
     try:
         sup.start()
@@ -325,7 +325,7 @@ def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict
         sup.close(grace_period=0)
     assert result is not None and result.status is RunStatus.HUNG
     assert len(exchange.notices) == 1 and exchange.notices[0].startswith("no progress for ")
-    assert [n for n in notes if n.startswith("hang: ")] == [
+    assert [n for n in logged(caplog) if n.startswith("hang: ")] == [
         f"hang: {exchange.notices[0]}; collecting every rank's stacks"
     ]
     assert [s.rank for s in exchange.shared] == [0] and "waiting_here" in "\n".join(exchange.shared[0].dump)
