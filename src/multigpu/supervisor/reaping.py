@@ -97,7 +97,7 @@ def reap_killed(workers: Sequence[Worker]) -> list[Worker]:
             w.to(WorkerState.STOPPED)
             w.returncode = None
             logger.warning(
-                f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
+                f"{w.title} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
                 f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
                 f"leaving it behind"
             )
