@@ -8,6 +8,7 @@ the job. Without torch's extra packages the option is one line naming the fix.""
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import time
@@ -77,7 +78,7 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
         address = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", first[-1])
         assert address, first[-1]
         token = address.group(1)
-        page = fetch(f"http://127.0.0.1:{port}/stacks?token={token}", time.monotonic() + 60)
+        page = html.unescape(fetch(f"http://127.0.0.1:{port}/stacks?token={token}", time.monotonic() + 60))
         tree = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(recursive=True))]
         sockets = [(pid, c) for pid in tree for c in psutil.Process(pid).net_connections("inet")]
         listening = [(pid, c.laddr.ip) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
