@@ -150,4 +150,6 @@ def test_another_user_finds_no_debug_token_in_the_store_or_the_run_folder(
     assert answers[f"http://127.0.0.1:{port}/stacks"] == 403, answers
     assert 200 not in answers.values(), answers
     assert "planted-by-another-user" in keys and "<script>steal()" not in keys, keys  # shown, as text
+    ended = [p for p in out.rglob("*") if p.is_file() and token in p.read_text(errors="replace")]
+    assert ended == [], ended  # nor in what the run wrote as it ended (run.json, report)
     assert_gone(pids_in(stdout))
