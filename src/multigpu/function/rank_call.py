@@ -35,6 +35,8 @@ from typing import Any
 
 import cloudpickle
 
+from multigpu.contract.frames import own_frame
+
 RESULT_LIMIT_BYTES = 2**31
 """A return value larger than this (pickled) is refused in the rank, with an error naming it."""
 
@@ -149,7 +151,8 @@ def _returned(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 def _keep_exception(exc: BaseException, path: Path) -> None:
     """The exception itself when it pickles (and unpickles), else only its text; always its traceback."""
     tb = exc.__traceback__
-    tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb  # from the user's frame on
+    while tb is not None and tb.tb_next is not None and own_frame(tb.tb_frame):
+        tb = tb.tb_next  # from the user's frame on (``call_in_rank``'s, ``spawn``'s are ours)
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     record: dict[str, Any] = {"pid": os.getpid(), "traceback": text, "exception": None}
     with contextlib.suppress(Exception):
