@@ -139,7 +139,7 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
+def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...], what: str = "output folder") -> None:
     """A UsageError unless ``folder`` belongs to one of ``owners`` and is not writable by every user
     without the sticky bit (the one-line refusal names ``path``, the folder asked for)."""
     st = os.stat(folder)
@@ -147,18 +147,18 @@ def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
     if st.st_uid not in owners:
         raise UsageError(
-            f"output folder {path}: {folder} belongs to user {user_name(st.st_uid)}, who "
+            f"{what} {path}: {folder} belongs to user {user_name(st.st_uid)}, who "
             f"could redirect what this run writes; give the run a folder of your own"
         )
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         raise UsageError(
-            f"output folder {path}: {folder} is writable by every user (and has no sticky "
+            f"{what} {path}: {folder} is writable by every user (and has no sticky "
             f"bit), who could redirect what this run writes; give the run a folder of "
             f"your own, or 'chmod o-w {folder}'"
         )
 
 
-def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None:
+def check_owned(path: Path, created_into: Path, *, created: bool = True, what: str = "output folder") -> None:
     """A UsageError when another user could redirect this run's writes under ``path``. ``created_into``
     (the folder ``mkdir -p`` creates into, or ``path`` itself when it exists) must be this user's, or
     root's when the run creates its folder inside it; with ``created``, every folder from ``path`` up to
@@ -166,9 +166,9 @@ def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None
     uid = os.geteuid()
     top = Path(os.path.abspath(created_into))
     folder = Path(os.path.abspath(path))
-    _refuse_if_open(path, top, (uid,) if top == folder else (uid, 0))
+    _refuse_if_open(path, top, (uid,) if top == folder else (uid, 0), what)
     while created and folder != top and folder != folder.parent:
-        _refuse_if_open(path, folder, (uid,))
+        _refuse_if_open(path, folder, (uid,), what)
         folder = folder.parent
 
 
@@ -178,10 +178,10 @@ def open_checked(path: Path, what: str = "output folder") -> int:
     claim, torchrun's ``--log-dir`` and OTX's manager all go through here."""
     try:
         created_into = _first_existing(path)
-        check_owned(path, created_into, created=False)  # nothing is created in another user's folder
+        check_owned(path, created_into, created=False, what=what)  # nothing made in another user's folder
         fd = open_folder(path, create=True)  # no link or sticky-folder entry of another user's on the way
         try:
-            check_owned(path, created_into)  # and no folder on the way was made by another user meanwhile
+            check_owned(path, created_into, what=what)  # and no folder on the way made by another user
         except BaseException:
             os.close(fd)
             raise

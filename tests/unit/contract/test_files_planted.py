@@ -61,7 +61,7 @@ def test_a_file_on_the_way_is_not_a_folder(tmp_path: Path) -> None:
 def test_another_users_link_is_never_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
-    (victim / "run.json").write_text("precious\n")
+    (victim / "record.json").write_text("precious\n")
     shared = sticky(tmp_path / "shared")
     link = planted_link(shared / "run", victim)
     with pytest.raises(Planted, match=rf"^\[Errno 1\] {link} is a link made by user uid {OTHER}, who could"):
@@ -69,8 +69,8 @@ def test_another_users_link_is_never_followed(tmp_path: Path) -> None:
     with pytest.raises(Planted):
         os.close(open_folder(link / "logs", create=True))
     with pytest.raises(Planted):
-        os.close(create_file(link / "run.json"))
-    assert sorted(os.listdir(victim)) == ["run.json"] and (victim / "run.json").read_text() == "precious\n"
+        os.close(create_file(link / "record.json"))
+    assert sorted(os.listdir(victim)) == ["record.json"] and (victim / "record.json").read_text() == "precious\n"
 
 
 @needs_root
