@@ -70,7 +70,8 @@ def test_another_users_link_is_never_followed(tmp_path: Path) -> None:
         os.close(open_folder(link / "logs", create=True))
     with pytest.raises(Planted):
         os.close(create_file(link / "record.json"))
-    assert sorted(os.listdir(victim)) == ["record.json"] and (victim / "record.json").read_text() == "precious\n"
+    assert sorted(os.listdir(victim)) == ["record.json"]
+    assert (victim / "record.json").read_text() == "precious\n"
 
 
 @needs_root
