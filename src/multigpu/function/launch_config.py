@@ -26,7 +26,7 @@ from multigpu.config.run import OutputConfig, RunConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer, module_names, number, seconds
-from multigpu.record.folder import check_run_id
+from multigpu.record.folder import check_run_id, resolve_output
 
 OPTIONS: dict[str, tuple[str, str]] = {
     "hang_timeout": ("hang", "timeout"),
@@ -58,7 +58,7 @@ def _text(value: Any, name: str) -> str:
 def _output(value: Any, name: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise UsageError(f"{name} must be a folder path, got {value!r}")
-    return Path(value).resolve()
+    return resolve_output(Path(value))  # never through a link another user planted
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -146,5 +146,5 @@ def launch_config(
             config, **{section: dataclasses.replace(getattr(config, section), **fields)}
         )
     run_id = config.output.run_id or new_run_id()
-    out = config.output.dir or (Path("multigpu_runs") / run_id).resolve()
+    out = config.output.dir or resolve_output(Path("multigpu_runs") / run_id)
     return dataclasses.replace(config, output=dataclasses.replace(config.output, dir=out, run_id=run_id))

@@ -112,7 +112,8 @@ class MultiGPUManager:
             raise RuntimeError("setup_multi_gpu_train() was already called on this manager")
         self._state = "failed"  # until it has all worked: finalize() after a failed setup is a no-op
         keep_enabled()  # OTX's caller may have configured logging (dictConfig) after importing us
-        prepared = fm.prepare(output_path, optimized_hyper_parameters, self._train_func)
+        node = f"rank{self._base_rank}" if self._world_size > len(self._gpu_ids) else None  # lock per node
+        prepared = fm.prepare(output_path, optimized_hyper_parameters, self._train_func, node)
         try:
             with contextlib.ExitStack() as undo:
                 undo.callback(prepared.remove_payload)  # last: once every child is gone

@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 from multigpu.console.folding import CppStacks, InterruptTracebacks
 from multigpu.console.writer import Console
-from multigpu.contract.files import create_new
+from multigpu.contract.files import create_file
 from multigpu.supervisor.events import Events
 
 if TYPE_CHECKING:
@@ -79,9 +79,8 @@ class LogFile:
         self.lost = 0
         self.error: str | None = None
         self._file: IO[bytes] | None = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = os.fdopen(create_new(path), "wb", buffering=0)  # a planted link is replaced
+        try:  # folders made without following another user's link; a planted link replaced, a FIFO refused
+            self._file = os.fdopen(create_file(path), "wb", buffering=0)
         except OSError as exc:
             self._fail(exc)
 

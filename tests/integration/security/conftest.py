@@ -49,7 +49,7 @@ def auditor() -> Iterator[pwd.struct_passwd]:
 
 
 @pytest.fixture
-def shared(tmp_path: Path) -> Iterator[Path]:
+def shared() -> Iterator[Path]:
     """A folder both users can reach and create in, like /tmp (sticky, open to all); tmp_path is not
     reachable by the second user (pytest makes it 0700)."""
     path = Path(tempfile.mkdtemp(prefix="multigpu-shared-", dir="/tmp"))
@@ -58,3 +58,10 @@ def shared(tmp_path: Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    path = tmp_path / "victim"
+    path.write_text("root's own\n")
+    return path

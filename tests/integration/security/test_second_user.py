@@ -22,6 +22,8 @@ from helpers import PYTHON, assert_gone, clean_env, pids_in, run_cli, start_cli,
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.xdist_group("second_user")]
 
+AUDITOR = "multigpu-auditor"
+
 
 def as_user(user: pwd.struct_passwd, *argv: str) -> None:
     subprocess.run(
@@ -42,13 +44,6 @@ def plant(user: pwd.struct_passwd, out: Path, victim: Path) -> Path:
     as_user(user, "ln", "-s", str(victim), str(log))
     assert log.is_symlink()
     return log
-
-
-@pytest.fixture
-def victim(tmp_path: Path) -> Path:
-    path = tmp_path / "victim"
-    path.write_text("root's own\n")
-    return path
 
 
 HELLO = """

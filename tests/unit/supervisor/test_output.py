@@ -58,7 +58,11 @@ def test_display_text_is_what_a_terminal_leaves(line: bytes, shown: bytes) -> No
 def test_log_file_counts_what_a_full_disk_lost(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
-    log = LogFile(Path("/dev/full"))
+    log = LogFile(tmp_path / "rank_0.log")  # a log's name holds a regular file: a device is refused
+    assert log._file is not None and log.error is None
+    log._file.close()
+    log._file = open("/dev/full", "wb", buffering=0)  # noqa: SIM115 - closed by log.close()
+    log.path = Path("/dev/full")
     log.write(b"x" * 100)
     log.write(b"y" * 50)
     log.close()
