@@ -44,7 +44,10 @@ def torchrun_attempt_dir(
 ) -> Path | None:
     """torchrun's ``<log_dir>/<run id>_<suffix>/attempt_<k>`` (DefaultLogsSpecs), or None without
     ``--log-dir``/``-r``/``-t``. ``-r``/``-t`` without ``--log-dir`` write under the run's output
-    directory (torchrun picks a temporary one)."""
+    directory (torchrun picks a temporary one). ``--log-dir /dev/null`` is torchrun's "no files": no
+    folder, nothing redirected, every stream on the console (the run's own logs stay)."""
+    if config.output.log_dir == Path(os.devnull):
+        return None
     if config.output.log_dir is None and not config.output.redirects.given and not config.output.tee.given:
         return None
     base = config.output.log_dir if config.output.log_dir is not None else output_dir / "torchrun_logs"

@@ -54,6 +54,14 @@ def test_without_log_options_nothing_changes(tmp_path: Path) -> None:
     assert AFFINITY_ENV not in worker.env
 
 
+def test_log_dir_dev_null_is_torchruns_no_files(tmp_path: Path) -> None:
+    """torchrun's DefaultLogsSpecs: ``--log-dir /dev/null`` makes no folder and redirects nothing."""
+    workers = specs(["--nproc-per-node", "2", "--log-dir", os.devnull, "-r", "3", "-t", "3"], tmp_path)
+    for worker in workers:
+        assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
+        assert worker.error_file == tmp_path / "out" / "logs" / "attempt_1" / f"error_rank_{worker.rank}.json"
+
+
 def test_log_dir_alone_makes_the_rank_dirs_and_error_files(tmp_path: Path) -> None:
     worker = specs(["--log-dir", str(tmp_path / "l")], tmp_path)[0]
     assert worker.error_file == run_dir(tmp_path / "l") / "attempt_1" / "0" / "error.json"
