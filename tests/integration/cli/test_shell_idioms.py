@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import MULTIGPU, alive, clean_env, tier_cannot_run, write_script
+from helpers import MULTIGPU, alive, clean_env, free_port, node_args, tier_cannot_run, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -169,6 +169,36 @@ def test_line_filter(tmp_path: Path, shell: list[subprocess.Popen[bytes]]) -> No
 def test_output_to_a_file(tmp_path: Path, shell: list[subprocess.Popen[bytes]]) -> None:
     assert run_shell(shell, tmp_path, f"{launcher_line(tmp_path)} > run.log 2>&1") == 1
     assert_report_at_end((tmp_path / "run.log").read_text())
+
+
+@pytest.mark.matrix
+def test_process_substitution_tee_on_two_nodes(tmp_path: Path, shell: list[subprocess.Popen[bytes]]) -> None:
+    """Two nodes on this machine, each launcher logging through its own ``> >(tee node_N.log)``: a
+    healthy run keeps each node's summary, and neither tee is signalled."""
+    write_script(tmp_path, "train.py", HEALTHY)
+    port = free_port()
+    lines = []
+    for node in (0, 1):
+        args = [*MULTIGPU, "run", "--cpu", "1", *node_args(node, master_port=port)]
+        args += ["--output", str(tmp_path / f"out{node}"), "train.py"]
+        tee = f">(tee node_{node}.log >/dev/null; echo $? > tee_{node}.status)"
+        lines.append(f"{shlex.join(args)} > {tee} 2>&1")
+    procs = [
+        subprocess.Popen(
+            ["bash", "-c", line],
+            cwd=tmp_path,
+            env=clean_env(),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for line in lines
+    ]
+    shell += procs
+    assert [proc.wait(timeout=RUN_TIMEOUT) for proc in procs] == [0, 0]
+    for node in (0, 1):
+        assert wait_file(tmp_path / f"tee_{node}.status") == "0\n"
+        log = (tmp_path / f"node_{node}.log").read_text()
+        assert re.search(r"^multigpu: summary", log, re.MULTILINE) and f"rank {node} done" in log, log
 
 
 # ---- the heavy tier: the rarer idioms -------------------------------------------------------------------
