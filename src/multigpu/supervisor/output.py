@@ -39,10 +39,11 @@ logger = logging.getLogger(__name__)
 READ_SIZE = 1 << 16
 DRAIN_READS = 16
 """Reads of ``READ_SIZE`` per pipe in one drain: 1 MiB, the most a Linux pipe holds unless raised."""
-LINE_CAP = 1 << 20
+LINE_CAP = 2 << 20
 """The longest line passed on whole; a longer one is passed on in pieces this long (said once per rank):
 the launcher's memory stays bounded (a rank writing 100 MB with no newline took it past 400 MiB), the
-console gets pieces its buffer (``console.writer.CAPACITY``) can hold, and the log keeps every byte."""
+console gets pieces its buffer (``console.writer.CAPACITY``, twice this) can hold, and the log keeps
+every byte. A 1 MiB line (a dumped array) still arrives whole (``integration/cli/test_sessions.py``)."""
 TAIL_LINE_CHARS = 4000
 """A tail line (for the report) is cut to this many characters; the log keeps the whole line."""
 PARTIAL_INTERVAL = 0.1
