@@ -130,7 +130,8 @@ def test_store_usage_mistakes_are_one_line(tmp_path: Path) -> None:
         (["store"], "HOST:PORT"),
         (["store", "127.0.0.1:0"], "fixed port"),
         (["store", "localhost"], "has no port"),
+        (["store", "127.0.0.1"], "with the fixed port the jobs name in --rdzv-endpoint"),
     ):
         done = run_cli(args, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        assert "Traceback" not in done.stderr and "port 0" not in done.stderr, done.stderr
