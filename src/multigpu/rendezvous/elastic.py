@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from multigpu.config.endpoint import Endpoint
@@ -238,7 +238,8 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
-        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
+        lost_s = self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt  # torch's rule
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout, lost_s=lost_s)
         try:
             with wait:
                 return self.handler.next_rendezvous()
@@ -331,7 +332,9 @@ class RoundWait:
     """A node waiting for a rendezvous round to form says who joined, how many more it needs and the
     time left (``join_timeout``): after ``first_s`` (a round that forms at once says nothing), then
     every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
-    torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
+    torch's ``next_rendezvous``; it only reads torch's rendezvous state. A node counts as joined only
+    while it is alive by torch's own evidence, its keep-alive: a killed launcher stays in torch's
+    state until a sync sweeps it, but its keep-alive stops at once (and ``Liveness`` ages it out)."""
 
     def __init__(
         self,
@@ -339,9 +342,10 @@ class RoundWait:
         config: RunConfig,
         timeout_s: float,
         first_s: float = 2.0,
+        lost_s: float = 15.0,
     ) -> None:
         self.backend, self.config, self.timeout_s = backend, config, timeout_s
-        self.first_s = first_s
+        self.first_s, self.lost_s = first_s, lost_s
         self.last: str | None = None
         """Who had joined at the last look, for a Ctrl-C's line."""
         self._stop = threading.Event()
@@ -370,7 +374,9 @@ class RoundWait:
         current = self.backend.get_state()
         state = pickle.loads(current[0]) if current is not None else None
         nodes = [*state.participants, *state.wait_list] if state is not None else []
-        names = sorted(f"{node.addr} pid {node.pid}" for node in nodes)
+        since = datetime.now(timezone.utc) - timedelta(seconds=self.lost_s)
+        beats = state.last_heartbeats if state is not None else {}
+        names = sorted(f"{node.addr} pid {node.pid}" for node in nodes if beats.get(node, since) >= since)
         self.last = f"joined: {', '.join(names)}" if names else None
         return names
 

@@ -100,3 +100,33 @@ def test_the_elastic_round_wait_line() -> None:
         "the round has its 2 node(s); waiting for more up to last_call_timeout (2:3 nodes; joined: n1 pid 7, "
         "n2 pid 9)"
     )
+
+
+def test_the_round_wait_lists_only_nodes_whose_keep_alive_is_live() -> None:
+    """A launcher killed after the round formed stays in torch's state until a sync sweeps it; its
+    keep-alive stopped when it died (``Liveness`` ages it to 1970): the line must not call it joined."""
+    import pickle
+    from datetime import datetime, timedelta, timezone
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from multigpu.rendezvous.elastic import RoundWait
+
+    live, killed, aged, waiting = (dr._NodeDesc("127.0.0.1", pid, 0) for pid in (11, 22, 33, 44))
+    state = dr._RendezvousState()
+    now = datetime.now(timezone.utc)
+    state.participants.update({live: 0, killed: 1, aged: 2})
+    state.wait_list.add(waiting)
+    state.last_heartbeats.update(
+        {live: now, killed: now - timedelta(seconds=20), aged: datetime.fromtimestamp(0, timezone.utc)}
+    )
+    state.last_heartbeats[waiting] = now - timedelta(seconds=2)
+
+    class Backend:
+        def get_state(self) -> tuple[bytes, object]:
+            return pickle.dumps(state), object()
+
+    config = RunConfig(target="t.py", rdzv=RendezvousConfig(min_nodes=2, max_nodes=3))
+    wait = RoundWait(Backend(), config, 300.0, lost_s=15.0)
+    assert wait.joined() == ["127.0.0.1 pid 11", "127.0.0.1 pid 44"]
+    assert wait.last == "joined: 127.0.0.1 pid 11, 127.0.0.1 pid 44"
