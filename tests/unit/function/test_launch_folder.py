@@ -28,13 +28,16 @@ def test_a_dead_callers_folder_is_swept_a_live_ones_is_not(
     dead = _dead_callers_folder(tmp_path, "dead")
     making = tmp_path / f"{PREFIX}making"  # mkdtemp done, the lock not yet there: not a dead caller's
     making.mkdir()
+    taking = tmp_path / f"{PREFIX}taking"  # its lock created, not yet taken (and so not yet written)
+    taking.mkdir()
+    (taking / CALLER_LOCK).write_text("")
     other = tmp_path / "multigpu-other"
     other.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     live = PrivateFolder()  # sweeps first: the dead caller's folder goes
     assert not dead.exists()
     assert sweep(tmp_path) == []  # this live caller's lock is held
-    assert live.path.is_dir() and making.is_dir() and other.is_dir()
+    assert live.path.is_dir() and making.is_dir() and taking.is_dir() and other.is_dir()
     assert live.path.stat().st_mode & 0o777 == 0o700
     live.remove()
     assert not live.path.exists()

@@ -43,6 +43,7 @@ def test_a_live_runs_folder_is_never_removed(tmp_path: Path) -> None:
     fd = os.open(oldest / ".multigpu.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the launcher's claim_output holds it
+        os.utime(oldest, (999_999, 999_999))  # still the oldest, its lock file made
         assert prune(root, 1) == ["run-1"]
         assert oldest.is_dir() and (oldest / "run.json").exists()
     finally:
