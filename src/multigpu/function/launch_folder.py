@@ -38,7 +38,7 @@ class PrivateFolder:
             fd = os.open(self.path / CALLER_LOCK, flags, 0o600)
             self._lock = fd
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.write(fd, f"caller pid {os.getpid()}\n".encode())
+            os.write(fd, f"caller pid {os.getpid()}\n".encode())  # once held: a sweep skips it empty
         except BaseException:
             self.remove()
             raise
@@ -55,7 +55,8 @@ class PrivateFolder:
 def sweep(temp: Path) -> list[Path]:
     """Remove the launch folders in ``temp`` whose caller died; the folders removed. Only this user's
     own real folders are looked at (never a link, never another user's), and only one with a free
-    caller lock goes: a live caller's is held, and a folder still being made has none yet."""
+    caller lock goes: a live caller's is held, and a folder still being made has none yet (or an
+    empty one, written once its caller holds it)."""
     removed: list[Path] = []
     with contextlib.suppress(OSError), os.scandir(temp) as entries:
         for entry in entries:
@@ -79,6 +80,8 @@ def _remove_if_orphaned(folder: Path) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not os.pread(fd, 64, 0):
+            return False  # a caller between creating its lock and taking it: not a dead one's
     except OSError:
         return False  # its caller lives
     else:
