@@ -8,6 +8,9 @@ UserWarning (torch installed without numpy warns so at import). Every process of
 package before torch: the launcher (multi-node runs import torch's store there), the node's template,
 every rank (``python -m multigpu.rank`` or forked from the template) and the demo; so no first screen
 starts with it. Only that exact message is hidden: numpy code fails at its own ``import numpy``.
+
+For the same reason it installs the package logger's level and its one handler
+(``console/log.py``): whichever module of multigpu a process imports first, its lines are shown.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from multigpu._version import __version__
+from multigpu.console import log as _log  # noqa: F401 - the package logger, in every process
 
 NUMPY_WARNING = "Failed to initialize NumPy: No module named 'numpy'"
 warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -43,7 +44,7 @@ from multigpu.config.run import (
 )
 from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
-from multigpu.contract.names import DEBUG_SERVER_ENV
+from multigpu.contract.names import DEBUG_SERVER_ENV, DEBUG_TOKEN_ENV
 from multigpu.contract.values import integer, module_names, number, seconds
 
 
@@ -228,7 +229,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = apply_preemption_options(config, values, env)
     config = _apply_template(config, values)
     config = _apply_preflight(config, values)
-    config = _apply_debug_server(config, values.debug_server)
+    config = _apply_debug_server(config, values.debug_server, env)
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
 
@@ -272,7 +273,7 @@ DEBUG_MODULES = ("jinja2", "aiohttp", "tabulate")
 """What torch's debug server imports beyond torch (the ``debug`` extra)."""
 
 
-def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
+def _apply_debug_server(config: RunConfig, value: str | None, env: Mapping[str, str]) -> RunConfig:
     """``--debug-server [HOST:]PORT``: loopback unless a host is given; its packages checked here, so a
     missing one is one line now, not a traceback in every rank."""
     if value is None:
@@ -289,11 +290,24 @@ def _apply_debug_server(config: RunConfig, value: str | None) -> RunConfig:
         raise UsageError("--debug-server needs a port to open in a browser (0 would pick one no one is told)")
     if config.base_rank == 0:  # the page is served on rank 0's node: its port must be free there
         _check_free(where.bind_host, where.port)
-    token = secrets.token_urlsafe(18)  # the page and every rank's server want it (rank/debug_server.py)
+    token = _debug_token(env)  # the page and every rank's server want it (rank/debug_server.py)
     env = {**config.extra_env, DEBUG_SERVER_ENV: json.dumps([where.bind_host, where.port, token])}
     return dataclasses.replace(
         config, extra_env=env, start=dataclasses.replace(config.start, debug_server=where)
     )
+
+
+def _debug_token(env: Mapping[str, str]) -> str:
+    """The run's token: the user's, the same on every node, or a new one (one node's launcher alone)."""
+    given = env.get(DEBUG_TOKEN_ENV)
+    if not given:  # an empty variable counts as unset
+        return secrets.token_urlsafe(18)
+    if not re.fullmatch(r"[A-Za-z0-9_-]{16,}", given):
+        raise UsageError(
+            f"{DEBUG_TOKEN_ENV} must be at least 16 letters, digits, '-' or '_' (it goes in the "
+            f"debug page's address), e.g. python -c 'import secrets; print(secrets.token_urlsafe(18))'"
+        )
+    return given
 
 
 def _check_free(host: str, port: int) -> None:

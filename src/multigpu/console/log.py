@@ -2,20 +2,22 @@
 
 Every module writes its lines through ``logging.getLogger(__name__)``, all under the ``multigpu``
 logger (set to INFO here, unless the application set a level first); nothing hands a callable around.
-Two handlers on that logger turn a record into a console line, one at a time:
+ONE handler on that logger, installed once per process (the package's ``__init__`` imports this
+module, so any process that imports any part of multigpu has it), turns a record into a console line:
 
-* a run's (``lines_through``): for the duration of ``multigpu run`` (``runner/attempts.py``) every
-  record goes through its ``Console``, so it keeps its place among the ranks' lines and no stalled
+* during a run (``lines_through``, for the duration of ``multigpu run``: ``runner/attempts.py``) every
+  record goes through the run's ``Console``, so it keeps its place among the ranks' lines and no stalled
   console holds the launcher;
-* the stand-in, installed when this module is first imported: outside a run (function mode's caller,
-  OTX's manager, a library user) a record goes straight onto stderr, as Python's own last resort would
-  print a warning, but at INFO and in our wording; and only where nothing else prints it: when the
-  application configured logging (its ``logging.basicConfig``, pytest's ``caplog``), its handlers show
-  the record, once.
+* outside a run (OTX's manager, a library user) a record goes straight onto stderr, as Python's own
+  last resort would print a warning, but at INFO and in our wording; and only where nothing else prints
+  it: when the application configured logging (its ``logging.basicConfig``, pytest's ``caplog``), its
+  handlers show the record, once.
 
-Records always propagate, so the application's handlers and ``caplog`` see every one. Runs in the
-launcher and in function mode's caller; any thread may log (the loop, the fate monitor's, a store's):
-a handler's lock orders its writes, and a ``Console`` is thread-safe.
+Where a record goes is decided inside the one handler, under one lock, from the run's console set by
+``lines_through``: the logger's handler list never changes during a run, so a thread that logs while a
+run begins or ends prints its line exactly once (a handler added or removed while another thread walks
+the list could lose a line or print it twice). Records always propagate, so the application's handlers
+and ``caplog`` see every one. Runs in the launcher and in OTX's caller; any thread may log.
 """
 
 from __future__ import annotations
@@ -39,39 +41,30 @@ C = TypeVar("C", bound=Saying)
 
 
 def line_on_stderr(message: str) -> None:
-    """One launcher line straight onto stderr, never raising: the stand-in's output, and a run's lines
-    before its console writer starts or once it closed (``Console.say``)."""
+    """One launcher line straight onto stderr, never raising: outside a run, and a run's lines before
+    its console writer starts or once it closed (``Console.say``)."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         sys.stderr.write(f"multigpu: {message}\n")
         sys.stderr.flush()
 
 
-class _RunLines(logging.Handler):
-    """A run's handler: every record onto its console (``Console.say``)."""
+class _Lines(logging.Handler):
+    """The package's one handler: a record onto the run's console, or onto stderr where no run is and
+    no handler of the application's shows it."""
 
     shows_launcher_lines = True  # a mark, not a class: a reloaded module's classes are new ones
 
-    def __init__(self, console: Saying) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.console = console
+        self.runs: list[Saying] = []
+        """The consoles of the runs under way, innermost last (``lines_through``); read under the lock."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.console.say(record.getMessage())
-        except Exception:
-            self.handleError(record)
-
-
-class _StandIn(logging.Handler):
-    """Outside a run: a record onto stderr, unless a run's handler or the application's shows it."""
-
-    shows_launcher_lines = True
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if any(isinstance(h, _RunLines) for h in PACKAGE.handlers) or _shown_elsewhere(record):
-            return
-        try:
-            line_on_stderr(record.getMessage())
+            if self.runs:
+                self.runs[-1].say(record.getMessage())
+            elif not _shown_elsewhere(record):
+                line_on_stderr(record.getMessage())
         except Exception:
             self.handleError(record)
 
@@ -82,30 +75,52 @@ def _shown_elsewhere(record: logging.LogRecord) -> bool:
     while logger is not None:
         for handler in logger.handlers:
             ours = getattr(handler, "shows_launcher_lines", False)
-            if not ours and record.levelno >= handler.level:
+            if not ours and record.levelno >= handler.level and handler.filter(record):
                 return True
         logger = logger.parent if logger.propagate else None
     return False
 
 
+def _handler() -> _Lines:
+    """The package's handler, installed now if this process has none yet (a reload adds no second)."""
+    for handler in PACKAGE.handlers:
+        if getattr(handler, "shows_launcher_lines", False):
+            return handler  # type: ignore[return-value]
+    handler = _Lines()
+    PACKAGE.addHandler(handler)
+    return handler
+
+
+def keep_enabled() -> None:
+    """Undo ``logging.config``'s disabling of the package's loggers (its ``disable_existing_loggers``
+    default silences every logger created before the application configured logging, ours included):
+    called where multigpu starts work in a process the application configured (OTX's manager), so that
+    no failure line is lost without a word."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and (name == "multigpu" or name.startswith("multigpu.")):
+            logger.disabled = False
+
+
 @contextlib.contextmanager
 def lines_through(console: C) -> Iterator[C]:
     """For the block's duration, every launcher line goes through ``console`` (one ``multigpu run``);
-    the stand-in is silent meanwhile. The handler is removed however the block ends."""
-    handler = _RunLines(console)
-    PACKAGE.addHandler(handler)
+    afterwards they go where they went before, however the block ends."""
+    handler = _handler()
+    keep_enabled()
+    with handler.lock or contextlib.nullcontext():
+        handler.runs.append(console)
     try:
         yield console
     finally:
-        PACKAGE.removeHandler(handler)
+        with handler.lock or contextlib.nullcontext():
+            handler.runs.remove(console)
 
 
-def _install() -> None:
-    """The package logger's level and its stand-in, once per process (a reload adds no second one)."""
+def install() -> None:
+    """The package logger's level and its one handler, once per process."""
     if PACKAGE.level == logging.NOTSET:
         PACKAGE.setLevel(logging.INFO)
-    if not any(getattr(h, "shows_launcher_lines", False) for h in PACKAGE.handlers):
-        PACKAGE.addHandler(_StandIn())
+    _handler()
 
 
-_install()
+install()

@@ -12,6 +12,7 @@ from multigpu.contract.failure import WorkerFailure
 
 __all__ = [
     "STORE_HOST_ENDED",
+    "STORE_SERVER_ENDED",
     "Interrupted",
     "MultiGPUError",
     "PreflightRefused",
@@ -61,6 +62,9 @@ class Interrupted(KeyboardInterrupt):
 
 STORE_HOST_ENDED = "ended (its launcher was killed?)"
 """How a lost store reads after "node 0, the store's host, ": its connection closed under a call."""
+STORE_SERVER_ENDED = "went away (stopped or restarted? a restarted store has lost the job's state)"
+"""How a lost store reads after "the rendezvous store " where no launcher of the job served it
+(``multigpu store``, or a store elsewhere under ``is_host=false``): no launcher was killed."""
 
 
 class StoreLostError(RendezvousError):

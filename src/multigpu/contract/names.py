@@ -38,6 +38,9 @@ WARNING_SIGNALS_ENV = "MULTIGPU_WARNING_SIGNALS"
 DEBUG_SERVER_ENV = "MULTIGPU_RANK_DEBUG_SERVER"
 """``--debug-server``: HOST, PORT and the run's token, as JSON; every rank serves its worker side on HOST
 and rank 0 starts the page on PORT, each wanting the token (``rank/debug_server.py``)."""
+DEBUG_TOKEN_ENV = "MULTIGPU_DEBUG_TOKEN"
+"""``--debug-server``: the run's token, set by the user, the same on every node (the page signs its
+requests to every node's ranks with it); unset, each launcher makes its own."""
 DEBUG_SOCKETS_ENV = "MULTIGPU_DEBUG_SOCKETS"
 """``--debug-server``: the launcher's private folder (0700) where each rank makes its worker server's
 socket folder; the launcher removes it as the run ends, whatever became of the ranks."""

@@ -25,8 +25,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
-
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import MultiGPUError
 from multigpu.contract.files import write_private
@@ -103,32 +101,46 @@ class Launch:
     def wait(self) -> list[Any]:
         """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""
         try:
-            return self._run()
+            return self.run()
         finally:
             self.remove()
 
-    def _run(self) -> list[Any]:
+    def run(self) -> list[Any]:
+        """``wait`` without removing the private folder (``spawn``'s context reads the ranks' pids in it
+        while they run, and removes it once it has them)."""
         with launcher() as process:
             code = process.run(self.request)
         if code < 0 and -code == signal.SIGINT:
             raise KeyboardInterrupt
         if code != 0:
             raise failure_of(self.output_dir, str(self.config.output.run_id), self.results, code)
-        values = []
-        for rank in range(self.config.nproc):
-            path = rank_call.result_path(self.results, rank)
-            try:
-                values.append(pickle.loads(path.read_bytes()))
-            except FileNotFoundError:
-                raise MultiGPUError(
-                    f"multigpu.launch: rank {rank} succeeded but left no return value in {self.results}"
-                ) from None
-        return values
+        return read_values(self.results, self.config.nproc)
+
+
+def read_values(results: Path, nproc: int) -> list[Any]:
+    """The ranks' values in rank order; a value that cannot be read here is one error naming its rank."""
+    values = []
+    for rank in range(nproc):
+        path = rank_call.result_path(results, rank)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise MultiGPUError(
+                f"multigpu.launch: rank {rank} succeeded but left no return value in {results}"
+            ) from None
+        try:
+            values.append(pickle.loads(data))
+        except Exception as exc:  # a class the caller cannot import, a __reduce__ that fails here
+            raise MultiGPUError(
+                f"multigpu.launch: rank {rank}'s return value cannot be read here: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+    return values
 
 
 def _pickled(obj: Any) -> bytes:
     try:
-        return bytes(cloudpickle.dumps(obj))
+        return rank_call.dumps_call(obj)
     except Exception as exc:
         raise MultiGPUError(
             f"multigpu.launch: the function or its arguments cannot be sent to the ranks: {exc}"

@@ -28,7 +28,7 @@ from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer, module_names, number, seconds
 from multigpu.function.run_history import default_output
-from multigpu.record.folder import check_run_id
+from multigpu.record.folder import check_run_id, resolve_output
 
 OPTIONS: dict[str, tuple[str, str]] = {
     "hang_timeout": ("hang", "timeout"),
@@ -60,7 +60,7 @@ def _text(value: Any, name: str) -> str:
 def _output(value: Any, name: str) -> Path:
     if not isinstance(value, (str, os.PathLike)) or not str(value):
         raise UsageError(f"{name} must be a folder path, got {value!r}")
-    return Path(value).resolve()
+    return resolve_output(Path(value))  # never through a link another user planted
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -148,5 +148,6 @@ def launch_config(
             config, **{section: dataclasses.replace(getattr(config, section), **fields)}
         )
     run_id = config.output.run_id or new_run_id()
-    out = config.output.dir or default_output(run_id, env)  # not ./multigpu_runs: a loop would flood it
+    # not ./multigpu_runs: a loop of launches would flood it; never through another user's link
+    out = config.output.dir or resolve_output(default_output(run_id, env))
     return dataclasses.replace(config, output=dataclasses.replace(config.output, dir=out, run_id=run_id))

@@ -26,6 +26,7 @@ from multigpu.cluster.devices import dedupe, device_wish, keep_visible, parse_in
 from multigpu.config.endpoint import format_endpoint, parse_endpoint
 from multigpu.config.run import SupervisionConfig
 from multigpu.console.caller import caller_lines
+from multigpu.console.log import keep_enabled
 from multigpu.contract.environment import Device, inside_launched_worker
 from multigpu.contract.errors import MultiGPUError, WorkerFailedError
 from multigpu.contract.names import LAUNCHER_PID_ENV
@@ -110,7 +111,9 @@ class MultiGPUManager:
         if self._state != "new":
             raise RuntimeError("setup_multi_gpu_train() was already called on this manager")
         self._state = "failed"  # until it has all worked: finalize() after a failed setup is a no-op
-        prepared = fm.prepare(output_path, optimized_hyper_parameters, self._train_func)
+        keep_enabled()  # OTX's caller may have configured logging (dictConfig) after importing us
+        node = f"rank{self._base_rank}" if self._world_size > len(self._gpu_ids) else None  # lock per node
+        prepared = fm.prepare(output_path, optimized_hyper_parameters, self._train_func, node)
         try:
             with contextlib.ExitStack() as undo:
                 undo.callback(prepared.remove_payload)  # last: once every child is gone

@@ -2,9 +2,11 @@
 the one spec builder. Runs in the caller's process (``MultiGPUManager``'s constructor and setup).
 
 Everything that can fail is done before the first child starts (``prepare``): the output folder is
-created and written to, ``train_func`` and its arguments are pickled, the hyper-parameters are
-flattened. Only the rendezvous, which needs the other nodes, and the process group, which needs the
-children, come later; the manager undoes every step if they fail.
+claimed and checked as ``multigpu run`` and ``launch(output=...)`` claim theirs (``record/folder.py``:
+resolved through no other user's link, this user's own, locked against a second run) and written to,
+``train_func`` and its arguments are pickled, the hyper-parameters are flattened. Only the
+rendezvous, which needs the other nodes, and the process group, which needs the children, come
+later; the manager undoes every step if they fail.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pickle
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,10 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import OutputConfig, RendezvousConfig, RunConfig, SupervisionConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import MultiGPUError
-from multigpu.contract.files import write_private
+from multigpu.contract.files import create_file, open_folder, write_private
 from multigpu.otx.argv import flatten_parameters, set_arguments_to_argv
 from multigpu.otx.interrupt_caller import GroupSockets
+from multigpu.record.folder import RunFolder, claim_output, resolve_output
 from multigpu.rendezvous.store import DEFAULT_TIMEOUT_S
 
 TIMEOUT_ENV = "MULTIGPU_DIST_TIMEOUT"
@@ -87,10 +90,15 @@ class Prepared:
     argv_before: list[str]
     run_id: str | None = None
     """The run id the output folder is named after, when no ``output_path`` was given."""
+    folder: RunFolder | None = field(default=None, repr=False)
+    """The output folder's claim (its lock), held until the payload goes."""
 
     def remove_payload(self) -> None:
-        """The payload folder goes once no child can still read it (``finalize``, a failed setup)."""
+        """The payload folder goes once no child can still read it (``finalize``, a failed setup), and
+        the folder's claim with it."""
         shutil.rmtree(self.output_dir / PAYLOAD_DIR, ignore_errors=True)
+        if self.folder is not None:
+            self.folder.release()
 
 
 def output_folder(output_path: str | None, env: Mapping[str, str]) -> tuple[Path, str | None]:
@@ -99,33 +107,45 @@ def output_folder(output_path: str | None, env: Mapping[str, str]) -> tuple[Path
     if output_path:
         return Path(output_path), None
     run_id = new_run_id()
-    return allocation_dir((Path("multigpu_runs") / run_id).resolve(), env), run_id
+    return allocation_dir(resolve_output(Path("multigpu_runs") / run_id), env), run_id
 
 
-def prepare(output_path: str | None, params: Any, train_func: Callable[..., Any]) -> Prepared:
+def prepare(
+    output_path: str | None, params: Any, train_func: Callable[..., Any], node: str | None = None
+) -> Prepared:
     """Check everything that can be checked before a child starts; change nothing but ``sys.argv``.
 
     ``sys.argv`` gains the hyper-parameters (after ``params``) before the spawn data captures it, so
-    every rank sees them; ``argv_before`` lets the caller put it back.
+    every rank sees them; ``argv_before`` lets the caller put it back. ``node``: this manager's lock
+    in a folder the job's nodes share (``claim_output``).
     """
-    out, run_id = output_folder(output_path, os.environ)
+    given, run_id = output_folder(output_path, os.environ)
+    out = resolve_output(given)
+    folder = claim_output(out, run_id or "of MultiGPUManager", node)
     try:
-        (out / PAYLOAD_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+        return _prepare_in(Prepared(out, b"", {}, list(sys.argv), run_id, folder), params, train_func)
+    except BaseException:
+        folder.release()
+        raise
+
+
+def _prepare_in(prepared: Prepared, params: Any, train_func: Callable[..., Any]) -> Prepared:
+    out = prepared.output_dir
+    try:
+        os.close(open_folder(out / PAYLOAD_DIR, create=True, mode=0o700))
         probe = out / PAYLOAD_DIR / f"probe.{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
         raise MultiGPUError(f"output folder {str(out)!r} is not usable: {exc.strerror or exc}") from None
-    hyper = flatten_parameters(params) if params else {}
-    argv_before = list(sys.argv)
+    prepared.hyper_parameters = hyper = flatten_parameters(params) if params else {}
     for name, value in hyper.items():
         set_arguments_to_argv(f"--{name}", str(value), after_params=True)
-    prepared = Prepared(out.resolve(), b"", hyper, argv_before, run_id)
     try:
         prepared.preparation = _pickled(_spawn_preparation(), "the spawn data of __main__")
         _pickled(train_func, "train_func")
     except BaseException:
-        sys.argv[:] = argv_before
+        sys.argv[:] = prepared.argv_before
         prepared.remove_payload()
         raise
     return prepared
@@ -169,9 +189,9 @@ def write_inputs(prepared: Prepared, child: Callable[..., Any], args: tuple[Any,
     payload = prepared.output_dir / PAYLOAD_DIR / "payload.pkl"
     write_private(payload, prepared.preparation + _pickled((child, args), "train_func's arguments"))
     if prepared.hyper_parameters:
-        (prepared.output_dir / HPO_FILE).write_text(
-            json.dumps(prepared.hyper_parameters, indent=2, default=str)
-        )
+        text = json.dumps(prepared.hyper_parameters, indent=2, default=str)
+        with os.fdopen(create_file(prepared.output_dir / HPO_FILE), "w") as f:  # a planted link replaced
+            f.write(text)
     return payload
 
 

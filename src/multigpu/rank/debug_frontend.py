@@ -2,28 +2,45 @@
 (``rank/debug_server.py``): ``python -m multigpu.rank.debug_frontend HOST PORT RANK0_PID``.
 
 torch's ``_frontend.main`` serves the page (stacks, flight records, the store, profiles of every rank,
-fetched from the ranks' worker servers) on ``("", PORT)``: every interface, to anyone. Two changes are
-made here: its server binds HOST, and it answers only a browser that brings the run's token (from the
+fetched from the ranks' worker servers) on ``("", PORT)``: every interface, to anyone. Here its server
+binds HOST, and it answers only a browser that brings the run's token (from the
 rank's environment, never the command line, which every user can read): ``/?token=TOKEN`` once, which
-leaves a cookie for the page's other links, or the cookie itself. Everything else is torch's. The
-process holds nothing a user needs: it dies with rank 0 (``PR_SET_PDEATHSIG``), and the launcher ends
-rank 0's process group at teardown.
+leaves a cookie for the page's other links, or the cookie itself. The token goes no further: the
+ranks' addresses it fetches from (read from the job's store, which every user can read and write)
+hold none, and each request to a rank's proxy is signed for that address instead
+(``debug_server.sign``), so an address another user planted receives nothing it can use elsewhere; the
+page shows a reply only when the proxy proved it holds the token (``debug_server.reply_mac``), and
+escapes everything it did not make itself (torch's templates do not), so a planted address or store key
+cannot put its own script in the owner's page; the request log (torch's, on rank 0's log) shows
+``token=...``, never the token. Everything else is torch's. The process holds nothing a user needs: it
+dies with rank 0 (``PR_SET_PDEATHSIG``), and the launcher ends rank 0's process group at teardown.
 """
 
 from __future__ import annotations
 
 import hmac
+import http.client
 import os
+import re
 import signal
 import socket
 import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from http.cookies import SimpleCookie
 from typing import Any
+from urllib.parse import urlsplit
 
 from multigpu.contract.names import debug_server_settings
 from multigpu.contract.prctl import set_pdeathsig
+from multigpu.rank.debug_server import REPLY_HEADER, reply_mac, sign
 
 COOKIE = "multigpu_debug_token"
+UNPROVEN = (
+    "answered, but not as this run's rank: its address in the job's store is not its server's "
+    "(another user's?), so nothing it sent is shown"
+)
 
 
 def admitted(token: str, query: str | None, cookie_header: str) -> bool:
@@ -34,8 +51,62 @@ def admitted(token: str, query: str | None, cookie_header: str) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
 
 
+def redact(text: str, token: str) -> str:
+    """``text`` (a request line, a log message) with the token's value left out."""
+    return re.sub(r"([?&;]token=)[^&;\s\"]*", r"\1...", text).replace(token, "...")
+
+
+def fetch(token: str, urls: list[str], timeout: float) -> list[tuple[int, str]]:
+    """What each rank's address answers (status, text), as torch's ``fetch_all`` wants it: every
+    request signed for its address, and a 200 kept only when the proxy proved it holds the token."""
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        return list(pool.map(lambda url: fetch_one(token, url, timeout), urls))
+
+
+def fetch_one(token: str, url: str, timeout: float) -> tuple[int, str]:
+    """One rank's answer to ``url`` (its address from the store, torch's ``/handler/...``)."""
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.netloc}"
+    target = sign(token, base, url[len(base) :])
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no http_proxy in between
+    try:
+        with direct.open(urllib.request.Request(target, data=b"", method="POST"), timeout=timeout) as reply:
+            status, proof, body = reply.status, reply.headers.get(REPLY_HEADER, ""), reply.read()
+    except urllib.error.HTTPError as exc:
+        status, proof, body = exc.code, exc.headers.get(REPLY_HEADER, ""), exc.read()
+    except TimeoutError as exc:
+        return 408, f"Timeout: {exc}"
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # ValueError: a malformed address
+        return 503, f"ConnectionError: {exc}"
+    if status == 200 and not hmac.compare_digest(proof, reply_mac(token, target[len(base) :], body)):
+        return 502, UNPROVEN
+    return status, body.decode(errors="replace")
+
+
 def guard(frontend: Any, token: str) -> None:
-    """Wrap torch's request handling in ``frontend`` (its module) with the token check."""
+    """Wrap torch's page in ``frontend`` (its module): the token check on every request, signed
+    requests to the ranks and proven replies, escaped templates, and a request log without the
+    token."""
+    _admit_only_the_token(frontend, token)
+
+    def fetch_signed(urls: list[str], timeout: float) -> list[Any]:
+        return [frontend.Response(status, text) for status, text in fetch(token, urls, timeout)]
+
+    frontend.fetch_aiohttp = frontend.fetch_thread_pool = fetch_signed  # what torch's ``fetch_all`` calls
+    environment = frontend.Environment
+
+    def escaping(*args: Any, **kwargs: Any) -> Any:
+        return environment(*args, **{**kwargs, "autoescape": True})
+
+    frontend.Environment = escaping
+
+    def log_message(req: Any, format: str, *args: Any) -> None:
+        frontend.logger.info("%s %s", req.client_address[0], redact(format % args, token))
+
+    frontend.HTTPRequestHandler.log_message = log_message
+
+
+def _admit_only_the_token(frontend: Any, token: str) -> None:
     handle = frontend.FrontendServer._handle_request
     end_headers = frontend.HTTPRequestHandler.end_headers
 

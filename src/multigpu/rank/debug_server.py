@@ -7,11 +7,14 @@ asks no one who they are: any local user could read another user's stacks (and f
 profiles, the store's keys). Here the same parts are put together so that only whoever holds the
 run's token gets in. torch's C++ worker server (``_WorkerServer``: this rank's stacks, flight record
 and profiles) listens on a Unix socket in a folder only this user can enter; a small proxy on HOST
-(loopback unless the user named a host) passes on requests whose path starts with ``/TOKEN/``; its
-address, token included, goes in the job's store under torch's own keys (``debug_server/rank<N>``,
-which torch's page reads and appends ``/handler/...`` to). On rank 0 torch's page runs in a helper
-process (``rank/debug_frontend.py``) on HOST:PORT, which wants the same token. The token comes from
-the launcher in the rank's environment (readable by this user and root only) and is printed on its
+(loopback unless the user named a host) passes on requests signed with the token; its address alone
+goes in the job's store under torch's own keys (``debug_server/rank<N>``, which torch's page reads and
+appends ``/handler/...`` to). The store has no authentication, so the token is never in it, and
+nothing the store says is trusted with it: the page signs each request for the address it goes to
+(``sign``: an HMAC of the time and the whole URL), so an address another user wrote there receives a
+signature good for that address only, for a minute. On rank 0 torch's page runs in a helper process
+(``rank/debug_frontend.py``) on HOST:PORT, which wants the token itself. The token comes from the
+launcher in the rank's environment (readable by this user and root only) and is printed on its
 console. A rank whose server cannot start says so in one line and trains on: the debugging aid is not
 worth a job.
 """
@@ -19,6 +22,7 @@ worth a job.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import hmac
 import http.client
 import os
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -35,6 +40,12 @@ from multigpu.contract.names import DEBUG_SOCKETS_ENV, debug_server_settings
 
 _KEEP: list[Any] = []
 """The worker server (and rank 0's page process): alive as long as the rank."""
+SIGNED_FOR_S = 60
+"""How long a signed request stays good, either way of the proxy's clock (nodes' clocks differ a little)."""
+REFUSED = (
+    "this debug server wants requests signed with the run's token (printed by its launcher; on several "
+    "nodes every launcher needs the same MULTIGPU_DEBUG_TOKEN)"
+)
 
 
 def start_if_asked() -> None:
@@ -59,6 +70,41 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _mac(token: str, stamp: str, url: str) -> str:
+    return hmac.new(token.encode(), f"{stamp} {url}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign(token: str, base: str, rest: str, now: float | None = None) -> str:
+    """``base + rest`` (``http://HOST:PORT`` and ``/handler/...``) as the proxy at ``base`` accepts it:
+    ``base/STAMP.MAC/rest``. The page calls this; the token itself never leaves it."""
+    stamp = str(int(time.time() if now is None else now))
+    return f"{base}/{stamp}.{_mac(token, stamp, base + rest)}{rest}"
+
+
+def signed_rest(token: str, base: str, path: str, now: float | None = None) -> str | None:
+    """What the proxy at ``base`` passes on for ``path`` (``/STAMP.MAC/rest``): ``/rest`` when the
+    signature is the token's, for this very address and rest, and recent; else None."""
+    first, slash, rest = path[1:].partition("/")
+    stamp, _, mac = first.partition(".")
+    if not slash or not stamp.isdigit() or len(stamp) > 12 or not mac:
+        return None
+    if abs(int(stamp) - (time.time() if now is None else now)) > SIGNED_FOR_S:
+        return None
+    if not hmac.compare_digest(mac.encode(), _mac(token, stamp, f"{base}/{rest}").encode()):
+        return None
+    return "/" + rest
+
+
+REPLY_HEADER = "X-Multigpu-Reply"
+"""The proxy's proof that a reply is a token holder's (``reply_mac``): the page shows no 200 without it."""
+
+
+def reply_mac(token: str, path: str, body: bytes) -> str:
+    """What the proxy sends in ``REPLY_HEADER`` for ``body`` in answer to ``path`` (the signed request's
+    path, so a reply cannot be replayed for another request)."""
+    return hmac.new(token.encode(), b"reply " + path.encode() + b"\n" + body, hashlib.sha256).hexdigest()
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -71,10 +117,12 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 class _TokenProxy(BaseHTTPRequestHandler):
-    """Passes ``/TOKEN/rest`` on to the worker server as ``/rest``; anything else is 403."""
+    """Passes ``/STAMP.MAC/rest`` (``sign``) on to the worker server as ``/rest``; anything else is 403."""
 
     token = ""
     target = ""
+    base = ""
+    """``http://HOST:PORT`` as this proxy publishes itself: what a signature must be for."""
 
     def do_GET(self) -> None:
         self._forward("GET")
@@ -83,15 +131,15 @@ class _TokenProxy(BaseHTTPRequestHandler):
         self._forward("POST")
 
     def _forward(self, method: str) -> None:
-        prefix = f"/{self.token}/"
-        if not hmac.compare_digest(self.path[: len(prefix)].encode(), prefix.encode()):
-            self.send_error(403, "this debug server wants the run's token (printed by its launcher)")
+        rest = signed_rest(self.token, self.base, self.path)
+        if rest is None:
+            self.send_error(403, REFUSED)
             return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         conn = _UnixHTTPConnection(self.target, timeout=60)
         try:
-            conn.request(method, "/" + self.path[len(prefix) :], body=body)
+            conn.request(method, rest, body=body)
             reply = conn.getresponse()
             data = reply.read()
         except OSError as exc:
@@ -102,6 +150,7 @@ class _TokenProxy(BaseHTTPRequestHandler):
         self.send_response(reply.status)
         self.send_header("Content-Type", reply.getheader("Content-Type") or "text/plain")
         self.send_header("Content-Length", str(len(data)))
+        self.send_header(REPLY_HEADER, reply_mac(self.token, self.path, data))
         self.end_headers()
         self.wfile.write(data)
 
@@ -109,18 +158,19 @@ class _TokenProxy(BaseHTTPRequestHandler):
         pass
 
 
-def serve_with_token(host: str, token: str, target: str) -> ThreadingHTTPServer:
+def serve_with_token(host: str, token: str, target: str) -> tuple[ThreadingHTTPServer, str]:
     """The proxy on ``host`` (a free port) in front of the Unix socket ``target``, served by a daemon
-    thread."""
-    handler = type("TokenProxy", (_TokenProxy,), {"token": token, "target": target})
+    thread, and its address (``http://HOST:PORT``, what goes in the store)."""
+    handler: type[_TokenProxy] = type("TokenProxy", (_TokenProxy,), {"token": token, "target": target})
 
     class Server(ThreadingHTTPServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         daemon_threads = True
 
     server = Server((host, 0), handler)
+    handler.base = f"http://{url_host(host)}:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, name="multigpu-debug-proxy", daemon=True).start()
-    return server
+    return server, handler.base
 
 
 def _start(host: str, port: int, token: str) -> None:
@@ -136,13 +186,13 @@ def _start(host: str, port: int, token: str) -> None:
     atexit.register(shutil.rmtree, private, True)
     target = os.path.join(private, "worker.sock")
     server = _WorkerServer(target)
-    proxy = serve_with_token(host, token, target)
+    proxy, address = serve_with_token(host, token, target)
     _KEEP.extend([server, proxy])
     store = PrefixStore(
         "debug_server", TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     )
     rank = int(os.environ["RANK"])
-    store.set(f"rank{rank}", f"http://{url_host(host)}:{proxy.server_address[1]}/{token}")
+    store.set(f"rank{rank}", address)  # the address alone: every user can read the store
     if rank == 0:
         _KEEP.append(
             subprocess.Popen(

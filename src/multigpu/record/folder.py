@@ -17,6 +17,14 @@ Everything here runs before the first worker starts, so a problem is one line an
   another local user could plant a link where a log or record will be written, or swap the folder,
   and the run (as root, say) would write through it; this also covers the files torch writes there
   itself (the ``@record`` error file, flight-recorder dumps).
+* The folder's name is resolved one name at a time (``resolve_output``, ``contract.files``), not by the
+  kernel: a link on the way is followed only if it is this user's or root's, and in a sticky folder
+  every user may create in (/tmp, a shared scratch) only this user's own entry is taken as the output
+  folder, so ``/shared/run -> /victim`` planted by someone else is refused, for root too, whatever
+  ``fs.protected_symlinks`` says. The folder and everything under it are then made from a descriptor
+  of the folder above (``mkdirat``), never through a name another user could have swapped; its
+  ``logs`` folder is made (or checked) at the claim, so one planted in a sticky output folder refuses
+  the run before any rank starts.
 * The launcher's open-file limit is raised to its hard limit; when even that is too low for the ranks
   asked for, one line says so.
 """
@@ -33,13 +41,16 @@ import stat
 from pathlib import Path
 
 from multigpu.contract.errors import UsageError
-from multigpu.contract.files import user_name
+from multigpu.contract.files import Planted, open_folder, resolve_trusted, user_name
 from multigpu.contract.limits import lift_open_file_limit
 
 MIN_FREE_BYTES = 64 << 10
 FDS_PER_RANK = 6
 """Launcher descriptors per local rank: stdout, stderr, heartbeat, pidfd, log file, one spare."""
 FDS_BASE = 32
+LOGS = "logs"
+"""The ranks' log folder in the output folder (``runner/specs.py``): made or checked at the claim, so
+a link or folder another user planted there (in a sticky output folder) refuses the run at once."""
 
 
 def check_run_id(run_id: str, source: str = "--run-id") -> str:
@@ -59,6 +70,8 @@ def check_run_id(run_id: str, source: str = "--run-id") -> str:
 
 
 def _describe(exc: OSError) -> str:
+    if isinstance(exc, Planted):
+        return f"{exc.strerror}; give the run a folder of your own"
     if exc.errno == errno.EROFS:
         return "it is on a read-only file system"
     if exc.errno in (errno.ENOTDIR, errno.EEXIST):
@@ -88,6 +101,15 @@ class RunFolder:
             self._lock_fd = None
 
 
+def resolve_output(path: Path, what: str = "output folder") -> Path:
+    """``path`` absolute, its links resolved as ``Path.resolve()`` does, but through no link another
+    user made (one line naming it and its owner, exit 2): the run's folder is then the real one."""
+    try:
+        return resolve_trusted(path)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {_describe(exc)}") from None
+
+
 def claim_output(path: Path, run_id: str, node: int | str | None = None) -> RunFolder:
     """Create ``path``, prove it writable with room to spare, and lock it for this run (``node``: this
     node's lock in a folder the job's nodes share; an elastic launcher's is its ``host-pid``)."""
@@ -100,6 +122,7 @@ def claim_output(path: Path, run_id: str, node: int | str | None = None) -> RunF
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"run {run_id} (launcher pid {os.getpid()})\n".encode(), 0)
+        os.close(open_folder(path / LOGS, create=True))  # this user's before a rank log goes in
         if shutil.disk_usage(path).free < MIN_FREE_BYTES:
             raise OSError(errno.ENOSPC, "no space")
     except OSError as exc:
@@ -116,24 +139,26 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...]) -> None:
+def _refuse_if_open(path: Path, folder: Path, owners: tuple[int, ...], what: str = "output folder") -> None:
     """A UsageError unless ``folder`` belongs to one of ``owners`` and is not writable by every user
     without the sticky bit (the one-line refusal names ``path``, the folder asked for)."""
     st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):  # a file, a device (/dev/null): no chmod to suggest
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(folder))
     if st.st_uid not in owners:
         raise UsageError(
-            f"output folder {path}: {folder} belongs to user {user_name(st.st_uid)}, who "
+            f"{what} {path}: {folder} belongs to user {user_name(st.st_uid)}, who "
             f"could redirect what this run writes; give the run a folder of your own"
         )
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         raise UsageError(
-            f"output folder {path}: {folder} is writable by every user (and has no sticky "
+            f"{what} {path}: {folder} is writable by every user (and has no sticky "
             f"bit), who could redirect what this run writes; give the run a folder of "
             f"your own, or 'chmod o-w {folder}'"
         )
 
 
-def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None:
+def check_owned(path: Path, created_into: Path, *, created: bool = True, what: str = "output folder") -> None:
     """A UsageError when another user could redirect this run's writes under ``path``. ``created_into``
     (the folder ``mkdir -p`` creates into, or ``path`` itself when it exists) must be this user's, or
     root's when the run creates its folder inside it; with ``created``, every folder from ``path`` up to
@@ -141,24 +166,40 @@ def check_owned(path: Path, created_into: Path, *, created: bool = True) -> None
     uid = os.geteuid()
     top = Path(os.path.abspath(created_into))
     folder = Path(os.path.abspath(path))
-    _refuse_if_open(path, top, (uid,) if top == folder else (uid, 0))
+    _refuse_if_open(path, top, (uid,) if top == folder else (uid, 0), what)
     while created and folder != top and folder != folder.parent:
-        _refuse_if_open(path, folder, (uid,))
+        _refuse_if_open(path, folder, (uid,), what)
         folder = folder.parent
+
+
+def open_checked(path: Path, what: str = "output folder") -> int:
+    """``path`` made (with its parents) and checked as a run's folder (``check_owned``), open as a
+    ``dir_fd`` for what is made in it; one line (``what`` PATH: why) otherwise. The output folder's
+    claim, torchrun's ``--log-dir`` and OTX's manager all go through here."""
+    try:
+        created_into = _first_existing(path)
+        check_owned(path, created_into, created=False, what=what)  # nothing made in another user's folder
+        fd = open_folder(path, create=True)  # no link or sticky-folder entry of another user's on the way
+        try:
+            check_owned(path, created_into, what=what)  # and no folder on the way made by another user
+        except BaseException:
+            os.close(fd)
+            raise
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {_describe(exc)}") from None
+    return fd
 
 
 def _lock(path: Path, lock: Path) -> int:
     """The lock file, open and exclusively locked, or one line naming the run that holds it."""
+    folder = open_checked(path)
     try:
-        created_into = _first_existing(path)
-        check_owned(path, created_into, created=False)  # nothing is created in another user's folder
-        path.mkdir(parents=True, exist_ok=True)
-        if not path.is_dir():
-            raise OSError(errno.ENOTDIR, "not a folder")
-        check_owned(path, created_into)  # and no folder on the way was made by another user meanwhile
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(lock.name, flags, 0o644, dir_fd=folder)
     except OSError as exc:
         raise UsageError(f"output folder {path}: {_describe(exc)}") from None
+    finally:
+        os.close(folder)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

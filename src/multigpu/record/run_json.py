@@ -201,7 +201,7 @@ class RunRecord:
             self.data["attempts"][-1]["ranks"][str(worker.rank)]["survived_sigkill"] = True
 
     def on_progress(self, progress: dict[str, dict[str, Any]]) -> None:
-        """Every rank's step times (``hang.ProgressBook.snapshot``): last step, median and slowest
+        """Every rank's step times (``book.ProgressBook.snapshot``): last step, median and slowest
         step interval, section times, the hang timeout in force, a straggler warning."""
         if self.data["attempts"]:
             self.data["attempts"][-1]["progress"] = progress

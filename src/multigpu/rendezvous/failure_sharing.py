@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from multigpu.contract.errors import STORE_HOST_ENDED, StoreLostError
+from multigpu.contract.errors import STORE_HOST_ENDED, STORE_SERVER_ENDED, StoreLostError
 from multigpu.contract.failure import LEARNED_FROM_SILENCE, NO_NODE, FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore
@@ -65,10 +65,14 @@ def share_interrupt(job: JobStore, signum: int) -> None:
     _bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
 
 
-def store_lost(why: str = STORE_HOST_ENDED, host: int | None = 0) -> WorkerFailure:
-    """The store's host (node 0 of a static job, the hosting launcher of an elastic one) is gone;
-    ``why`` completes "node 0, the store's host, ...". The one record of a lost store, however it was
-    learned (a failed call: ``StoreLostError``; a call that never returned: the deadman)."""
+def store_lost(why: str | None = None, host: int | None = 0) -> WorkerFailure:
+    """The job's store is gone: its host (node 0 of a static job, the hosting launcher of an elastic
+    one) or, with ``host`` None, a store no launcher of the job served (``multigpu store``), which a
+    restart loses too; ``why`` completes "node 0, the store's host, ..." or "the rendezvous store ...".
+    The one record of a lost store, however it was learned (a failed call: ``StoreLostError``; a call
+    that never returned: the deadman)."""
+    if why is None:
+        why = STORE_HOST_ENDED if host is not None else STORE_SERVER_ENDED
     return WorkerFailure.launcher_named(
         Subject.STORE, FailureKind.STORE_LOST, why, node=NO_NODE if host is None else host
     )

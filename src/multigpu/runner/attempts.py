@@ -29,7 +29,7 @@ from multigpu.contract.failure import FailureKind
 from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.record.failure_report import format_report
-from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit
+from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit, resolve_output
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import serve_until_all_done
@@ -98,7 +98,7 @@ def _launch(config: RunConfig, base_env: dict[str, str], console: Console) -> tu
     record: RunRecord | None = None
     try:
         output_dir = allocation_dir(
-            (config.output.dir or Path("multigpu_runs") / members.run_id).resolve(), base_env
+            resolve_output(config.output.dir or Path("multigpu_runs") / members.run_id), base_env
         )
         folder = claim_output(output_dir, members.run_id, members.claim)
         if members.job is not None:  # what torch said of a failed store call: a log, not the console

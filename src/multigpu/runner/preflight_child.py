@@ -66,7 +66,9 @@ def end(handle: ProcessHandle, grace: float = END_GRACE_S) -> None:
     ``grace`` for the group to empty, SIGKILL for what is left (said, if the check itself is), the
     check reaped within ``reaping.KILL_WAIT_S``; its pipes closed. A group already empty (the check
     ended and took its children with it) is never signalled. Safe on a process that ended already."""
-    check = Worker(WorkerSpec(rank=-1, local_rank=-1, argv=[], env={}), popen=handle)
+    check = Worker(
+        WorkerSpec(rank=-1, local_rank=-1, argv=[], env={}, title="the preflight check"), popen=handle
+    )
     check.to(WorkerState.RUNNING)
     check.returncode = handle.poll()  # reaped already: its group is signalled only if it still has members
     try:

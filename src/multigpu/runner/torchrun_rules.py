@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import string
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -20,7 +21,10 @@ from multigpu.cluster import numa
 from multigpu.cluster.devices import visible_gpus
 from multigpu.config.run import RunConfig
 from multigpu.contract.environment import error_file_env
+from multigpu.contract.errors import UsageError
+from multigpu.contract.files import open_folder
 from multigpu.contract.names import AFFINITY_ENV, format_cpulist
+from multigpu.record.folder import open_checked, resolve_output
 from multigpu.supervisor.states import LineCopy
 
 BOTH = frozenset({"stdout", "stderr"})
@@ -39,13 +43,30 @@ def torchrun_attempt_dir(
     config: RunConfig, run_id: str, output_dir: Path, attempt: int, launcher_pid: int
 ) -> Path | None:
     """torchrun's ``<log_dir>/<run id>_<suffix>/attempt_<k>`` (DefaultLogsSpecs), or None without
-    ``--log-dir``/``-r``/``-t``. The suffix is this launcher's pid, not mkdtemp's random one, so every
-    attempt of one launcher finds the same directory. ``-r``/``-t`` without ``--log-dir`` write under
-    the run's output directory (torchrun picks a temporary one)."""
+    ``--log-dir``/``-r``/``-t``. ``-r``/``-t`` without ``--log-dir`` write under the run's output
+    directory (torchrun picks a temporary one). ``--log-dir /dev/null`` is torchrun's "no files": no
+    folder, nothing redirected, every stream on the console (the run's own logs stay)."""
+    if config.output.log_dir == Path(os.devnull):
+        return None
     if config.output.log_dir is None and not config.output.redirects.given and not config.output.tee.given:
         return None
     base = config.output.log_dir if config.output.log_dir is not None else output_dir / "torchrun_logs"
-    return base.resolve() / f"{run_id}_{launcher_pid}" / f"attempt_{attempt}"
+    return _run_log_dir(base, run_id, launcher_pid) / f"attempt_{attempt}"
+
+
+@functools.lru_cache(maxsize=8)
+def _run_log_dir(base: Path, run_id: str, launcher_pid: int) -> Path:
+    """``<base>/<run id>_<random>``, made once per launcher and run (``launcher_pid`` and ``run_id``
+    are the cache's key), so every attempt of one launcher finds the same directory. The suffix is
+    mkdtemp's, as torchrun's ``DefaultLogsSpecs._make_log_dir``: nobody can guess the name and plant a
+    link there beforehand. ``base`` is resolved and checked as an output folder is (this user's, no
+    link of another user's on the way: ``record/folder.py``)."""
+    real = resolve_output(base, "--log-dir")
+    os.close(open_checked(real, "--log-dir"))
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"{run_id}_", dir=real))
+    except OSError as exc:
+        raise UsageError(f"--log-dir {base}: {exc.strerror or exc}") from None
 
 
 def default_rank_logs(config: RunConfig, local_rank: int, attempt_dir: Path | None) -> RankLogs:
@@ -53,7 +74,7 @@ def default_rank_logs(config: RunConfig, local_rank: int, attempt_dir: Path | No
     if attempt_dir is None:
         return RankLogs()
     rank_dir = attempt_dir / str(local_rank)
-    rank_dir.mkdir(parents=True, exist_ok=True)  # torchrun makes it even with nothing redirected
+    os.close(open_folder(rank_dir, create=True))  # torchrun makes it even with nothing redirected
     redirected = config.output.redirects.streams(local_rank)
     teed = config.output.tee.streams(local_rank)
     files = {name: rank_dir / f"{name}.log" for name in sorted(redirected | teed)}

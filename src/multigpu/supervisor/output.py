@@ -9,7 +9,9 @@ The supervisor owns process lifetimes; this module owns every byte the workers w
 * Log files get exactly the bytes the rank wrote. The rank's combined log receives whole lines (its
   stdout and stderr are interleaved line by line, never mid-line); the per-stream files of
   ``WorkerSpec.stream_files`` (torchrun's ``--log-dir`` files) receive each read as it arrives. A full
-  disk loses bytes, never the run: the loss is counted per file and said once.
+  disk loses bytes, never the run: the loss is counted per file and said once. A line longer than
+  ``LINE_CAP`` is passed on in pieces (the console and the report see pieces; the combined log gets
+  every byte, though the other stream's lines may land between two pieces), so memory stays bounded.
 
 Carriage-return progress bars (tqdm) have no newline until they end; the last ``\\r`` segment of an
 unfinished line goes to the sink as a *partial* line at most every ``PARTIAL_INTERVAL`` seconds.
@@ -26,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 from multigpu.console.folding import CppStacks, InterruptTracebacks
 from multigpu.console.writer import Console
-from multigpu.contract.files import create_new
+from multigpu.contract.files import create_file
 from multigpu.supervisor.events import Events
 
 if TYPE_CHECKING:
@@ -37,8 +39,10 @@ logger = logging.getLogger(__name__)
 READ_SIZE = 1 << 16
 DRAIN_READS = 16
 """Reads of ``READ_SIZE`` per pipe in one drain: 1 MiB, the most a Linux pipe holds unless raised."""
-MAX_PENDING = 64 << 20
-"""An unfinished line longer than this is passed on as a line: memory stays bounded, the log exact."""
+LINE_CAP = 1 << 20
+"""The longest line passed on whole; a longer one is passed on in pieces this long (said once per rank):
+the launcher's memory stays bounded (a rank writing 100 MB with no newline took it past 400 MiB), the
+console gets pieces its buffer (``console.writer.CAPACITY``) can hold, and the log keeps every byte."""
 TAIL_LINE_CHARS = 4000
 """A tail line (for the report) is cut to this many characters; the log keeps the whole line."""
 PARTIAL_INTERVAL = 0.1
@@ -75,9 +79,8 @@ class LogFile:
         self.lost = 0
         self.error: str | None = None
         self._file: IO[bytes] | None = None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = os.fdopen(create_new(path), "wb", buffering=0)  # a planted link is replaced
+        try:  # folders made without following another user's link; a planted link replaced, a FIFO refused
+            self._file = os.fdopen(create_file(path), "wb", buffering=0)
         except OSError as exc:
             self._fail(exc)
 
@@ -165,6 +168,8 @@ class WorkerOutput:
         self.streams: dict[int, Stream] = {}
         self.held: list[Stream] = []
         """Pipes left unread while the console catches up (``hold``)."""
+        self._split_ranks: set[int] = set()
+        """Ranks already told their long lines are shown in pieces (``_split``)."""
 
     def hide_interrupts(self) -> None:
         """The user's Ctrl-C is about to reach the ranks: their ``KeyboardInterrupt`` tracebacks go to
@@ -252,20 +257,43 @@ class WorkerOutput:
         stream.worker.lines.last_at = self._clock()
         for f in stream.files:
             f.write(data)
-        stream.pending += data
-        cut = stream.pending.rfind(b"\n")
-        if cut >= 0:
-            chunk = bytes(stream.pending[: cut + 1])
-            del stream.pending[: cut + 1]
-            self._emit(stream, chunk)
-        elif len(stream.pending) >= MAX_PENDING:
-            chunk = bytes(stream.pending)
-            stream.pending.clear()
-            self._emit(stream, chunk + b"\n", logged=chunk)
-        if stream.pending and b"\r" in stream.pending and stream.partial_due is None:
+        self._take(stream, data)
+        if stream.pending and stream.partial_due is None and b"\r" in stream.pending:
             stream.partial_due = self._clock()
         self._show_partial(stream, self._clock())  # this stream's bar; the loop's turn shows the others'
         return len(data)
+
+    def _take(self, stream: Stream, data: bytes) -> None:
+        """Pass on the whole lines ``data`` completes, in one batch, and hold the rest. Only ``data`` is
+        searched (the held bytes have no newline), and no line is passed on longer than ``LINE_CAP``:
+        the held one is split first; a line within ``data`` is shorter (``LINE_CAP >= READ_SIZE``)."""
+        held = len(stream.pending)
+        stream.pending += data
+        first, last = data.find(b"\n"), data.rfind(b"\n")
+        if first >= 0:
+            first, last = first + held, last + held
+            while first > LINE_CAP:
+                self._split(stream)
+                first, last = first - LINE_CAP, last - LINE_CAP
+            chunk = bytes(stream.pending[: last + 1])
+            del stream.pending[: last + 1]
+            self._emit(stream, chunk)
+        while len(stream.pending) > LINE_CAP:
+            self._split(stream)
+
+    def _split(self, stream: Stream) -> None:
+        """The held line is longer than ``LINE_CAP``: pass its first ``LINE_CAP`` bytes on as a line
+        of their own (the log gets them as written, with no newline added), said once per rank."""
+        piece = bytes(stream.pending[:LINE_CAP])
+        del stream.pending[:LINE_CAP]
+        rank = stream.worker.rank
+        if rank not in self._split_ranks:
+            self._split_ranks.add(rank)
+            logger.warning(
+                f"rank {rank} wrote a line longer than {_size(LINE_CAP)} on its {stream.name}: it is shown"
+                f" in pieces of {_size(LINE_CAP)} (its log file keeps every byte)"
+            )
+        self._emit(stream, piece + b"\n", logged=piece)
 
     def of(self, worker: Worker) -> list[Stream]:
         return [s for s in self.streams.values() if s.worker is worker]
@@ -354,6 +382,14 @@ def _tail_line(line: bytes) -> str:
     if len(text) > TAIL_LINE_CHARS:
         return f"{text[:TAIL_LINE_CHARS]}... ({len(text) - TAIL_LINE_CHARS} more characters in the log)"
     return text
+
+
+def _size(count: int) -> str:
+    """``count`` bytes as the notice says them: in MiB or KiB where exact."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift and count % (1 << shift) == 0:
+            return f"{count >> shift} {unit}"
+    return f"{count} bytes"
 
 
 def mute_all_but(workers: Iterable[Worker], failed: Worker) -> None:

@@ -5,7 +5,8 @@ Each rank leads its own process group (its pid is the group id), so a signal to 
 everything the rank started. These helpers hold the rules that keep that safe: a group whose members
 are all gone is never signalled again (its id may be reused), the wait after SIGKILL is bounded (a
 rank in uninterruptible sleep is named and left), and, as a child subreaper, the launcher ends and
-reaps descendants that left their group.
+reaps what its ranks started that left their groups, and nothing else: a process it was given at
+its start (the ``tee`` of ``> >(tee run.log)``) is never signalled.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from multigpu.contract.names import LAUNCHER_PID_ENV
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
@@ -97,7 +100,7 @@ def reap_killed(workers: Sequence[Worker]) -> list[Worker]:
             w.to(WorkerState.STOPPED)
             w.returncode = None
             logger.warning(
-                f"rank {w.rank} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
+                f"{w.title} (pid {w.pid}) did not end {KILL_WAIT_S:g}s after SIGKILL "
                 f"(state {proc_state(w.pid)}: probably stuck in the kernel or a driver); "
                 f"leaving it behind"
             )
@@ -106,24 +109,61 @@ def reap_killed(workers: Sequence[Worker]) -> list[Worker]:
 
 
 def kill_escaped(workers: Sequence[Worker], spared: frozenset[int] = frozenset()) -> None:
-    """As a subreaper, also end descendants that left their worker's process group (setsid); the
-    ``spared`` ones (the node's template, which outlives attempts) and their children are left alone."""
+    """As a subreaper, also end what the ranks started that left their groups (setsid, a double fork,
+    a daemon): ``started_by_ranks``. Nothing else in this launcher's tree is signalled: not the
+    ``spared`` processes (the node's template and its store, which outlive attempts) and, above all,
+    not what the launcher was given at its start, such as the ``tee`` of ``> >(tee run.log)``, which
+    the shell made a child of the process it then replaced with this launcher; ending that would cut
+    the launcher's own last lines (the summary, the root cause) from the user's log."""
     import psutil
 
-    pids = {w.pid for w in workers}
-    for child in psutil.Process().children(recursive=True):
-        if child.pid not in pids and child.pid not in spared and not _child_of(child, spared):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+    for process in started_by_ranks({w.pid for w in workers if w.pid is not None}, spared):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
-def _child_of(process: Any, parents: frozenset[int]) -> bool:
+def started_by_ranks(ranks: set[int], spared: frozenset[int] = frozenset()) -> list[Any]:
+    """This launcher's descendants that its ranks started, as ``psutil.Process`` objects, the ranks
+    themselves left out. Runs in the launcher.
+
+    Found by what the ranks carry, never by "every child of mine": walked from the launcher down
+    (a parent before its children), a process is a rank's if its session or its group is a rank's (a
+    rank leads a session of its own), if it carries this launcher's mark (``launcher_marked``), or
+    if its parent is a rank or one of these. A descendant that left its session and its parent, and
+    also dropped the rank's environment, is not found here; the rank's own guard ends its tree when
+    the launcher dies."""
     import psutil
 
-    try:
-        return bool(parents) and process.ppid() in parents
-    except psutil.Error:
-        return False
+    me, taken, found = os.getpid(), set(ranks), []
+    for process in psutil.Process().children(recursive=True):
+        pid = process.pid
+        if pid in ranks or pid in spared:
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if (
+                process.ppid() in taken
+                or {os.getsid(pid), os.getpgid(pid)} & ranks
+                or (process.ppid() not in spared and launcher_marked(process, me))
+            ):
+                taken.add(pid)
+                found.append(process)
+    return found
+
+
+def launcher_marked(process: Any, launcher: int) -> bool:
+    """Whether ``process`` came from a rank of ``launcher``: its environment at exec names the
+    launcher (``LAUNCHER_PID_ENV``, which every rank is given and what it runs inherits), or it is a
+    fork of the launcher's template that never exec'd (a rank's forked child: its command line is the
+    template's, ``--launcher-pid`` naming the launcher). Processes that cannot be read are not."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error, OSError):
+        if process.environ().get(LAUNCHER_PID_ENV) == str(launcher):
+            return True
+    with contextlib.suppress(psutil.Error, OSError):
+        argv = process.cmdline()
+        return "multigpu.template" in argv and argv[-2:] == ["--launcher-pid", str(launcher)]
+    return False
 
 
 def reap_adopted(workers: Sequence[Worker]) -> None:

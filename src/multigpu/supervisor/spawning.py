@@ -12,16 +12,74 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO, Protocol
 
+from multigpu.contract.errors import MultiGPUError
 from multigpu.contract.names import HEARTBEAT_FD_ENV, SENTINEL_ENV
 from multigpu.supervisor.events import Events
 from multigpu.supervisor.oom import OomWatch
 from multigpu.supervisor.output import WorkerOutput
 from multigpu.supervisor.states import ProcessHandle, Worker, WorkerSpec, WorkerState
+
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
+"""Where the pids controller's files are: cgroup v1's own hierarchy, or the unified (v2) one."""
+
+
+class ProcessLimitError(MultiGPUError):
+    """A rank could not be started because the kernel refused a new process (``fork``: EAGAIN): the
+    user's process limit (``ulimit -u``, ``RLIMIT_NPROC``) or the cgroup's ``pids.max`` was reached.
+    One line (the CLI prints it, exit 1), raised in the launcher by ``start_rank``; the supervisor ends
+    the ranks it had started before passing it on (``Supervisor.start``)."""
+
+    def __init__(self, rank: int, exc: OSError) -> None:
+        why = exc.strerror or str(exc)
+        super().__init__(
+            f"cannot start rank {rank}: the process limit was reached ({why}; {process_limits()}); "
+            "raise the limit (ulimit -u, or the container's or job's pids limit) or start fewer ranks"
+        )
+        self.rank = rank
+
+
+def process_limits() -> str:
+    """This process's limits on the number of processes, as the one line names them (runs in the
+    launcher, when a fork has just failed). Root is held to pids.max, not to ``RLIMIT_NPROC``."""
+    limits = []
+    if os.geteuid() != 0:
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        limits.append(
+            f"ulimit -u (RLIMIT_NPROC) is {'unlimited' if soft == resource.RLIM_INFINITY else soft}"
+        )
+    pids = cgroup_pids_max()
+    if pids is not None:
+        limits.append(f"the cgroup's pids.max is {pids}")
+    return "; ".join(limits) or "no ulimit -u or pids.max holds it: the system's kernel.threads-max?"
+
+
+def cgroup_pids_max() -> int | None:
+    """The tightest ``pids.max`` of this process's cgroup and its parents; None where none is set or
+    none can be read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "pids" not in controllers.split(","):
+            continue  # a cgroup v1 hierarchy of another controller
+        root = CGROUP_ROOTS[1] if not controllers else CGROUP_ROOTS[0]
+        folder = root / path.lstrip("/")
+        for level in (folder, *folder.parents):
+            with contextlib.suppress(OSError, ValueError):  # "max" is no limit
+                found.append(int((level / "pids.max").read_text()))
+            if level == root:
+                break
+    return min(found) if found else None
 
 
 class Spawner(Protocol):
@@ -78,6 +136,9 @@ def start_rank(spawner: Spawner, spec: WorkerSpec, guarded: bool = False) -> tup
         env[SENTINEL_ENV] = "1"
     try:
         process = spawner.spawn(spec, env, (hb_w,))
+    except BlockingIOError as exc:  # fork's EAGAIN: a process limit, not a traceback
+        os.close(hb_r)
+        raise ProcessLimitError(spec.rank, exc) from None
     except BaseException:
         os.close(hb_r)
         raise

@@ -168,6 +168,9 @@ class WorkerSpec:
     """The streams shown on the console (torchrun's --redirects without --tee hides one)."""
     line_copies: tuple[LineCopy, ...] = ()
     """Matching lines copied to a file the attempt's ranks share (torchrun's --duplicate-*-filters)."""
+    title: str = ""
+    """What the launcher's lines call it where it is not a rank (the node's preflight check); empty:
+    ``rank N``."""
 
 
 @dataclass
@@ -226,7 +229,7 @@ class Worker:
     """Its memory cgroup's OOM-kill count at its start (``oom.py``): read again if it dies of SIGKILL."""
     group_open: bool = True
     progress: RankProgress | None = None
-    """Its steps and sections (``hang.ProgressBook``), for the live view."""
+    """Its steps and sections (``book.ProgressBook``), for the live view."""
     decoder: BeatDecoder = field(default_factory=BeatDecoder)
     finished: bool = False
     """The bootstrap said its script returned and everything it left to do at exit is done."""
@@ -245,6 +248,11 @@ class Worker:
     @property
     def rank(self) -> int:
         return self.spec.rank
+
+    @property
+    def title(self) -> str:
+        """How the launcher's lines name it: ``rank N``, or its spec's title."""
+        return self.spec.title or f"rank {self.spec.rank}"
 
     @property
     def pid(self) -> int | None:

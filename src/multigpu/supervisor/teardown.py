@@ -50,7 +50,7 @@ def kill_rest(
     stragglers = [w for w in workers if w.alive]
     groups = reaping.open_groups(workers)
     if stragglers:
-        ranks = ", ".join(f"rank {w.rank} (pid {w.pid})" for w in stragglers)
+        ranks = ", ".join(f"{w.title} (pid {w.pid})" for w in stragglers)
         logger.warning(f"{ranks}: still running {why}; sending SIGKILL")
     for pgid in groups:
         reaping.signal_group(pgid, signal.SIGKILL)

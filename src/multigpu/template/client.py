@@ -160,6 +160,8 @@ class NodeSpawner:
         except OSError as exc:
             os.close(out_r)
             os.close(err_r)
+            if isinstance(exc, BlockingIOError):
+                raise  # a process limit: a plain process could not start either (``start_rank``)
             self._forks = False  # it still hosts the store
             logger.warning(
                 f"the worker template could not fork rank {spec.rank} ({exc}); plain processes from here on"

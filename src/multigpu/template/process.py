@@ -17,6 +17,7 @@ rank sizes its pools from its own environment once forked (``pools.Pools.apply``
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import signal
@@ -136,6 +137,8 @@ class TemplateProcess:
         for fd in extra:
             os.close(fd)
         if answer is None or key not in answer:
+            if (answer or {}).get("errno") == errno.EAGAIN:  # the fork hit a process limit
+                raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
             raise OSError((answer or {}).get("error", "the template is gone"))
         return answer
 

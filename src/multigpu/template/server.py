@@ -120,12 +120,21 @@ def fork_rank(
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         return {"error": "the template has threads; forking it would not be safe"}
     pid_r, pid_w = os.pipe()
-    middle = os.fork()
-    if middle == 0:  # the middle process: fork the rank, say its pid, leave
+    try:
+        middle = os.fork()
+    except OSError:
+        for fd in (pid_r, pid_w, *fds):
+            os.close(fd)
+        raise  # answered with its errno (``serve_requests``)
+    if middle == 0:  # the middle process: fork the rank, say its pid (or fork's errno), leave
         try:
             os.close(pid_r)
             me = os.getpid()
-            rank = os.fork()
+            try:
+                rank = os.fork()
+            except OSError as exc:
+                os.write(pid_w, f"errno {exc.errno}\n".encode())
+                raise
             if rank == 0:
                 os.close(pid_w)
                 become_rank(request, fds, control, me, pools)  # never returns
@@ -138,7 +147,18 @@ def fork_rank(
     with os.fdopen(pid_r, "rb") as pipe:  # a line, not EOF: the rank holds the pipe until it runs
         text = pipe.readline().strip()
     os.waitpid(middle, 0)  # once it is gone, the rank is the launcher's child
-    return {"pid": int(text)} if text else {"error": "the fork failed"}
+    return fork_answer(text.decode())
+
+
+def fork_answer(text: str) -> dict[str, Any]:
+    """The launcher's answer from what the middle process said: the rank's pid, or why not (fork's
+    errno, so that a process limit reads as one: ``supervisor.spawning.ProcessLimitError``)."""
+    if text.isdigit():
+        return {"pid": int(text)}
+    if text.startswith("errno ") and text[6:].isdigit():
+        code = int(text[6:])
+        return {"error": f"the fork failed: {os.strerror(code)}", "errno": code}
+    return {"error": "the fork failed"}
 
 
 class Store:
@@ -190,6 +210,8 @@ def serve_requests(control: socket.socket, store: Store, pools: Pools) -> None:
                 answer = fork_rank(request, fds, control, pools)
         except Exception as exc:  # the launcher ends this template and starts ranks otherwise
             answer = {"error": f"{op} failed: {type(exc).__name__}: {exc}"}
+            if isinstance(exc, OSError) and exc.errno is not None:
+                answer["errno"] = exc.errno  # EAGAIN: a process limit (``fork_answer``)
         send(control, answer)
 
 

@@ -8,6 +8,7 @@ the job. Without torch's extra packages the option is one line naming the fix.""
 
 from __future__ import annotations
 
+import html
 import re
 import subprocess
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import assert_gone, free_port, pids_in, run_cli, start_cli, write_script
+from helpers import assert_gone, free_port, node_args, pids_in, run_cli, start_cli, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -77,7 +78,7 @@ def test_the_page_shows_every_ranks_stack_and_everything_listens_on_loopback(tmp
         address = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", first[-1])
         assert address, first[-1]
         token = address.group(1)
-        page = fetch(f"http://127.0.0.1:{port}/stacks?token={token}", time.monotonic() + 60)
+        page = html.unescape(fetch(f"http://127.0.0.1:{port}/stacks?token={token}", time.monotonic() + 60))
         tree = [launcher.pid, *(c.pid for c in psutil.Process(launcher.pid).children(recursive=True))]
         sockets = [(pid, c) for pid in tree for c in psutil.Process(pid).net_connections("inet")]
         listening = [(pid, c.laddr.ip) for pid, c in sockets if c.status == psutil.CONN_LISTEN]
@@ -174,3 +175,42 @@ def test_without_the_extra_packages_the_option_is_one_line(tmp_path: Path) -> No
     ), res.stderr
     assert "Traceback" not in res.stderr
     assert "never runs" not in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shared", [True, pytest.param(False, marks=pytest.mark.matrix)], ids=["one-token", "each-its-own"]
+)
+def test_on_two_nodes_the_page_reaches_the_ranks_that_share_its_token(tmp_path: Path, shared: bool) -> None:
+    """The store holds addresses only, and the page signs its requests with its own node's token: with
+    MULTIGPU_DEBUG_TOKEN the same on both nodes it shows all four ranks; without, node 1's ranks (their
+    own launcher's token) answer 403 and nothing of theirs is shown."""
+    job = write_script(tmp_path, "job.py", JOB)
+    marker, port, endpoint = tmp_path / "go", free_port(), f"127.0.0.1:{free_port()}"
+    env = {"MULTIGPU_DEBUG_TOKEN": "Shared_token-0123456789"} if shared else None
+    argv = ["run", "--cpu", "2", "--grace-period", "1", "--output", str(tmp_path / "out")]
+    nodes = [
+        start_cli(
+            [*argv, *node_args(rank, endpoint=endpoint), "--debug-server", str(port), str(job), str(marker)],
+            cwd=tmp_path,
+            env=env,
+        )
+        for rank in (1, 0)
+    ]
+    first = []
+    try:
+        assert nodes[1].stderr is not None
+        while not any("debug server (torch's" in line for line in first):
+            first.append(nodes[1].stderr.readline())
+            assert first[-1], "".join(first)
+        address = re.search(rf"http://127\.0\.0\.1:{port}/\?token=([\w-]+)", first[-1])
+        assert address and (address.group(1) == "Shared_token-0123456789") == shared, first[-1]
+        page = html.unescape(fetch(address.group(0).replace("/?", "/stacks?"), time.monotonic() + 60))
+    finally:
+        marker.touch()
+        ends = [(node.communicate(timeout=60), node.returncode) for node in nodes]
+    assert [code for _, code in ends] == [0, 0], "".join(first) + "".join(err for (_, err), _ in ends)[-3000:]
+    assert all(f"Rank {r}" in page for r in range(4)), page[-3000:]
+    stacks = len(re.findall(rf'{re.escape(str(job))}", line 8', page))
+    assert (stacks, page.count("status=403")) == ((4, 0) if shared else (2, 2)), page[-3000:]
+    assert_gone(pids_in("".join(out for (out, _), _ in ends)))

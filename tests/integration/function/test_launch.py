@@ -58,6 +58,32 @@ LAUNCHES = """
         multigpu.launch(os._exit, 3, nprocs=2, device="cpu")
     except multigpu.WorkerFailedError as exc:
         out["exited"] = exc.exit_code
+
+    def leave(code):
+        if os.environ["RANK"] == "1":
+            sys.exit(code)
+        return "stayed"
+
+    out["exit0"] = multigpu.launch(leave, 0, nprocs=2, device="cpu")
+    try:
+        multigpu.launch(leave, 3, nprocs=2, device="cpu")
+    except Exception as exc:  # an Exception, never a SystemExit here
+        out["exit3"] = [type(exc).__name__, exc.rank, exc.exit_code, str(exc)]
+
+    def refuse_here():
+        raise ValueError("this value cannot be read by the caller")
+
+    class OnlyInTheRank:
+        def __reduce__(self):
+            return refuse_here, ()  # called where it is unpickled: the caller
+
+    def unreadable():
+        return OnlyInTheRank() if os.environ["RANK"] == "1" else 0
+
+    try:
+        multigpu.launch(unreadable, nprocs=2, device="cpu")
+    except multigpu.MultiGPUError as exc:
+        out["unreadable"] = str(exc)
     print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -84,13 +110,27 @@ def test_launch_returns_values_and_raises_the_ranks_own_exception(tmp_path: Path
     assert len(error["notes"]) == 1 and error["notes"][0].startswith("multigpu: raised by rank 1 (pid ")
     assert "Traceback (most recent call last)" in error["cause"] and "in fail" in error["cause"]
     assert "ValueError: rank one says no" in error["cause"]
+    line = (
+        script.read_text()
+        .splitlines()
+        .index('        raise Refused("custom") if kind == "custom" else ValueError("rank one says no")')
+        + 1
+    )
+    assert f'File "{script}", line {line}, in fail' in error["cause"]  # the script's, not <dynamic-code>
     assert error["seconds"] < 60  # rank 0 sleeps 60 s: it was stopped, not waited for
     assert out["custom"] == "Refused"
     assert out["exited"] == 3
+    assert out["exit0"] == ["stayed", None]  # sys.exit(0): a rank that returned None
+    kind, rank, code, text = out["exit3"]
+    assert (kind, rank, code) == ("WorkerFailedError", 1, 3) and "rank 1 " in text and "code 3" in text
+    assert out["unreadable"] == (
+        "multigpu.launch: rank 1's return value cannot be read here: "
+        "ValueError: this value cannot be read by the caller"
+    )
     assert "[rank 1] " in proc.stdout + proc.stderr  # the ranks' lines reached the caller's streams
     assert not (tmp_path / "multigpu_runs").exists()  # the records are in the cache folder
     runs = sorted((cache / "multigpu" / "runs").iterdir())
-    assert len(runs) == 5
+    assert len(runs) == 8
     pids = []
     for run in runs:
         record = json.loads((run / "run.json").read_text())

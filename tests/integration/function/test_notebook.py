@@ -62,6 +62,7 @@ try:
     multigpu.launch(picky, nprocs=2, device="cpu", grace_period=2)
 except ValueError as exc:
     print("CAUGHT", exc, exc.__notes__)
+    print("CAUSE", exc.__cause__)
 """
 
 SLEEPING = """
@@ -105,6 +106,11 @@ def test_cells_launch_return_raise_and_interrupt(kernel: Kernel) -> None:
     assert "LAMBDA [3, 3]" in text, text
     text, reply = kernel.run(FAILING)
     assert re.search(r"CAUGHT no thanks \['multigpu: raised by rank 1 \(pid \d+\)'\]", text), text
+    # the rank's traceback names the cell as IPython does, with its line and source, not <dynamic-code>
+    cell_frame = (
+        r'File "[^"]*ipykernel_\d+/[^"]+[.]py", line \d+, in picky\n +raise ValueError\("no thanks"\)'
+    )
+    assert re.search(cell_frame, text), text
 
     cell = kernel.start(SLEEPING)
     seen = kernel.output_until(cell, "napping", timeout=120)

@@ -127,6 +127,44 @@ def test_a_job_outlives_the_loss_of_any_node_and_the_store_serves_the_next_job(t
     assert_gone([store.pid])
 
 
+@pytest.mark.matrix  # two launchers and a store restarted under them: the matrix tier runs it
+def test_a_store_restarted_mid_job_is_named_as_the_store_not_a_killed_launcher(tmp_path: Path) -> None:
+    """Issue 43: ``multigpu store`` restarted under a running job read "its launcher was killed?" on
+    every node, though no launcher serves it. Each node says, once, that the store went away."""
+    write_script(tmp_path, "loop.py", LOOP)
+    port = free_port()
+    store = store_process(port, tmp_path)
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        nodes += [elastic_node(tmp_path, port, "restarted", i, steps="600") for i in range(2)]
+        deadline = time.monotonic() + 60
+        seen = ""
+        assert nodes[0].stdout is not None
+        while "world=2" not in seen and time.monotonic() < deadline:
+            seen += nodes[0].stdout.readline()
+        assert "world=2" in seen, seen
+        store.send_signal(signal.SIGTERM)
+        store.communicate(timeout=10)
+        store = store_process(port, tmp_path)  # back at the same address, empty
+        results = [n.communicate(timeout=60) for n in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+            node.communicate(timeout=30)
+        store.send_signal(signal.SIGTERM)
+        store.communicate(timeout=10)
+    for node, (_, err) in zip(nodes, results, strict=True):
+        assert node.returncode != 0, err
+        lost = [line for line in err.splitlines() if "stopping" in line]
+        assert lost == [
+            "multigpu: the rendezvous store went away (stopped or restarted? a restarted store has lost "
+            "the job's state); stopping"
+        ], err
+        assert "launcher was killed" not in err and "Traceback" not in err, err
+    assert_gone([*pids_in(seen), *(p for out, _ in results for p in pids_in(out)), store.pid])
+
+
 @pytest.mark.matrix  # three launchers and a store: the matrix tier runs it (scripts/fault_matrix.sh)
 def test_the_round_wait_after_a_lost_node_lists_only_live_launchers(tmp_path: Path) -> None:
     """Node 0's launcher kill -9ed: the survivors' next round waits out last_call_timeout (8 s here),

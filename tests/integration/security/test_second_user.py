@@ -1,69 +1,28 @@
 """A run is its user's alone, tried as a real second local user would (issue 36).
 
-One user, ``multigpu-auditor``, for the whole test session: created at the first test that needs it and
-removed at the end, all in one xdist group so that /etc/passwd is never edited by two workers at once
-(machines are reused: a leftover from an earlier run is removed first). Needs root; under ``CI=true``
-without root the tier fails, saying so.
+One user, ``multigpu-auditor``, for the whole test session (``conftest.py``'s ``auditor``), all in one
+xdist group so that /etc/passwd is never edited by two workers at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pwd
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, assert_gone, clean_env, pids_in, run_cli, start_cli, tier_cannot_run, write_script
+from helpers import PYTHON, assert_gone, clean_env, pids_in, run_cli, start_cli, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.xdist_group("second_user")]
 
 AUDITOR = "multigpu-auditor"
-
-
-def _remove_user() -> None:
-    with_user = subprocess.run(["getent", "passwd", AUDITOR], capture_output=True)
-    if with_user.returncode == 0:
-        subprocess.run(["userdel", AUDITOR], check=True, capture_output=True, timeout=30)
-
-
-@pytest.fixture(scope="session")
-def auditor() -> Iterator[pwd.struct_passwd]:
-    """The second user (no home, no login shell), created once for the session and removed after."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        tier_cannot_run("the second-user tests need root and useradd to create a local user")
-    _remove_user()
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", AUDITOR],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
-    try:
-        yield pwd.getpwnam(AUDITOR)
-    finally:
-        _remove_user()
-
-
-@pytest.fixture
-def shared(tmp_path: Path) -> Iterator[Path]:
-    """A folder both users can reach and create in, like /tmp (sticky, open to all); tmp_path is not
-    reachable by the second user (pytest makes it 0700)."""
-    path = Path(tempfile.mkdtemp(prefix="multigpu-shared-", dir="/tmp"))
-    path.chmod(0o1777)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def as_user(user: pwd.struct_passwd, *argv: str) -> None:
@@ -87,13 +46,6 @@ def plant(user: pwd.struct_passwd, out: Path, victim: Path) -> Path:
     return log
 
 
-@pytest.fixture
-def victim(tmp_path: Path) -> Path:
-    path = tmp_path / "victim"
-    path.write_text("root's own\n")
-    return path
-
-
 HELLO = """
     import os
     print(f"pid={os.getpid()} hello from rank", flush=True)
@@ -111,7 +63,7 @@ def test_a_planted_link_in_another_users_folder_writes_nothing(
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stderr.splitlines()[0] == (
         f"multigpu run: error: output folder {out}: {out} belongs to "
-        f"user {AUDITOR}, who could redirect what this run writes; give "
+        f"user {auditor.pw_name}, who could redirect what this run writes; give "
         f"the run a folder of your own"
     ), result.stderr
     assert "Traceback" not in result.stderr

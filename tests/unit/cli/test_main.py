@@ -276,6 +276,22 @@ def test_the_debug_server_is_on_loopback_unless_a_host_is_given(script: str) -> 
         parse(["--debug-server", "host:port", script])
 
 
+def test_the_debug_token_can_be_the_users_own_for_several_nodes(script: str) -> None:
+    """Each node's launcher makes its own token unless MULTIGPU_DEBUG_TOKEN names one: the page signs
+    its requests to every node's ranks with its own, so several nodes need the same."""
+    from multigpu.contract.names import DEBUG_SERVER_ENV
+
+    shared = "Shared_token-0123456789"
+    env = {"MULTIGPU_DEBUG_TOKEN": shared}
+    assert json.loads(parse(["--debug-server", "8000", script], env).extra_env[DEBUG_SERVER_ENV])[2] == shared
+    unset = parse(["--debug-server", "8000", script], {"MULTIGPU_DEBUG_TOKEN": ""}).extra_env
+    assert len(json.loads(unset[DEBUG_SERVER_ENV])[2]) >= 20  # empty counts as unset
+    for bad in ("short", "with space in it, long enough", "semi;colon-0123456789"):
+        with pytest.raises(UsageError, match=r"^MULTIGPU_DEBUG_TOKEN must be at least 16 letters, digits"):
+            parse(["--debug-server", "8000", script], {"MULTIGPU_DEBUG_TOKEN": bad})
+    assert DEBUG_SERVER_ENV not in parse([script], {"MULTIGPU_DEBUG_TOKEN": "bad"}).extra_env
+
+
 def test_the_debug_server_port_must_be_named_and_free(script: str) -> None:
     import socket
 

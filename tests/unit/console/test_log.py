@@ -100,7 +100,7 @@ def test_a_runs_lines_go_through_its_console_and_only_there(
     logging.getLogger("multigpu.runner.attempts").info("after the run")
     assert console.said == ["attempt 0 failed"]
     assert capsys.readouterr().err == "multigpu: after the run\n"
-    assert not any(type(h).__name__ == "_RunLines" for h in PACKAGE.handlers), "the run's handler stays"
+    assert [getattr(h, "runs", None) for h in PACKAGE.handlers] == [[]], "the run's console stays"
 
 
 def test_a_handler_is_removed_when_the_run_raises() -> None:
@@ -133,3 +133,75 @@ def test_lines_from_many_threads_reach_the_console_whole(capfd: pytest.CaptureFi
         assert mine == [f"multigpu: thread {t} line {n}" for n in range(lines)], (
             "each thread's lines in order"
         )
+
+
+def test_a_handler_of_the_applications_that_filters_our_lines_out_does_not_hide_them() -> None:
+    result = run_python(
+        """
+        import logging
+        class NotOurs(logging.Filter):
+            def filter(self, record):
+                return not record.name.startswith("multigpu")
+        handler = logging.StreamHandler()
+        handler.addFilter(NotOurs())
+        logging.basicConfig(handlers=[handler], format="APP %(message)s")
+        import multigpu.console.log
+        logging.getLogger("multigpu.supervisor.exits").warning("rank 1 failed")
+        logging.getLogger("app").warning("the app's own line")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "multigpu: rank 1 failed\nAPP the app's own line\n"
+
+
+def test_lines_logged_by_any_module_show_without_importing_the_console_first() -> None:
+    result = run_python(
+        """
+        import logging
+        import multigpu.rendezvous.elastic
+        logging.getLogger("multigpu.rendezvous.elastic").info("round 2: nodes 0, 1")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "multigpu: round 2: nodes 0, 1\n"
+
+
+def test_keep_enabled_undoes_dict_configs_disabling_of_our_loggers() -> None:
+    result = run_python(
+        """
+        import logging, logging.config
+        import multigpu.runner.static_join
+        from multigpu.console.log import keep_enabled
+        logging.config.dictConfig({"version": 1})
+        logging.getLogger("multigpu.runner.static_join").info("lost")
+        keep_enabled()
+        logging.getLogger("multigpu.runner.static_join").info("node 0: joined")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "multigpu: node 0: joined\n"
+
+
+def test_a_thread_logging_while_runs_begin_and_end_prints_each_line_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's console is swapped inside the one handler, under its lock: no line lost or doubled."""
+    monkeypatch.setattr(logging.root, "handlers", [])
+    console, stop, count = Collecting(), threading.Event(), 5000
+
+    def flip() -> None:
+        while not stop.is_set():
+            with lines_through(console):
+                pass
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for n in range(count):
+            logging.getLogger("multigpu.race").info(f"line {n}")
+    finally:
+        stop.set()
+        flipper.join()
+    on_stderr = [line for line in capsys.readouterr().err.splitlines() if line.startswith("multigpu: line ")]
+    shown = sorted([*console.said, *(line.removeprefix("multigpu: ") for line in on_stderr)])
+    assert shown == sorted(f"line {n}" for n in range(count))

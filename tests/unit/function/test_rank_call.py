@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import cloudpickle
@@ -12,7 +14,14 @@ import torch
 
 from multigpu.function import rank_call
 from multigpu.function.launch_errors import RemoteTraceback, original_exception
-from multigpu.function.rank_call import call_in_rank, dumps_value, error_path, result_path
+from multigpu.function.rank_call import (
+    call_in_rank,
+    dumps_call,
+    dumps_value,
+    error_path,
+    pid_path,
+    result_path,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -84,3 +93,58 @@ def test_a_value_over_the_limit_is_an_error_naming_the_rank(
     assert not result_path(tmp_path, 1).exists()
     exc = original_exception(error_path(tmp_path, 1), 1)
     assert isinstance(exc, ValueError) and "rank 1's return value" in str(exc)  # the caller raises it
+
+
+@pytest.mark.parametrize("code", [0, None, False])
+def test_sys_exit_0_is_a_rank_that_returned_none(tmp_path: Path, code: object) -> None:
+    """As under ``torch.multiprocessing.spawn``: ``sys.exit(0)``, ``sys.exit()`` end the rank well."""
+    call_in_rank(cloudpickle.dumps((sys.exit, (code,), {})), str(tmp_path))
+    assert pickle.loads(result_path(tmp_path, 1).read_bytes()) is None
+    assert not error_path(tmp_path, 1).exists()
+
+
+def test_another_exit_is_the_ranks_exit_status_not_an_exception_for_the_caller(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        call_in_rank(cloudpickle.dumps((sys.exit, (3,), {})), str(tmp_path))
+    assert exited.value.code == 3
+    assert not error_path(tmp_path, 1).exists() and not result_path(tmp_path, 1).exists()
+
+
+def test_the_rank_writes_its_pid_before_it_runs_the_function(tmp_path: Path) -> None:
+    call_in_rank(cloudpickle.dumps((lambda: pid_path(tmp_path, 1).read_text(), (), {})), str(tmp_path))
+    assert pickle.loads(result_path(tmp_path, 1).read_bytes()) == str(os.getpid())
+
+
+CELL = """\
+import os
+
+def picky(x):
+    if x:
+        raise ValueError("from the cell")
+"""
+
+
+def test_a_traceback_names_the_cell_or_script_the_function_was_defined_in(tmp_path: Path) -> None:
+    """cloudpickle writes ``<dynamic-code>``; the file name, line and a cell's source reach the rank."""
+    cell = "/tmp/ipykernel_4242/1234567890.py"  # as IPython names a cell: no such file
+    linecache.cache[cell] = (len(CELL), None, CELL.splitlines(keepends=True), cell)
+    namespace: dict[str, object] = {"__name__": "__main__"}  # sent by value, as from a notebook
+    exec(compile(CELL, cell, "exec"), namespace)
+    blob = dumps_call((namespace["picky"], (1,), {}))
+    del linecache.cache[cell]  # the rank has only what came with the payload
+    with pytest.raises(ValueError):
+        call_in_rank(blob, str(tmp_path))
+    text = pickle.loads(error_path(tmp_path, 1).read_bytes())["traceback"]
+    assert f'File "{cell}", line 5, in picky\n    raise ValueError("from the cell")' in text, text
+    assert "<dynamic-code>" not in text
+
+
+def test_a_script_function_keeps_its_path_and_line(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(CELL)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(CELL, str(script), "exec"), namespace)
+    with pytest.raises(ValueError):
+        call_in_rank(dumps_call((namespace["picky"], (1,), {})), str(tmp_path))
+    text = pickle.loads(error_path(tmp_path, 1).read_bytes())["traceback"]
+    assert f'File "{script}", line 5, in picky' in text, text

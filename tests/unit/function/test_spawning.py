@@ -9,7 +9,7 @@ import multigpu
 from multigpu.contract.errors import WorkerFailedError
 from multigpu.contract.failure import WorkerFailure
 from multigpu.function.launch_errors import RemoteTraceback
-from multigpu.function.spawning import as_torch_error, call_with_index
+from multigpu.function.spawning import as_torch_error, call_with_index, raise_as_torch
 
 
 def test_the_names_are_torchs() -> None:
@@ -30,6 +30,7 @@ def test_a_death_becomes_process_exited_exception() -> None:
         WorkerFailedError(WorkerFailure(rank=0, local_rank=0, pid=7, exit_code=-9, signal="SIGKILL"))
     )
     assert isinstance(killed, ProcessExitedException) and killed.signal_name == "SIGKILL"
+    assert killed.exit_code == -9 and killed.msg == "process 0 terminated with signal SIGKILL"  # torch's
     exited = as_torch_error(WorkerFailedError(WorkerFailure(rank=1, local_rank=1, pid=8, exit_code=3)))
     assert isinstance(exited, ProcessExitedException) and exited.exit_code == 3 and exited.error_index == 1
 
@@ -72,3 +73,31 @@ def test_spawn_assigns_no_gpu_so_every_process_sees_every_gpu(
     monkeypatch.setattr(Launch, "wait", wait)
     multigpu.spawn(print, nprocs=nprocs)
     assert seen[0].nproc == nprocs and seen[0].gpus == () and seen[0].device == "cpu"
+
+
+def test_a_raised_exception_prints_one_traceback_and_keeps_the_ranks_exception() -> None:
+    """torch's message holds the rank's traceback: the remote one is not chained again below it."""
+    original = KeyError("x")
+    original.__cause__ = RemoteTraceback("Traceback ...\nKeyError: 'x'", 1, 42)
+    with pytest.raises(ProcessRaisedException) as raised:
+        raise_as_torch(original)
+    assert raised.value.__cause__ is original and original.__cause__ is None
+
+
+def test_an_exit_is_raised_alone_as_torch_raises_it() -> None:
+    failed = WorkerFailedError(WorkerFailure(rank=1, local_rank=1, pid=8, exit_code=3))
+    with pytest.raises(ProcessExitedException) as raised:
+        raise_as_torch(failed)
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert raised.value.msg == "process 1 terminated with exit code 3"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_start_method_other_than_spawn_warns_as_torch_does(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    from multigpu.function.launch_call import Launch
+
+    monkeypatch.setattr(Launch, "wait", lambda self: self.remove() or [])
+    with pytest.warns(FutureWarning, match=f"only supports start_method=spawn \\(got: {method}\\)"):
+        multigpu.spawn(print, nprocs=2, start_method=method)

@@ -136,3 +136,63 @@ def test_a_run_that_locked_a_removed_lock_file_locks_anew(tmp_path: Path) -> Non
         second.release()
     finally:
         os.close(fd)
+
+
+def test_a_file_or_device_as_the_output_gets_no_chmod_advice(tmp_path: Path) -> None:
+    """``--output /dev/null`` (writable by every user, a device): it is not a folder, and says so."""
+    loose = tmp_path / "loose.txt"
+    loose.write_text("")
+    loose.chmod(0o666)
+    for path in (Path("/dev/null"), loose, loose / "sub"):
+        message = refused(path)
+        assert message == f"output folder {path}: it (or a folder above it) is a file, not a folder", message
+    assert loose.read_text() == ""
+
+
+OTHER = 54321
+"""A uid nobody has: another user's link or folder, made by root with ``lchown``."""
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+
+
+@needs_root
+def test_another_users_link_as_the_output_folder_is_refused(tmp_path: Path) -> None:
+    """``/shared/run -> /victim`` planted by someone else: refused as resolved, the victim unchanged."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    link = shared / "run"
+    link.symlink_to(victim)
+    os.lchown(link, OTHER, OTHER)
+    with pytest.raises(UsageError) as caught:
+        folder.resolve_output(link)
+    assert str(caught.value) == (
+        f"output folder {link}: {link} is a link made by user uid {OTHER}, who could redirect what "
+        f"this run writes; give the run a folder of your own"
+    )
+    assert "is a link made by user" in refused(link)  # claim_output walks it the same way
+    assert list(victim.iterdir()) == []
+    own = shared / "own"
+    own.symlink_to(victim)  # the user's own link: followed, as Path.resolve() does
+    assert folder.resolve_output(own) == victim
+
+
+@needs_root
+def test_a_logs_link_planted_in_a_sticky_output_folder_refuses_the_claim(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o1777)  # root's own, open to all with the sticky bit: accepted as such
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (out / "logs").symlink_to(theirs)
+    os.lchown(out / "logs", OTHER, OTHER)
+    message = refused(out)
+    assert message.endswith(
+        f"{out / 'logs'} is a link made by user uid {OTHER}, who could redirect what "
+        "this run writes; give the run a folder of your own"
+    ), message
+    assert list(theirs.iterdir()) == []
+    (out / "logs").unlink()
+    claim_output(out, "r1").release()
+    assert (out / "logs").is_dir() and not (out / "logs").is_symlink()

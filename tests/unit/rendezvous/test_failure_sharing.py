@@ -374,6 +374,11 @@ def test_a_node_failure_reads_as_one_and_never_as_rank_minus_one() -> None:
     assert store_lost("stopped answering for 4.5s").describe() == (
         "node 0, the store's host, stopped answering for 4.5s"
     )
+    # A store no launcher of the job serves (``multigpu store``) has no launcher to have been killed
+    # (issue 43: its restart read "its launcher was killed?")
+    assert store_lost(host=None).describe() == (
+        "the rendezvous store went away (stopped or restarted? a restarted store has lost the job's state)"
+    )
     refused = failure_from_record({"reason": "inconsistent layout: rank 1 is claimed by both", "node": 1})
     assert refused.describe() == (
         "the rendezvous refused a node: inconsistent layout: rank 1 is claimed by both"

@@ -60,17 +60,28 @@ def test_a_check_that_ignores_sigterm_is_killed_at_the_deadline_and_said(
         end(handle, grace=0.2)
     assert handle.returncode == -signal.SIGKILL
     assert [r.getMessage() for r in caplog.records] == [
-        f"rank -1 (pid {handle.pid}): still running 0.2s after SIGTERM; sending SIGKILL"
+        f"the preflight check (pid {handle.pid}): still running 0.2s after SIGTERM; sending SIGKILL"
     ]
     assert_gone([handle.pid])
 
 
-def test_a_check_that_ended_is_reaped_and_nothing_signalled(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_check_that_ended_is_reaped_and_nothing_signalled(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     handle = child("pass")
     handle.wait()
+    sent: list[tuple[int, int]] = []
+
+    def signal(target: int, sig: int) -> None:  # the group is gone: a probe finds nothing, a signal is kept
+        if sig == 0:
+            raise ProcessLookupError(target)
+        sent.append((target, sig))
+
+    monkeypatch.setattr(os, "killpg", signal)
+    monkeypatch.setattr(os, "kill", signal)
     end(handle)  # its group is empty: its id is never signalled again
     end(handle)  # safe twice
-    assert handle.returncode == 0 and caplog.records == []
+    assert handle.returncode == 0 and caplog.records == [] and sent == []
 
 
 def test_the_check_is_started_with_its_task_as_its_one_argument() -> None:

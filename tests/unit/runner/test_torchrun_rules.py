@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from multigpu.cli.run_args import parse_run_args
+from multigpu.contract.errors import UsageError
 from multigpu.contract.names import AFFINITY_ENV
 from multigpu.runner.specs import AttemptContext, build_specs, worker_argv
 from multigpu.supervisor.states import WorkerSpec
@@ -15,18 +17,25 @@ from multigpu.supervisor.states import WorkerSpec
 pytestmark = pytest.mark.usefixtures("no_gpu")
 
 
-def specs(argv: list[str], tmp_path: Path, cvd: str | None = None) -> list[WorkerSpec]:
+def specs(argv: list[str], tmp_path: Path, cvd: str | None = None, attempt: int = 1) -> list[WorkerSpec]:
     script = tmp_path / "train.py"
     script.write_text("")
     config, _ = parse_run_args([*argv, str(script)], {})
-    context = AttemptContext("job1", tmp_path / "out", 1, "127.0.0.1", 1234, cvd, launcher_pid=4321)
+    context = AttemptContext("job1", tmp_path / "out", attempt, "127.0.0.1", 1234, cvd, launcher_pid=4321)
     return build_specs(config, context, {"PATH": "/bin"})
+
+
+def run_dir(log_dir: Path) -> Path:
+    """torchrun's ``<log_dir>/<run id>_<random>``: the one folder there, named as mkdtemp names."""
+    (found,) = log_dir.glob("job1_*")
+    assert len(found.name) == len("job1_") + 8 and found.name != "job1_4321", found.name
+    return found
 
 
 def test_log_dir_files_where_torchrun_writes_them(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     workers = specs(["--nproc-per-node", "2", "--log-dir", str(logs), "-r", "3", "-t", "0:1"], tmp_path)
-    attempt = logs / "job1_4321" / "attempt_1"
+    attempt = run_dir(logs) / "attempt_1"
     for w in workers:
         rank_dir = attempt / str(w.local_rank)
         assert rank_dir.is_dir()
@@ -45,17 +54,55 @@ def test_without_log_options_nothing_changes(tmp_path: Path) -> None:
     assert AFFINITY_ENV not in worker.env
 
 
+def test_log_dir_dev_null_is_torchruns_no_files(tmp_path: Path) -> None:
+    """torchrun's DefaultLogsSpecs: ``--log-dir /dev/null`` makes no folder and redirects nothing."""
+    workers = specs(["--nproc-per-node", "2", "--log-dir", os.devnull, "-r", "3", "-t", "3"], tmp_path)
+    for worker in workers:
+        assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
+        assert worker.error_file == tmp_path / "out" / "logs" / "attempt_1" / f"error_rank_{worker.rank}.json"
+
+
 def test_log_dir_alone_makes_the_rank_dirs_and_error_files(tmp_path: Path) -> None:
     worker = specs(["--log-dir", str(tmp_path / "l")], tmp_path)[0]
-    assert worker.error_file == tmp_path / "l" / "job1_4321" / "attempt_1" / "0" / "error.json"
+    assert worker.error_file == run_dir(tmp_path / "l") / "attempt_1" / "0" / "error.json"
     assert dict(worker.stream_files) == {} and worker.console_streams == {"stdout", "stderr"}
+
+
+def test_log_dir_names_are_not_predictable_and_kept_across_attempts(tmp_path: Path) -> None:
+    """torchrun's suffix is mkdtemp's, not the launcher's pid (another user could plant a link at a
+    name they can guess); every attempt of one launcher finds the same folder, private to its user."""
+    first = specs(["--log-dir", str(tmp_path / "a")], tmp_path)[0]
+    again = specs(["--log-dir", str(tmp_path / "a")], tmp_path, attempt=2)[0]
+    other = specs(["--log-dir", str(tmp_path / "b")], tmp_path)[0]
+    folder = run_dir(tmp_path / "a")
+    assert first.error_file is not None and again.error_file is not None and other.error_file is not None
+    assert first.error_file.parents[2] == again.error_file.parents[2] == folder
+    assert again.error_file == folder / "attempt_2" / "0" / "error.json"
+    assert run_dir(tmp_path / "b").name != folder.name
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a link to another uid needs root")
+def test_a_log_dir_through_another_users_link_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "logs").symlink_to(theirs)
+    os.lchown(shared / "logs", 54321, 54321)
+    with pytest.raises(
+        UsageError, match=rf"^--log-dir {shared / 'logs'}: {shared / 'logs'} is a link made by"
+    ):
+        specs(["--log-dir", str(shared / "logs")], tmp_path)
+    assert list(theirs.iterdir()) == []
 
 
 def test_tee_without_log_dir_writes_under_the_run_directory(tmp_path: Path) -> None:
     worker = specs(["--tee", "3"], tmp_path)[0]
     assert (
         worker.stream_files["stdout"]
-        == tmp_path / "out" / "torchrun_logs" / "job1_4321" / "attempt_1" / "0" / "stdout.log"
+        == run_dir(tmp_path / "out" / "torchrun_logs") / "attempt_1" / "0" / "stdout.log"
     )
 
 
@@ -103,7 +150,7 @@ def test_duplicate_filters_copy_only_teed_streams_of_shown_ranks(tmp_path: Path)
         "trainer",
     ]
     workers = specs(argv, tmp_path)
-    attempt = logs / "job1_4321" / "attempt_1"
+    attempt = run_dir(logs) / "attempt_1"
     by_rank = {w.local_rank: {c.stream: c for c in w.line_copies} for w in workers}
     assert {c.path for copies in by_rank.values() for c in copies.values()} == {
         attempt / "filtered_stdout.log",

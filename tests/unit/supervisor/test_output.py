@@ -58,7 +58,11 @@ def test_display_text_is_what_a_terminal_leaves(line: bytes, shown: bytes) -> No
 def test_log_file_counts_what_a_full_disk_lost(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
-    log = LogFile(Path("/dev/full"))
+    log = LogFile(tmp_path / "rank_0.log")  # a log's name holds a regular file: a device is refused
+    assert log._file is not None and log.error is None
+    log._file.close()
+    log._file = open("/dev/full", "wb", buffering=0)  # noqa: SIM115 - closed by log.close()
+    log.path = Path("/dev/full")
     log.write(b"x" * 100)
     log.write(b"y" * 50)
     log.close()
@@ -197,3 +201,55 @@ def test_a_drain_reads_a_pipe_that_never_empties_a_bounded_number_of_times(
         monkeypatch.undo()
         sup.close()
     assert_gone([p for p in [sup.workers[0].pid] if p is not None])
+
+
+@pytest.mark.integration
+def test_a_line_past_the_cap_is_shown_in_pieces_said_once_per_rank_and_logged_whole(
+    make: Callable[..., Supervisor],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 43: 100 MB with no newline took the launcher past 400 MiB, held as one line. Here a few MB
+    under a lowered cap: the console gets pieces no longer than the cap, the launcher says so once per
+    rank (two long lines each), and each rank's log has every byte it wrote, in order."""
+    from multigpu.supervisor import output
+
+    cap = 256 << 10
+    monkeypatch.setattr(output, "LINE_CAP", cap)
+    argv = py("""
+        import os, sys
+        rank = int(os.environ["RANK"])
+        for n in range(2):
+            sys.stdout.write(chr(ord("a") + rank + 2 * n) * (3 << 20))
+            sys.stdout.write("\\n" if n == 0 else "")
+            sys.stdout.flush()
+    """)
+    sink = Sink()
+    specs = [
+        WorkerSpec(
+            rank=r,
+            local_rank=r,
+            argv=argv,
+            env={**clean_env(), "RANK": str(r)},
+            log_path=tmp_path / f"{r}.log",
+        )
+        for r in (0, 1)
+    ]
+    sup = make(specs, sink=sink)
+    assert run_to_end(sup) is RunStatus.SUCCEEDED
+    for r in (0, 1):
+        first, second = chr(ord("a") + r).encode(), chr(ord("a") + r + 2).encode()
+        written = first * (3 << 20) + b"\n" + second * (3 << 20)
+        assert (tmp_path / f"{r}.log").read_bytes() == written
+        shown = [line for rank, _, line in sink.lines if rank == r]
+        assert shown and all(len(line) <= cap for line in shown), [len(line) for line in shown]
+        assert b"".join(shown) == written.replace(b"\n", b"")
+        assert len(shown) == 2 * -(-(3 << 20) // cap)  # each line in ceil(3 MiB / cap) pieces
+    notices = [line for line in logged(caplog) if "longer than" in line]
+    assert sorted(notices) == [
+        f"rank {r} wrote a line longer than 256 KiB on its stdout: it is shown in pieces of 256 KiB"
+        " (its log file keeps every byte)"
+        for r in (0, 1)
+    ], logged(caplog)
+    assert_gone([w.pid for w in sup.workers if w.pid])

@@ -227,3 +227,60 @@ def test_a_rank_sizes_a_pool_from_the_first_variable_its_library_reads() -> None
     assert wanted(openblas, {"OMP_NUM_THREADS": "0"}, 9) == 9  # not a count: the library's default
     assert wanted(openblas, {}, 9) == 9
     assert wanted(TORCH_READS, {"MKL_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}, 9) == 5  # torch: MKL wins
+
+
+class NoForks:
+    """A template stand-in whose forks fail as ``TemplateProcess.fork`` raises them."""
+
+    def __init__(self, exc: OSError) -> None:
+        self.exc = exc
+
+    def fork(self, *args: object) -> int:
+        raise self.exc
+
+    def spawn(self, *args: object) -> int:
+        raise self.exc
+
+    def pids(self) -> frozenset[int]:
+        return frozenset()
+
+
+def test_the_templates_fork_answer_carries_forks_errno() -> None:
+    from multigpu.template.server import fork_answer
+
+    assert fork_answer("4242") == {"pid": 4242}
+    assert fork_answer("errno 11") == {"error": f"the fork failed: {os.strerror(11)}", "errno": 11}
+    assert fork_answer("") == {"error": "the fork failed"}
+
+
+def test_a_template_at_the_process_limit_ends_the_start_in_one_error_not_a_fallback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 43: the template's fork hit the process limit; the launcher fell back to plain processes,
+    whose fork failed too, with a ``BlockingIOError`` traceback. Now: one ``ProcessLimitError`` naming
+    the rank, no fallback, and no descriptor of the attempt left open."""
+    from multigpu.supervisor.spawning import ProcessLimitError, start_rank
+
+    spawner = NodeSpawner(use_template=False, store=None)
+    spawner._template = NoForks(BlockingIOError(11, os.strerror(11)))  # type: ignore[assignment]
+    rank = spec(7, {})
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(ProcessLimitError) as raised:
+        start_rank(spawner, rank)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert str(raised.value).startswith(
+        f"cannot start rank 7: the process limit was reached ({os.strerror(11)}; "
+    ), str(raised.value)
+    assert logged(caplog) == []  # no "plain processes from here on"
+
+
+def test_a_template_fork_failing_otherwise_still_falls_back_to_plain_processes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spawner = NodeSpawner(use_template=False, store=None)
+    spawner._template = NoForks(OSError("fork failed: MemoryError: "))  # type: ignore[assignment]
+    spawner._plain = NoForks(OSError("stop here"))  # type: ignore[assignment]
+    with pytest.raises(OSError, match="stop here"):
+        spawner.spawn(spec(0, {}), {}, ())
+    notes = logged(caplog)
+    assert len(notes) == 1 and "could not fork rank 0" in notes[0] and "plain processes" in notes[0], notes

@@ -1,5 +1,5 @@
 """A rank's heartbeat pipe, as the supervisor's loop reads it: the beats decoded
-(``contract/beats.BeatDecoder``) into the ``hang.ProgressBook`` and into the rank's own record (its
+(``contract/beats.BeatDecoder``) into the ``book.ProgressBook`` and into the rank's own record (its
 script finished, its stacks or flight record written), and the pipe closed at its end.
 
 Runs in the launcher (and function mode's caller), on the supervisor's loop; the rank's side is

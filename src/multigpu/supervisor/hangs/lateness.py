@@ -18,7 +18,7 @@ script reports steps, else measured from the entry times) less the lateness, the
 A rank late by more than ``threshold`` of that (``--straggler-threshold``, 0.2: the job runs 20%
 slower for it) and by ``STRAGGLER_MIN_GAP_S`` is a straggler, until it falls under half of that.
 
-Runs in the launcher (and function mode's caller), inside ``hang.ProgressBook``; pure arithmetic.
+Runs in the launcher (and function mode's caller), inside ``book.ProgressBook``; pure arithmetic.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ class LatenessWatch:
 
 @dataclass
 class StragglerWatch:
-    """Both sources of a straggler, for ``hang.ProgressBook``: step and section times the script
+    """Both sources of a straggler, for ``book.ProgressBook``: step and section times the script
     reports (``stragglers.find_stragglers``) and collective entry times (``LatenessWatch``). ``lines``:
     each rank's straggler line, as run.json and the live view show it."""
 

@@ -1,6 +1,6 @@
 """What earlier attempts learned about a run's step and section times, kept in its output folder
 (``hang_timeouts.json``) so that a restart or a requeue does not wait at the ceiling before its hang
-timeouts are known again (``hang.ProgressBook``).
+timeouts are known again (``book.ProgressBook``).
 
 Runs in the launcher (and function mode's caller). A file that cannot be read is an empty record,
 one that cannot be written costs the reuse, never the run.

@@ -1,5 +1,5 @@
 """Stragglers: a rank whose steps or sections take markedly longer than the other ranks' (its median
-over a window against theirs), named once on the console and in run.json (``hang.ProgressBook``).
+over a window against theirs), named once on the console and in run.json (``book.ProgressBook``).
 
 Runs in the launcher (and function mode's caller); pure arithmetic on the ranks' recorded times.
 """

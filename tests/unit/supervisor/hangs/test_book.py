@@ -1,4 +1,4 @@
-"""hang.ProgressBook on a fake clock: learned timeouts, the ceiling, persistence and reuse, the
+"""book.ProgressBook on a fake clock: learned timeouts, the ceiling, persistence and reuse, the
 culprit named, stragglers. No processes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stragglers from collective entry times (``lateness.py``, through ``hang.ProgressBook``): synthetic
+"""Stragglers from collective entry times (``lateness.py``, through ``book.ProgressBook``): synthetic
 jobs whose ranks enter each collective when their own work is done, the collective ending when the
 last one enters, their entries seen by a 5 ms look, as the rank's thread sees them. A 40% straggler
 is named with its numbers and its span recorded; a healthy job with noisy steps, checkpoint pauses or
