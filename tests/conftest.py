@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +34,11 @@ def pytest_configure(config: pytest.Config) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGQUIT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    # Function launches keep their records under the user's cache folder (function/run_history.py):
+    # the suite's go to a folder of its own, never the real ~/.cache, and are removed at the end.
+    cache = tempfile.mkdtemp(prefix="test-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    os.environ["XDG_CACHE_HOME"] = cache
 
 
 def _descendants() -> set[int]:

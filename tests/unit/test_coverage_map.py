@@ -36,7 +36,6 @@ NOT_IMPORTED = {
     "multigpu.cli.demo": "`multigpu demo` in integration/cli/test_run_cli.py",
     "multigpu.cli.layout": "through cli.run_args.parse_run_args in unit/cli/test_layout.py",
     "multigpu.cli.preemption_flags": "through cli.run_args.parse_run_args in unit/cluster/test_requeue.py",
-    "multigpu.cli.store_server": "`multigpu store` in integration/multinode/test_store_command.py",
     "multigpu.cli.torchrun": "through cli.run_args.parse_run_args in unit/cli/test_torchrun.py",
     "multigpu.otx.watcher": "the caller's watch over its children in integration/function/",
     "multigpu.preflight.__main__": "`python -m multigpu.preflight`: unit/preflight/test_check.py",

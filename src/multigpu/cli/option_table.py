@@ -30,10 +30,23 @@ class Option:
     choices: tuple[str, ...] | None = None
     dest: str = ""
     """The ``RunOptions`` field that holds its value (argparse's dest too): set from the field's name."""
+    bare: str | None = None
+    """The value the flag alone means (``--preflight`` is ``--preflight on``); None: a value is required."""
 
     @property
     def takes_value(self) -> bool:
         return self.metavar is not None
+
+    def value_in(self, word: str | None) -> bool:
+        """Whether ``word``, the command line's next word, is this option's value. An option with a
+        ``bare`` meaning takes only a word that could be a mode (one of ``choices``, or a misspelt one,
+        which argparse then refuses naming the choices); a script (``train.py``, ``./job``), an option
+        or the end of the line leaves it bare."""
+        if word is None:
+            return False
+        if self.bare is None:
+            return True
+        return word in (self.choices or ()) or word.isalpha()
 
     def env_names(self) -> tuple[str, ...]:
         names = ("MULTIGPU_" + self.dest.upper(),)
@@ -50,6 +63,12 @@ def _text(
 ) -> Any:
     """A ``RunOptions`` field for an option that takes a value: ``str | None``, None when not given."""
     return field(default=None, metadata={OPTION: Option(flags, metavar, help, torchrun, pet, choices)})
+
+
+def _mode(flags: tuple[str, ...], help: str, choices: tuple[str, ...], bare: str) -> Any:
+    """A ``RunOptions`` field for an option with a mode, ``bare`` when the flag is given alone."""
+    option = Option(flags, "MODE", help, choices=choices, bare=bare)
+    return field(default=None, metadata={OPTION: option})
 
 
 def _flag(flags: tuple[str, ...], help: str, torchrun: bool = False) -> Any:
@@ -103,13 +122,13 @@ class OurOptions:
         "run a multi-node job even when its nodes would run a different script, "
         "arguments, torch, multigpu or device kind (a warning instead of refusing it)",
     )
-    preflight: str | None = _text(
+    preflight: str | None = _mode(
         ("--preflight",),
-        "MODE",
         "check every node (a matmul, all_reduce between the nodes) after the rendezvous, before any "
-        "rank: on warns of a node far slower than the others, strict refuses the job (exit 77), off "
-        "skips it (default: on for several nodes, off for one)",
+        "rank: on (also --preflight alone) warns of a node far slower than the others, strict refuses "
+        "the job (exit 77), off skips it (default: on for several nodes, off for one)",
         choices=("on", "off", "strict"),
+        bare="on",
     )
     no_preflight: bool | None = _flag(("--no-preflight",), "same as --preflight off")
     grace_period: str | None = _text(

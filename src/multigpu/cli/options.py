@@ -82,9 +82,13 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         token = expand_abbreviation(token)
         ours.append(token)
         option = BY_FLAG.get(token)
-        if option is not None and option.takes_value and i + 1 < len(argv):
-            ours.append(argv[i + 1])
-            i += 1
+        if option is not None and option.takes_value:
+            word = argv[i + 1] if i + 1 < len(argv) else None
+            if option.value_in(word):
+                ours.append(str(word))
+                i += 1
+            elif option.bare is not None:
+                ours.append(option.bare)  # ``--preflight train.py``: the flag alone
         i += 1
     return ours, []
 

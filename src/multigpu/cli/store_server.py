@@ -46,6 +46,12 @@ def cmd_store(argv: Sequence[str]) -> int:
         return 0
     if len(argv) != 1:
         raise UsageError("give the address to serve on, HOST:PORT (e.g. multigpu store 10.0.0.5:29400)")
+    _, colon, port = argv[0].strip().rpartition(":")
+    if not colon or port.endswith("]"):  # "10.0.0.5", "[::1]": parse_endpoint's hint, port 0, is no use
+        raise UsageError(
+            f"multigpu store {argv[0]!r} has no port: write HOST:PORT with the fixed port the jobs name "
+            "in --rdzv-endpoint (e.g. multigpu store 10.0.0.5:29400)"
+        )
     endpoint = parse_endpoint(argv[0], option="multigpu store")
     if endpoint.port == 0:
         raise UsageError("multigpu store needs a fixed port: the jobs name it in --rdzv-endpoint")

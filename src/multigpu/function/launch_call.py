@@ -19,10 +19,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from multigpu.contract.files import write_private
 from multigpu.function import launcher_handle, rank_call
 from multigpu.function.launch_config import launch_config
 from multigpu.function.launch_errors import failure_of
+from multigpu.function.launch_folder import PrivateFolder
 from multigpu.function.launcher_handle import launcher
 
 RESULTS_DIR = "results"
@@ -78,7 +77,8 @@ class Launch:
         blob = _pickled((fn, args, kwargs))
         config = launch_config(nprocs, device, options, os.environ)
         self.output_dir = Path(str(config.output.dir))
-        self.private = Path(tempfile.mkdtemp(prefix="multigpu-launch-"))  # 0700, this user's alone
+        self.folder = PrivateFolder()  # 0700, this user's alone; a dead caller's is swept (launch_folder)
+        self.private = self.folder.path
         try:
             self.results = self.private / RESULTS_DIR
             self.results.mkdir(mode=0o700)
@@ -96,7 +96,7 @@ class Launch:
 
     def remove(self) -> None:
         """The private folder goes (payload, request, the ranks' values) once no rank can read it."""
-        shutil.rmtree(self.private, ignore_errors=True)
+        self.folder.remove()
 
     def wait(self) -> list[Any]:
         """Run it: the values in rank order once every rank is done; a rank's exception if one failed."""

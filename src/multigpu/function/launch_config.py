@@ -4,7 +4,8 @@ Runs in the caller. ``options`` are ``multigpu run``'s settings by their Python 
 one field of ``RunConfig`` that holds it, so its default and meaning are written once, in
 ``config/run.py``. The devices are chosen by ``cluster/devices.choose_devices`` and worded here:
 ``nprocs=None`` means every visible GPU, and a machine without one gets a one-line error asking for
-``nprocs``.
+``nprocs``. Without ``output``, the run's record goes under the user's cache folder, whose history is
+bounded (``run_history``), never into the working folder.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from multigpu.config.run import OutputConfig, RunConfig, new_run_id
 from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer, module_names, number, seconds
+from multigpu.function.run_history import default_output
 from multigpu.record.folder import check_run_id, resolve_output
 
 OPTIONS: dict[str, tuple[str, str]] = {
@@ -146,5 +148,6 @@ def launch_config(
             config, **{section: dataclasses.replace(getattr(config, section), **fields)}
         )
     run_id = config.output.run_id or new_run_id()
-    out = config.output.dir or resolve_output(Path("multigpu_runs") / run_id)
+    # not ./multigpu_runs: a loop of launches would flood it; never through another user's link
+    out = config.output.dir or resolve_output(default_output(run_id, env))
     return dataclasses.replace(config, output=dataclasses.replace(config.output, dir=out, run_id=run_id))

@@ -1,4 +1,4 @@
-"""The launcher of ``multigpu.launch``: ``python -m multigpu.function.launcher CALLER_PID REPLY_FD``.
+"""The launcher of ``multigpu.launch``: ``python -m multigpu.function.launcher CALLER_PID REPLY_FD TEMP``.
 
 Runs in its own process, started by the caller (``function/launcher_handle.py``), never in the caller: a
 notebook kernel that has initialised CUDA or runs threads must not fork, and the launcher's signal
@@ -16,7 +16,8 @@ with another environment (torch reads some variables at import) or other ``prelo
 that died or failed; a new one is started right after such a launch (``start_early``).
 
 Its fate is tied to the caller's process (``guard_parent``): when the caller dies, however it dies,
-this process, its template (parent-death signal) and every rank go. It ends when stdin closes
+this process, its template (parent-death signal) and every rank go, and its keeper
+(``launch_folder.keep_tidy_after``) removes the caller's launch folders in ``TEMP``. It ends when stdin closes
 (``multigpu.shutdown()``, the caller's exit) or after a Ctrl-C, which it passes to the ranks and then
 dies of, as ``multigpu run`` does.
 """
@@ -77,12 +78,15 @@ def main(argv: list[str]) -> int:
 
     start_early(["run"])  # first: the template's import of torch overlaps everything below
     keep_warm()
-    caller, reply_fd = (int(a) for a in argv)
+    caller, reply_fd, *temp = argv
+    from multigpu.function.launch_folder import keep_tidy_after
     from multigpu.rank.guard import guard_parent
 
-    guard_parent(caller)
+    if temp:  # before the guard makes this process a subreaper: the keeper must not be in its tree
+        keep_tidy_after(int(caller), temp[0])
+    guard_parent(int(caller))
     try:
-        serve(reply_fd)
+        serve(int(reply_fd))
     except KeyboardInterrupt as exc:
         interrupted(exc)
     finally:

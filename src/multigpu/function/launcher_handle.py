@@ -21,6 +21,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -31,6 +32,9 @@ from multigpu.contract.warm import Warm
 STOP_WAIT_S = 30.0
 """After a Ctrl-C: how long the launcher gets to stop every rank before it is killed (its ranks go too)."""
 POLL_S = 0.5
+LAUNCHER = (sys.executable, "-m", "multigpu.function.launcher")
+"""Its command line, then: the caller's pid, the reply pipe, the caller's temporary folder (where its
+launches' private folders are, for the launcher's keeper to sweep should the caller die)."""
 
 
 class LauncherProcess:
@@ -40,7 +44,7 @@ class LauncherProcess:
         reply_read, reply_write = os.pipe()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "multigpu.function.launcher", str(os.getpid()), str(reply_write)],
+                [*LAUNCHER, str(os.getpid()), str(reply_write), tempfile.gettempdir()],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 
 from multigpu.contract.failure import Subject, WorkerFailure
-from multigpu.contract.frames import fold_own_frames, fold_own_threads, library_file
+from multigpu.contract.frames import fold_own_frames, fold_own_threads, library_file, own_file
 from multigpu.contract.signals import signal_name
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerState
 
@@ -84,11 +84,36 @@ def interrupted_line(w: Worker) -> str | None:
     if text is None:
         return None
     where = innermost_user_frame(text)
-    return (
-        f"rank {w.rank} interrupted in {where}"
-        if where
-        else f"rank {w.rank} interrupted while starting, before its script ran"
-    )
+    if where:
+        return f"rank {w.rank} interrupted in {where}"
+    function = running_in(text)
+    if function:
+        return f"rank {w.rank} interrupted while running, in {function}"
+    return f"rank {w.rank} interrupted while starting, before its script ran"
+
+
+_FRAME_IN = re.compile(r'^\s*File "([^"]+)", line \d+, in (.+)$', re.M)
+
+
+def running_in(traceback: str) -> str | None:
+    """The function of the innermost frame past our start-up, when the rank had reached code that is
+    not ours though in no file of the user's: a function sent by ``multigpu.launch`` from a notebook
+    cell (``<dynamic-code>``), ``exec``'d code, an installed package's. None while only our code and
+    the standard library's (``runpy``, the import system) had run: the rank was starting."""
+    found = None
+    for filename, function in _FRAME_IN.findall(traceback):
+        if not own_file(filename) and not filename.startswith("<frozen") and not _standard(filename):
+            found = function.strip()
+    return found
+
+
+def _standard(filename: str) -> bool:
+    """The standard library's own files (not an installed package's, which may lie below it)."""
+    import sysconfig
+
+    path = os.path.abspath(filename)
+    roots = {sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib")}
+    return "-packages" not in path and path.startswith(tuple(roots))
 
 
 def last_interrupt_traceback(lines: Iterable[str]) -> str | None:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import socket
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,10 +25,11 @@ from typing import Any
 from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
-from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text, integer, seconds
+from multigpu.contract.values import integer, seconds
 from multigpu.rendezvous.elastic_fixes import Liveness, handler_class
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.round_wait import RoundWait
 from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
 
 logger = logging.getLogger(__name__)
@@ -238,7 +237,8 @@ class ElasticRendezvous:
         from torch.distributed.elastic.rendezvous import api
 
         where = self.config.rdzv.endpoint
-        wait = RoundWait(self.backend, self.config, self.settings.join_timeout)
+        lost_s = self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt  # torch's rule
+        wait = RoundWait(self.backend, self.config, self.settings.join_timeout, (self.liveness, lost_s))
         try:
             with wait:
                 return self.handler.next_rendezvous()
@@ -325,68 +325,6 @@ class ElasticRendezvous:
                     self.handler.shutdown()
             finally:
                 log.setLevel(level)
-
-
-class RoundWait:
-    """A node waiting for a rendezvous round to form says who joined, how many more it needs and the
-    time left (``join_timeout``): after ``first_s`` (a round that forms at once says nothing), then
-    every ``WAIT_LINE_EVERY_S``. Runs in the launcher, on a thread of its own for the length of
-    torch's ``next_rendezvous``; it only reads torch's rendezvous state."""
-
-    def __init__(
-        self,
-        backend: Any,
-        config: RunConfig,
-        timeout_s: float,
-        first_s: float = 2.0,
-    ) -> None:
-        self.backend, self.config, self.timeout_s = backend, config, timeout_s
-        self.first_s = first_s
-        self.last: str | None = None
-        """Who had joined at the last look, for a Ctrl-C's line."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="multigpu-round-wait", daemon=True)
-
-    def __enter__(self) -> RoundWait:
-        self._deadline = time.monotonic() + self.timeout_s
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-
-    def _run(self) -> None:
-        every = self.first_s
-        while not self._stop.wait(every):
-            every = WAIT_LINE_EVERY_S
-            with contextlib.suppress(Exception):  # the store is gone: the rendezvous itself says so
-                joined = self.joined()
-                if not self._stop.is_set():
-                    logger.info(round_wait_line(joined, self.config, self._deadline - time.monotonic()))
-
-    def joined(self) -> list[str]:
-        """The nodes in the round being formed (and those waiting for the next), as ``host pid N``."""
-        current = self.backend.get_state()
-        state = pickle.loads(current[0]) if current is not None else None
-        nodes = [*state.participants, *state.wait_list] if state is not None else []
-        names = sorted(f"{node.addr} pid {node.pid}" for node in nodes)
-        self.last = f"joined: {', '.join(names)}" if names else None
-        return names
-
-
-def round_wait_line(joined: list[str], config: RunConfig, left_s: float) -> str:
-    """``waiting for 1 more node(s) for the round (2:3 nodes; joined: n1 pid 7); 4m58s left
-    (join_timeout)``; once the minimum is there, torch's last call waits for more."""
-    low, high = config.rdzv.min_nodes, config.rdzv.max_nodes
-    more = max(0, (low or 0) - len(joined))
-    nodes = f"{low}:{high} nodes; joined: {', '.join(joined) or 'none'}"
-    if not more:
-        return f"the round has its {low} node(s); waiting for more up to last_call_timeout ({nodes})"
-    return (
-        f"waiting for {more} more node(s) for the round ({nodes}); {duration_text(left_s)} left "
-        "(join_timeout)"
-    )
 
 
 def node_id() -> str:

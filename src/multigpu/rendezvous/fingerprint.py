@@ -33,7 +33,7 @@ BREAKING = {
     "cuda": "torch's CUDA build",
     "nccl": "NCCL",
     "target": "the target",
-    "sha256": "the target's SHA-256",
+    "sha256": "the target's contents",
     "args": "its arguments",
     "device": "the device kind",
 }
@@ -118,9 +118,19 @@ def differences(prints: Mapping[int, Mapping[str, str]]) -> tuple[list[str], lis
         for key, name in fields.items():
             values = {node: p.get(key, "?") for node, p in sorted(prints.items())}
             if len(set(values.values())) > 1:
-                shown = {n: v[:12] if key == "sha256" else v for n, v in values.items()}
-                out.append(
-                    f"{name} differs: "
-                    + ", ".join(f"node {n} {v or '(unreadable)'}" for n, v in shown.items())
-                )
+                out.append(_contents_differ(prints, values) if key == "sha256" else _differs(name, values))
     return breaking, soft
+
+
+def _differs(name: str, values: Mapping[int, str]) -> str:
+    """``torch differs: node 0 2.5.1, node 1 2.6.0``."""
+    return f"{name} differs: " + ", ".join(f"node {n} {v or '(unreadable)'}" for n, v in values.items())
+
+
+def _contents_differ(prints: Mapping[int, Mapping[str, str]], hashes: Mapping[int, str]) -> str:
+    """``train.py differs between nodes: node 0 SHA-256 1a2b3c4d5e6f, node 1 SHA-256 ...``: the file
+    named, as the user would go and compare it (the targets' names, where those differ too)."""
+    names = sorted({p.get("target", "?") for p in prints.values()})
+    what = f"{names[0]} differs" if len(names) == 1 else "the targets (" + ", ".join(names) + ") differ"
+    shown = (f"node {n} SHA-256 {v[:12]}" if v else f"node {n} (unreadable)" for n, v in hashes.items())
+    return f"{what} between nodes: " + ", ".join(shown)

@@ -9,6 +9,7 @@ exception caught by its type with the remote traceback as ``__cause__``, and PyT
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -90,8 +91,14 @@ LAUNCHES = """
 def test_launch_returns_values_and_raises_the_ranks_own_exception(tmp_path: Path) -> None:
     write_script(tmp_path, "helpermod.py", HELPER_MODULE)
     script = write_script(tmp_path, "launches.py", LAUNCHES)
+    cache = tmp_path / "cache"
     proc = subprocess.run(
-        [PYTHON, str(script)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240
+        [PYTHON, str(script)],
+        cwd=tmp_path,
+        env=clean_env({"XDG_CACHE_HOME": str(cache)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -121,7 +128,8 @@ def test_launch_returns_values_and_raises_the_ranks_own_exception(tmp_path: Path
         "ValueError: this value cannot be read by the caller"
     )
     assert "[rank 1] " in proc.stdout + proc.stderr  # the ranks' lines reached the caller's streams
-    runs = sorted((tmp_path / "multigpu_runs").iterdir())
+    assert not (tmp_path / "multigpu_runs").exists()  # the records are in the cache folder
+    runs = sorted((cache / "multigpu" / "runs").iterdir())
     assert len(runs) == 8
     pids = []
     for run in runs:
@@ -360,13 +368,14 @@ TEN = """
 
 @pytest.mark.slow
 def test_ten_launches_with_failures_and_an_interrupt_leave_nothing_behind(tmp_path: Path) -> None:
-    temp = tmp_path / "tmp"
+    temp, work, cache = tmp_path / "tmp", tmp_path / "work", tmp_path / "cache"
     temp.mkdir()
+    work.mkdir()
     script = write_script(tmp_path, "ten.py", TEN)
     proc = subprocess.run(
         [PYTHON, str(script)],
-        cwd=tmp_path,
-        env=clean_env({"TMPDIR": str(temp)}),
+        cwd=work,
+        env=clean_env({"TMPDIR": str(temp), "XDG_CACHE_HOME": str(cache)}),
         capture_output=True,
         text=True,
         timeout=300,
@@ -396,12 +405,52 @@ def test_ten_launches_with_failures_and_an_interrupt_leave_nothing_behind(tmp_pa
     assert shut["children"] == [] and shut["fds"] == before["fds"], (before, shut)
     assert (shut["threads"], shut["tasks"]) == (before["threads"], before["tasks"])
     assert shut["temp"] == [] and list(temp.glob("multigpu-*")) == []
-    runs = sorted((tmp_path / "multigpu_runs").iterdir())
+    assert sorted(os.listdir(work)) == ["napping_0", "napping_1"]  # nap()'s own: no record here
+    runs = sorted((cache / "multigpu" / "runs").iterdir())
     assert len(runs) == 10 and not [r for r in runs if (r / ".multigpu").exists()]  # no payload left
     pids = []
     for run in runs:
         record = json.loads((run / "run.json").read_text())
         pids += [r["pid"] for a in record["attempts"] for r in a["ranks"].values() if r.get("pid")]
+    assert_gone(pids)
+
+
+HISTORY = """
+    import os
+    import multigpu
+    import multigpu.function.run_history as run_history
+
+    run_history.KEEP_RUNS = 3  # an HPO loop's 1,000 trials, in small
+    for trial in range(6):
+        assert multigpu.launch(lambda: trial, nprocs=2, device="cpu", run_id=f"trial-{trial}") == [trial] * 2
+    print("RESULT done", flush=True)
+"""
+
+
+def test_a_loop_of_launches_keeps_a_bounded_history_out_of_the_working_folder(tmp_path: Path) -> None:
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    script = write_script(tmp_path, "history.py", HISTORY)
+    proc = subprocess.run(
+        [PYTHON, str(script)],
+        cwd=work,
+        env=clean_env({"XDG_CACHE_HOME": str(cache)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0 and "RESULT done" in proc.stdout, proc.stdout + proc.stderr
+    assert os.listdir(work) == []
+    runs = cache / "multigpu" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["trial-3", "trial-4", "trial-5"]
+    assert runs.stat().st_mode & 0o777 == 0o700
+    pids = [
+        r["pid"]
+        for run in runs.iterdir()
+        for a in json.loads((run / "run.json").read_text())["attempts"]
+        for r in a["ranks"].values()
+    ]
+    assert len(pids) == 6
     assert_gone(pids)
 
 

@@ -529,7 +529,8 @@ def test_nodes_that_would_run_different_scripts_are_refused_on_every_node(tmp_pa
     for rc, out, err in both_nodes():
         assert rc == 1, err[-2000:]
         refusal = [line for line in err.splitlines() if "would run different things" in line]
-        assert len(refusal) == 1 and "the target's SHA-256 differs: node 0 " in refusal[0], err[-2000:]
+        shown = "job.py differs between nodes: node 0 SHA-256 "
+        assert len(refusal) == 1 and shown in refusal[0], err[-2000:]
         assert "pid=" not in out  # no rank started
     results = both_nodes("--allow-mismatch")
     assert [rc for rc, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]

@@ -172,7 +172,8 @@ def test_a_refused_script_ends_both_nodes_in_one_line_even_when_node_1_reads_lat
         assert rc == 1, err[-3000:]  # the refusal's documented code, on the refusing and the refused node
         assert_clean(out + err)
         refusal = [line for line in err.splitlines() if "would run different things" in line]
-        assert len(refusal) == 1 and "the target's SHA-256 differs" in refusal[0], err[-3000:]
+        shown = "train.py differs between nodes: node 0 SHA-256 "
+        assert len(refusal) == 1 and shown in refusal[0], err[-3000:]
         assert "pid=" not in out  # no rank started
     assert_gone([proc.pid for proc in procs] + kids, timeout=10)
 

@@ -54,11 +54,13 @@ def store_process(port: int, tmp_path: Path) -> subprocess.Popen[str]:
     return store
 
 
-def elastic_node(tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "30") -> subprocess.Popen[str]:
+def elastic_node(
+    tmp_path: Path, port: int, rdzv_id: str, i: int, steps: str = "30", last_call: str = "1"
+) -> subprocess.Popen[str]:
     layout = [
         *node_args(None, "2:3", endpoint=f"127.0.0.1:{port}"),
         "--rdzv-conf",
-        "is_host=false,last_call_timeout=1",
+        f"is_host=false,last_call_timeout={last_call}",
         "--rdzv-id",
         rdzv_id,
     ]
@@ -163,12 +165,44 @@ def test_a_store_restarted_mid_job_is_named_as_the_store_not_a_killed_launcher(t
     assert_gone([*pids_in(seen), *(p for out, _ in results for p in pids_in(out)), store.pid])
 
 
+@pytest.mark.matrix  # three launchers and a store: the matrix tier runs it (scripts/fault_matrix.sh)
+def test_the_round_wait_after_a_lost_node_lists_only_live_launchers(tmp_path: Path) -> None:
+    """Node 0's launcher kill -9ed: the survivors' next round waits out last_call_timeout (8 s here),
+    and its line names the two live launchers only, not the dead one torch's state still holds."""
+    write_script(tmp_path, "loop.py", LOOP)
+    port = free_port()
+    store = store_process(port, tmp_path)
+    nodes = [elastic_node(tmp_path, port, "wait", i, last_call="8") for i in range(3)]
+    try:
+        seen = ""
+        assert nodes[0].stdout is not None
+        deadline = time.monotonic() + 60
+        while "world=3" not in seen and time.monotonic() < deadline:
+            seen += nodes[0].stdout.readline()
+        assert "world=3" in seen, seen
+        nodes[0].kill()
+        results = [n.communicate(timeout=90) for n in nodes[1:]]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+            node.communicate(timeout=30)
+        store.send_signal(signal.SIGTERM)
+        store.communicate(timeout=10)
+    dead = f"127.0.0.1 pid {nodes[0].pid}"
+    lines = [line for _, err in results for line in err.splitlines() if "waiting for more" in line]
+    assert lines and all(dead not in line for line in lines), lines
+    assert all(f"pid {node.pid}" in "".join(lines) for node in nodes[1:]), lines
+    assert all(node.returncode == 0 for node in nodes[1:]), [err for _, err in results]
+
+
 def test_store_usage_mistakes_are_one_line(tmp_path: Path) -> None:
     for args, message in (
         (["store"], "HOST:PORT"),
         (["store", "127.0.0.1:0"], "fixed port"),
         (["store", "localhost"], "has no port"),
+        (["store", "127.0.0.1"], "with the fixed port the jobs name in --rdzv-endpoint"),
     ):
         done = run_cli(args, cwd=tmp_path)
         assert done.returncode == 2 and message in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        assert "Traceback" not in done.stderr and "port 0" not in done.stderr, done.stderr

@@ -46,6 +46,15 @@ def test_preflight_is_on_off_or_strict_and_no_preflight_turns_it_off(script: str
     assert parse(["--cpu", "2", "--nnodes", "2", "--node-rank", "0", script]).preflight_mode == "on"
 
 
+def test_preflight_alone_means_on_and_leaves_the_script_its_target(script: str) -> None:
+    config = parse(["--cpu", "2", "--preflight", script, "--lr", "1"])
+    assert config.rdzv.preflight == "on" and config.target == script and config.target_args == ("--lr", "1")
+    assert parse(["--cpu", "2", "--preflight", "--", script]).rdzv.preflight == "on"
+    assert parse(["--preflight", "--cpu", "2", script]).rdzv.preflight == "on"
+    assert parse(["--cpu", "2", "--preflight=strict", script]).rdzv.preflight == "strict"
+    assert parse(["--cpu", "2", "--preflight", "off", script]).rdzv.preflight == "off"
+
+
 def test_cpu_workers(script: str) -> None:
     config, note = parse_run_args(["--cpu", "3", script], {})
     assert (config.device, config.nproc, config.world_size, note) == ("cpu", 3, 3, None)

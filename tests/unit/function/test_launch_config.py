@@ -68,12 +68,19 @@ def test_options_land_in_their_one_field(tmp_path: Path) -> None:
     assert config.output.status == "off" and config.output.run_id
 
 
-def test_default_output_is_where_multigpu_run_puts_it(
+def test_default_output_is_the_users_cache_folder_not_the_working_folder(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    config = launch_config(1, "cpu", {"run_id": "abc"}, {})
-    assert config.output.dir == tmp_path / "multigpu_runs" / "abc"
+    """A loop of launches must not leave one ``multigpu_runs/<id>`` per call where it runs."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    config = launch_config(1, "cpu", {"run_id": "abc"}, {"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert config.output.dir == tmp_path / "cache" / "multigpu" / "runs" / "abc"
+    assert list(work.iterdir()) == []
+    home = launch_config(1, "cpu", {"run_id": "b"}, {"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": "rel"})
+    assert home.output.dir == tmp_path / "home" / ".cache" / "multigpu" / "runs" / "b"
+    assert (tmp_path / "home" / ".cache" / "multigpu" / "runs").stat().st_mode & 0o777 == 0o700
 
 
 def test_an_unknown_option_is_a_type_error_naming_the_known_ones() -> None:

@@ -51,3 +51,21 @@ def test_a_different_nccl_breaks_a_different_python_patch_only_warns() -> None:
     assert breaking == [f"NCCL differs: node 0 {base['nccl']}, node 1 2.21.5"]
     assert soft == [f"Python release differs: node 0 {base['python_patch']}, node 1 {base['python']}.99"]
     assert differences({0: base, 1: dict(base)}) == ([], [])
+
+
+def test_a_script_edited_on_one_node_is_named_as_the_file_that_differs(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('a')\n")
+    base = fingerprint(str(script), (), "cpu")
+    script.write_text("print('b')\n")
+    edited = fingerprint(str(script), (), "cpu")
+    breaking, _ = differences({0: base, 1: edited})
+    assert breaking == [
+        f"train.py differs between nodes: node 0 SHA-256 {base['sha256'][:12]}, "
+        f"node 1 SHA-256 {edited['sha256'][:12]}"
+    ]
+    unreadable = differences({0: base, 1: {**edited, "target": "job.py", "sha256": ""}})[0]
+    assert unreadable[-1] == (
+        f"the targets (job.py, train.py) differ between nodes: node 0 SHA-256 {base['sha256'][:12]}, "
+        "node 1 (unreadable)"
+    )

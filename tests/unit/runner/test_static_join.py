@@ -90,7 +90,7 @@ def test_a_ctrl_c_while_waiting_is_one_line() -> None:
 
 
 def test_the_elastic_round_wait_line() -> None:
-    from multigpu.rendezvous.elastic import round_wait_line
+    from multigpu.rendezvous.round_wait import round_wait_line
 
     config = RunConfig(target="t.py", rdzv=RendezvousConfig(min_nodes=2, max_nodes=3))
     assert round_wait_line(["n1 pid 7"], config, 297.5) == (
@@ -100,3 +100,54 @@ def test_the_elastic_round_wait_line() -> None:
         "the round has its 2 node(s); waiting for more up to last_call_timeout (2:3 nodes; joined: n1 pid 7, "
         "n2 pid 9)"
     )
+
+
+def test_the_round_wait_lists_only_live_nodes() -> None:
+    """A launcher killed after the round formed stays in torch's state until a sync sweeps it: the
+    line must not call it joined. Torch's keep-alive judges a node that never beats on our keys (a
+    torchrun); our beat counters, read at each look, judge the others at once."""
+    import pickle
+    from datetime import datetime, timedelta, timezone
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from multigpu.rendezvous.round_wait import RoundWait
+
+    live, killed, aged, waiting, stopped = (dr._NodeDesc("127.0.0.1", pid, 0) for pid in (11, 22, 33, 44, 55))
+    state = dr._RendezvousState()
+    now = datetime.now(timezone.utc)
+    state.participants.update({live: 0, killed: 1, aged: 2, stopped: 3})
+    state.wait_list.add(waiting)
+    state.last_heartbeats.update(
+        {live: now, killed: now - timedelta(seconds=20), aged: datetime.fromtimestamp(0, timezone.utc)}
+    )
+    state.last_heartbeats.update({waiting: now - timedelta(seconds=2), stopped: now})
+
+    class Backend:
+        def get_state(self) -> tuple[bytes, object]:
+            return pickle.dumps(state), object()
+
+    class Beats:  # ``Liveness``'s keys on the job's store: the node 55's launcher was just kill -9ed
+        counts = {11: 1, 44: 1, 55: 7}
+        store = None
+
+        def key(self, node: dr._NodeDesc) -> str:
+            return str(node.pid)
+
+        def check(self, keys: list[str]) -> bool:
+            return int(keys[0]) in self.counts
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return [str(self.counts[int(k)]).encode() for k in keys]
+
+    config = RunConfig(target="t.py", rdzv=RendezvousConfig(min_nodes=2, max_nodes=3))
+    torch_only = RoundWait(Backend(), config, 300.0)
+    assert torch_only.joined() == ["127.0.0.1 pid 11", "127.0.0.1 pid 44", "127.0.0.1 pid 55"]
+    beats = Beats()
+    beats.store = beats  # type: ignore[assignment]
+    wait = RoundWait(Backend(), config, 300.0, alive=(beats, 15.0))
+    first = wait.joined()  # the first look: nothing to compare with yet
+    assert first == ["127.0.0.1 pid 11", "127.0.0.1 pid 44", "127.0.0.1 pid 55"]
+    beats.counts = {11: 12, 44: 11, 55: 7}  # two seconds on: 55 beat no more
+    assert wait.joined() == ["127.0.0.1 pid 11", "127.0.0.1 pid 44"]
+    assert wait.last == "joined: 127.0.0.1 pid 11, 127.0.0.1 pid 44"
