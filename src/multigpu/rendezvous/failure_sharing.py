@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,6 +34,16 @@ logger = logging.getLogger(__name__)
 
 BEAT_S = 0.2
 T = TypeVar("T")
+
+_LOST_STORES: weakref.WeakSet[JobStore] = weakref.WeakSet()
+"""The jobs whose store this launcher's fate monitor found lost (``lost_the_store``)."""
+
+
+def lost_the_store(job: JobStore | None) -> bool:
+    """Whether this launcher lost ``job``'s store (a failed call, or its silence): its way out then
+    makes no store call that could block over a dead link, and does not close the job's rendezvous,
+    which the nodes that still reach the store go on with. Read by the launcher's main thread."""
+    return job is not None and job in _LOST_STORES
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:
@@ -143,6 +154,7 @@ class FateMonitor:
             self.verdict = failure
         self._verdict.set()
         if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
+            _LOST_STORES.add(self.job)
             logger.warning(f"{failure.describe()}; stopping")
         self._on_failure(failure)
 
@@ -174,7 +186,7 @@ class FateMonitor:
         while not self._stop.wait(tick):
             now = self._clock()
             overslept, last = now - last - tick, now
-            began, allowed = self._in_call, self.latency.threshold()
+            began, allowed = self._in_call, self.latency.call_limit()
             if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
             self._fire(
@@ -362,7 +374,7 @@ def outlive_readers(job: JobStore, timeout_s: float = READERS_WAIT_S, poll_s: fl
 def finish_job(job: JobStore | None, hosts_store: bool) -> None:
     """This node's last act with the job's store: the host outlives the others' reads, the others
     leave. Runs in the launcher (and function mode's caller), after every attempt, whatever ended it."""
-    if job is None:
+    if job is None or lost_the_store(job):
         return
     if hosts_store:
         outlive_readers(job)

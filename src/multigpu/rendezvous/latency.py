@@ -20,6 +20,9 @@ LOSS_FLOOR_S = 1.0
 LOSS_FACTOR = 10.0
 LOSS_CAP_S = 30.0
 """However slow the store was, a store or node silent this long is lost."""
+RETRANSMITS_S = 3.0
+"""A store call in flight is late, not lost, for this long however fast the store was: a segment a
+lossy link dropped waits for TCP's retransmission (200 ms, then doubling: four tries take 3 s)."""
 FIRST_BEAT_GRACE_S = 5.0
 """A node that has not beaten yet may still be starting its workers: it gets this long at least."""
 
@@ -54,33 +57,61 @@ class Latency:
         """How long the store may stay silent before it counts as lost."""
         return min(self.cap_s, max(self.floor_s, self.factor * self.p99()))
 
+    def call_limit(self) -> float:
+        """How long one store call may stay in flight before the store counts as lost: the threshold,
+        and never less than TCP needs to retransmit a lost segment a few times (``RETRANSMITS_S``)."""
+        return min(self.cap_s, max(RETRANSMITS_S, self.threshold()))
+
+
+MISSED_BEATS = 4
+"""A watched node is lost only after this many of its own beat intervals (the longest of the recent
+ones) without a beat, whatever the threshold: a node on a slow or lossy link beats late, not never."""
+INTERVALS = 32
+"""How many of a node's recent beat intervals its allowance is taken from."""
+
 
 class BeatWatch:
-    """Which of the watched nodes' beat counters stopped moving (a node that finished never does)."""
+    """Which of the watched nodes' beat counters stopped moving (a node that finished never does).
+
+    Each node's allowance is its own: the store's threshold, or ``MISSED_BEATS`` of the longest of its
+    recent intervals between beats as this watcher saw them, whichever is longer. A node whose link is
+    slow (its beats take round trips of 100 ms and more) or lossy (a lost segment waits for TCP's
+    retransmission, 200 ms and doubling) beats at its own pace, and is judged by it; a node that
+    beat at the job's pace and stopped is found as soon as before."""
 
     def __init__(self, clock: Callable[[], float], *, first_beat_grace_s: float = FIRST_BEAT_GRACE_S) -> None:
         self._clock = clock
         self._grace = first_beat_grace_s
         self._seen: dict[int, tuple[int, float]] = {}
+        self._intervals: dict[int, deque[float]] = {}
 
     def limit(self, threshold: float) -> float:
         """The longest silence any watched node is allowed now: ``first_beat_grace_s`` while one has
-        not beaten yet (a node killed in its first moments), else ``threshold``."""
-        seen = list(self._seen.values())  # one copy: the watcher's beat thread updates it
-        return max(threshold, self._grace) if any(count == 0 for count, _ in seen) else threshold
+        not beaten yet (a node killed in its first moments), else the longest node's allowance."""
+        seen = list(self._seen.items())  # one copy: the watcher's beat thread updates it
+        if any(count == 0 for _, (count, _) in seen):
+            return max(threshold, self._grace)
+        return max([threshold, *(self.allowance(base, threshold) for base, _ in seen)])
+
+    def allowance(self, base: int, threshold: float) -> float:
+        """How long node ``base`` may stay silent: ``threshold``, or its own pace's several beats."""
+        intervals = list(self._intervals.get(base, ()))
+        return max(threshold, MISSED_BEATS * max(intervals, default=0.0))
 
     def silent(self, counts: Mapping[int, int], threshold: float) -> tuple[int, float] | None:
         """(base rank, seconds of silence) of the first node whose counter has not moved for longer
-        than ``threshold`` (``first_beat_grace_s`` before its first beat), or None."""
+        than its allowance (``first_beat_grace_s`` before its first beat), or None."""
         now = self._clock()
         for base, count in counts.items():
             if count >= DONE:
                 continue
             last, since = self._seen.get(base, (-1, now))
             if count != last:
+                if last > 0:
+                    self._intervals.setdefault(base, deque(maxlen=INTERVALS)).append(now - since)
                 self._seen[base] = (count, now)
                 continue
-            limit = threshold if count > 0 else max(threshold, self._grace)
+            limit = self.allowance(base, threshold) if count > 0 else max(threshold, self._grace)
             if now - since > limit:
                 return base, now - since
         return None
