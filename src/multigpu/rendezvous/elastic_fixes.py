@@ -133,7 +133,10 @@ class Liveness:
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
+                began = self._clock()
                 self.store.add(self.key(self.me), 1)
+                if self._clock() - began > self.lost_after_s / 2:
+                    self._seen.clear()  # the store was out of our reach: the others' silence is ours
                 if self.evicts:
                     self.evict_silent()
 

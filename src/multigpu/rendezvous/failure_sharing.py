@@ -200,12 +200,14 @@ class FateMonitor:
 
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
         """A store call, watched by the deadman and (``measure``: one round trip) timed for the
-        loss threshold."""
+        loss threshold; a call that waited past the threshold met an outage, not the store's latency,
+        and is not a sample (a 5 s outage would stretch every later verdict to the 30 s cap)."""
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
-        if measure:
-            self.latency.record(self._clock() - began)
+        took = self._clock() - began
+        if measure and took <= self.latency.threshold():
+            self.latency.record(took)
         return answer
 
     def _wait_loop(self) -> None:
@@ -239,6 +241,7 @@ class FateMonitor:
         """One interval's store calls: our beat; on the watcher, one read of every counter (and the
         elastic membership); on a node watching a watcher that does not serve the store, one read of
         that counter. True once this found the job dead (then it has published and fired)."""
+        began = self._clock()
         self._timed(self.job.beat)
         self._share_progress()
         if self._watched is None:
@@ -255,6 +258,9 @@ class FateMonitor:
             return False
         watched = list(self._watched)
         counts = self._timed(lambda: self.job.beat_counts(watched))
+        if self._clock() - began > self._beat_s + self.latency.threshold():
+            self._watch.forgive()  # the store was out of our reach too: the others' silence is ours
+            return False
         silent = self._watch.silent(counts, self._beat_s + self.latency.threshold())
         if silent is None:
             return False

@@ -20,9 +20,10 @@ LOSS_FLOOR_S = 1.0
 LOSS_FACTOR = 10.0
 LOSS_CAP_S = 30.0
 """However slow the store was, a store or node silent this long is lost."""
-RETRANSMITS_S = 3.0
+OUTAGE_S = 8.0
 """A store call in flight is late, not lost, for this long however fast the store was: a segment a
-lossy link dropped waits for TCP's retransmission (200 ms, then doubling: four tries take 3 s)."""
+lossy link dropped waits for TCP's retransmission (200 ms, then doubling: five tries take 6.2 s), and
+a store cut off for a few seconds (a link that flaps, a switch port that resets) is ridden out."""
 FIRST_BEAT_GRACE_S = 5.0
 """A node that has not beaten yet may still be starting its workers: it gets this long at least."""
 
@@ -59,8 +60,8 @@ class Latency:
 
     def call_limit(self) -> float:
         """How long one store call may stay in flight before the store counts as lost: the threshold,
-        and never less than TCP needs to retransmit a lost segment a few times (``RETRANSMITS_S``)."""
-        return min(self.cap_s, max(RETRANSMITS_S, self.threshold()))
+        and never less than a short outage (``OUTAGE_S``)."""
+        return min(self.cap_s, max(OUTAGE_S, self.threshold()))
 
 
 MISSED_BEATS = 4
@@ -92,6 +93,12 @@ class BeatWatch:
         if any(count == 0 for _, (count, _) in seen):
             return max(threshold, self._grace)
         return max([threshold, *(self.allowance(base, threshold) for base, _ in seen)])
+
+    def forgive(self) -> None:
+        """The store was out of this watcher's reach for a while (its own calls waited): every node's
+        silence meanwhile is no evidence, so each one's silence counts from now."""
+        now = self._clock()
+        self._seen = {base: (count, now) for base, (count, _) in self._seen.items()}
 
     def allowance(self, base: int, threshold: float) -> float:
         """How long node ``base`` may stay silent: ``threshold``, or its own pace's several beats."""

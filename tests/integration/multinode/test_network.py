@@ -193,3 +193,21 @@ def test_a_lossy_link_is_not_a_lost_node(job: Job) -> None:
     assert all("was lost" not in job.err(n) for n in "ABC"), {n: job.err(n)[-2000:] for n in "ABC"}
     stop_store(job)
     assert job.net.running() == {}
+
+
+def test_a_store_cut_off_for_5s_is_ridden_out(job: Job) -> None:
+    """Case 4: the store's link down 5 s, then up: the same ranks go on (their training never goes
+    through the store), nobody is named lost, and the job completes on every node."""
+    job.train("ABC", steps=300)
+    assert job.wait_for("A", 3, 0, timeout=60) is not None, job.err("A")[-3000:]
+    time.sleep(1)
+    job.net.link("S", up=False)
+    time.sleep(5)
+    job.net.link("S", up=True)
+    back = time.time()
+    codes = {name: job.ended(name, timeout=90) for name in "ABC"}
+    assert codes == {"A": 0, "B": 0, "C": 0}, {n: job.err(n)[-2000:] for n in "ABC"}
+    assert all("was lost" not in job.err(n) for n in "ABC"), {n: job.err(n)[-2000:] for n in "ABC"}
+    assert all(w == 3 for n in "ABC" for t, w in job.steps(n) if t > back), "the round of 3 went on"
+    stop_store(job)
+    assert job.net.running() == {}
