@@ -24,8 +24,10 @@ OUTAGE_S = 8.0
 """A store call in flight is late, not lost, for this long however fast the store was: a segment a
 lossy link dropped waits for TCP's retransmission (200 ms, then doubling: five tries take 6.2 s), and
 a store cut off for a few seconds (a link that flaps, a switch port that resets) is ridden out."""
-FIRST_BEAT_GRACE_S = 5.0
-"""A node that has not beaten yet may still be starting its workers: it gets this long at least."""
+FIRST_BEAT_GRACE_S = 10.0
+"""A node that has not beaten yet may still be starting its workers: it gets this long at least. On a
+slow link it starts its attempt seconds after the others (every store call of the round's join is a
+round trip: 4.8 s later at 100 ms, issue 41), so the grace is not 5 s."""
 
 
 class Latency:
@@ -69,6 +71,8 @@ MISSED_BEATS = 4
 ones) without a beat, whatever the threshold: a node on a slow or lossy link beats late, not never."""
 INTERVALS = 32
 """How many of a node's recent beat intervals its allowance is taken from."""
+PACE_BEATS = 2
+"""How many intervals between a node's beats show its pace: before them it gets the first-beat grace."""
 
 
 class BeatWatch:
@@ -87,12 +91,10 @@ class BeatWatch:
         self._intervals: dict[int, deque[float]] = {}
 
     def limit(self, threshold: float) -> float:
-        """The longest silence any watched node is allowed now: ``first_beat_grace_s`` while one has
-        not beaten yet (a node killed in its first moments), else the longest node's allowance."""
-        seen = list(self._seen.items())  # one copy: the watcher's beat thread updates it
-        if any(count == 0 for _, (count, _) in seen):
-            return max(threshold, self._grace)
-        return max([threshold, *(self.allowance(base, threshold) for base, _ in seen)])
+        """The longest silence any watched node is allowed now (``allowance``): how long a verdict
+        can take."""
+        seen = list(self._seen)  # one copy: the watcher's beat thread updates it
+        return max([threshold, *(self.allowance(base, threshold) for base in seen)])
 
     def forgive(self) -> None:
         """The store was out of this watcher's reach for a while (its own calls waited): every node's
@@ -101,9 +103,13 @@ class BeatWatch:
         self._seen = {base: (count, now) for base, (count, _) in self._seen.items()}
 
     def allowance(self, base: int, threshold: float) -> float:
-        """How long node ``base`` may stay silent: ``threshold``, or its own pace's several beats."""
+        """How long node ``base`` may stay silent: ``first_beat_grace_s`` until it has shown its pace
+        (``PACE_BEATS`` intervals: a node still starting its workers, or on a slow link), then
+        ``threshold``, or several of its own longest recent intervals."""
         intervals = list(self._intervals.get(base, ()))
-        return max(threshold, MISSED_BEATS * max(intervals, default=0.0))
+        if len(intervals) < PACE_BEATS:
+            return max(threshold, self._grace)
+        return max(threshold, MISSED_BEATS * max(intervals))
 
     def silent(self, counts: Mapping[int, int], threshold: float) -> tuple[int, float] | None:
         """(base rank, seconds of silence) of the first node whose counter has not moved for longer
@@ -118,7 +124,6 @@ class BeatWatch:
                     self._intervals.setdefault(base, deque(maxlen=INTERVALS)).append(now - since)
                 self._seen[base] = (count, now)
                 continue
-            limit = self.allowance(base, threshold) if count > 0 else max(threshold, self._grace)
-            if now - since > limit:
+            if now - since > self.allowance(base, threshold):
                 return base, now - since
         return None

@@ -253,12 +253,12 @@ def test_the_watcher_reads_every_counter_in_one_call_and_publishes_a_silent_node
     watcher.beat_once()  # the first round also reads the members, once
     for step in range(4):
         clock.now += 0.3
-        for job in jobs[1:] if step < 2 else jobs[1:3]:  # node 3 stops after two beats
+        for job in jobs[1:] if step < 3 else jobs[1:3]:  # node 3 stops after three beats (its pace)
             job.beat()
         start = len(store.log)
         assert not watcher.beat_once() and not seen
         assert calls(store, start) == ["add", "multi_get"], "constant per round, whatever the node count"
-    clock.now += 0.7  # node 3 silent for 1.3 s > 0.2 s beat + 1.0 s threshold
+    clock.now += 1.0  # node 3 silent 1.3 s > 0.2 s beat + 1.0 s threshold (and 4 of its 0.3 s beats)
     assert watcher.beat_once()
     assert [(f.error_type, f.node) for f in seen] == [("NodeLost", 3)]
     assert seen[0].describe() == (
@@ -481,8 +481,12 @@ def test_a_node_that_never_beat_is_allowed_the_first_beat_grace_when_waiting_for
     assert watch.limit(1.0) == 1.0  # nothing watched (not the watcher): the store's own threshold
     watch.silent({1: 0, 2: 3}, 1.0)
     assert watch.limit(1.0) == 5.0
+    for count in (1, 2):
+        clock.now += 0.2
+        watch.silent({1: count, 2: 3 + count}, 1.0)
+    assert watch.limit(1.0) == 5.0, "node 1 has not shown its pace yet: one interval since its first beat"
     clock.now += 0.2
-    watch.silent({1: 1, 2: 4}, 1.0)
+    watch.silent({1: 3, 2: 6}, 1.0)
     assert watch.limit(1.0) == 1.0
 
 
