@@ -35,8 +35,7 @@ logger = logging.getLogger(__name__)
 BEAT_S = 0.2
 T = TypeVar("T")
 
-_LOST_STORES: weakref.WeakSet[JobStore] = weakref.WeakSet()
-"""The jobs whose store this launcher's fate monitor found lost (``lost_the_store``)."""
+_LOST_STORES: weakref.WeakSet[JobStore] = weakref.WeakSet()  # this launcher lost their store
 
 
 def lost_the_store(job: JobStore | None) -> bool:
@@ -205,8 +204,7 @@ class FateMonitor:
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
-        took = self._clock() - began
-        if measure and took <= self.latency.threshold():
+        if measure and (took := self._clock() - began) <= self.latency.threshold():
             self.latency.record(took)
         return answer
 
