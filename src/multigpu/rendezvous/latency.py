@@ -72,7 +72,9 @@ ones) without a beat, whatever the threshold: a node on a slow or lossy link bea
 INTERVALS = 32
 """How many of a node's recent beat intervals its allowance is taken from."""
 PACE_BEATS = 2
-"""How many intervals between a node's beats show its pace: before them it gets the first-beat grace."""
+"""How many intervals between a node's beats show its pace."""
+UNPACED_S = 2.5
+"""The allowance of a node that beat but has not shown its pace yet: a few beats on a slow link."""
 
 
 class BeatWatch:
@@ -103,12 +105,14 @@ class BeatWatch:
         self._seen = {base: (count, now) for base, (count, _) in self._seen.items()}
 
     def allowance(self, base: int, threshold: float) -> float:
-        """How long node ``base`` may stay silent: ``first_beat_grace_s`` until it has shown its pace
-        (``PACE_BEATS`` intervals: a node still starting its workers, or on a slow link), then
-        ``threshold``, or several of its own longest recent intervals."""
+        """How long node ``base`` may stay silent: ``first_beat_grace_s`` before its first beat (a node
+        still starting its workers), ``UNPACED_S`` until it has shown its pace (``PACE_BEATS``
+        intervals), then ``threshold``, or several of its own longest recent intervals."""
         intervals = list(self._intervals.get(base, ()))
-        if len(intervals) < PACE_BEATS:
+        if self._seen.get(base, (0, 0.0))[0] == 0:
             return max(threshold, self._grace)
+        if len(intervals) < PACE_BEATS:
+            return max(threshold, UNPACED_S)
         return max(threshold, MISSED_BEATS * max(intervals))
 
     def silent(self, counts: Mapping[int, int], threshold: float) -> tuple[int, float] | None:
