@@ -12,7 +12,6 @@ Nothing here imports torch at module level: the CLI checks ``--rdzv-conf`` witho
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -26,7 +25,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import integer, seconds
-from multigpu.rendezvous.elastic_fixes import Liveness, handler_class
+from multigpu.rendezvous.elastic_fixes import Liveness, close_rendezvous, handler_class
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.round_wait import RoundWait
@@ -194,6 +193,8 @@ class ElasticRendezvous:
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
         self.hosted = hosted
         """Whether this launcher serves the job's store: then it leaves last."""
+        self.store_failed = False
+        """A rendezvous call failed on the store: this node lost the job, the others may not have."""
         self.addr = local_address(rdzv.endpoint)
         self.backend = C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(
@@ -258,6 +259,7 @@ class ElasticRendezvous:
                 "start a new one with another --rdzv-id"
             ) from None
         except (api.RendezvousError, RuntimeError, ValueError) as exc:
+            self.store_failed = True  # the store, or the way to it, failed: not ours to close
             raise RendezvousError(
                 f"the rendezvous at {where} failed ({type(exc).__name__}); the launcher "
                 "that serves it may be gone"
@@ -312,19 +314,12 @@ class ElasticRendezvous:
         return seen + 1
 
     def shutdown(self, *, close: bool) -> None:
-        """Stop beating; with ``close``, the job is over: a node that comes now is told so."""
+        """Stop beating; with ``close``, the job is over: a node that comes now is told so, in
+        ``CLOSE_WAIT_S`` at most (``close_rendezvous``); a node whose rendezvous call failed on the
+        store leaves it open for the nodes that still reach it."""
         self.liveness.stop()
-        if close:
-            # torch logs its own failure to close a rendezvous whose store is gone (a lost store is
-            # already one line of ours): its logger is held to errors for the call.
-            log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
-            level = log.level
-            log.setLevel(logging.ERROR)
-            try:
-                with contextlib.suppress(Exception):
-                    self.handler.shutdown()
-            finally:
-                log.setLevel(level)
+        if close and not self.store_failed:
+            close_rendezvous(self.handler)
 
 
 def node_id() -> str:

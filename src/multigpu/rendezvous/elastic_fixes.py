@@ -7,6 +7,7 @@ imports torch at module level.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import threading
 import time
@@ -21,6 +22,31 @@ from multigpu.rendezvous.store import bind_store_socket, serve_store_on
 
 EVICT_AFTER_S = 3.0
 """A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
+CLOSE_WAIT_S = 5.0
+"""The longest a launcher waits for torch to close the job's rendezvous on its way out."""
+
+
+def close_rendezvous(handler: Any) -> None:
+    """torch's close of the job's rendezvous (``handler.shutdown``: several store calls, none with a
+    time-out), on a daemon thread waited for ``CLOSE_WAIT_S`` at most: over a cut link it held the
+    launcher until the link came back (22-24 s of TCP backoff), then closed the job for every node.
+    Runs in the launcher, on its way out."""
+    done = threading.Thread(target=_close, args=(handler,), name="multigpu-rdzv-close", daemon=True)
+    done.start()
+    done.join(CLOSE_WAIT_S)
+
+
+def _close(handler: Any) -> None:
+    # torch logs its own failure to close a rendezvous whose store is gone (a lost store is already
+    # one line of ours): its logger is held to errors for the call.
+    log = logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.suppress(Exception):
+            handler.shutdown()
+    finally:
+        log.setLevel(level)
 
 
 def handler_class() -> Any:
@@ -107,7 +133,10 @@ class Liveness:
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             with contextlib.suppress(Exception):  # the store is gone: fate sharing reports that
+                began = self._clock()
                 self.store.add(self.key(self.me), 1)
+                if self._clock() - began > self.lost_after_s / 2:
+                    self._seen.clear()  # the store was out of our reach: the others' silence is ours
                 if self.evicts:
                     self.evict_silent()
 

@@ -1,14 +1,12 @@
 """Fate sharing across nodes: beat counters, one watcher and one abort record in the job's c10d store.
 
 A node's cost is constant in the number of nodes. Every launcher adds 1 to its own beat counter per
-``BEAT_S`` (a counter, so clocks need not agree) and blocks in one ``wait`` on its own wake key, which
-the store's server answers the moment the key is set: learning of an abort costs no polling. One
-launcher watches: the one that serves the store (node 0 of a static job, the hosting launcher of an
-elastic round) reads every counter with one ``multi_get`` per beat and publishes a node whose counter
-stopped. The first failure anywhere is written once (compare-and-set, earliest wins) and every waiter
-is woken with one ``multi_set``; every node tears down and reports that root cause. The store's own
-loss is noticed from outside the blocked call (a deadman), after a silence relative to the store's
-measured round trips (``latency.Latency``), not a fixed one.
+``BEAT_S`` (a counter: clocks need not agree) and blocks in one ``wait`` on its own wake key, answered
+the moment the key is set. One launcher (the store's server) reads every counter with one ``multi_get``
+per beat and publishes a node whose counter stopped for longer than its own pace allows
+(``latency.BeatWatch``). The first failure anywhere is written once (compare-and-set, earliest wins),
+every waiter is woken with one ``multi_set``, and every node reports that root cause. A store call is
+late, not lost, for a bounded time (``latency``); a node that lost the store leaves without a store call.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,6 +32,14 @@ logger = logging.getLogger(__name__)
 
 BEAT_S = 0.2
 T = TypeVar("T")
+
+_LOST_STORES: weakref.WeakSet[JobStore] = weakref.WeakSet()  # this launcher lost their store
+
+
+def lost_the_store(job: JobStore | None) -> bool:
+    """Whether this launcher lost ``job``'s store: its way out then makes no store call (it could block
+    over a dead link) and leaves the rendezvous open for the nodes that still reach the store."""
+    return job is not None and job in _LOST_STORES
 
 
 def failure_record(failure: WorkerFailure) -> dict[str, Any]:
@@ -147,6 +154,7 @@ class FateMonitor:
             self.verdict = failure
         self._verdict.set()
         if self._store_gone:  # nobody else can tell this node: one line now, the summary after teardown
+            _LOST_STORES.add(self.job)
             logger.warning(f"{failure.describe()}; stopping")
         self._on_failure(failure)
 
@@ -178,7 +186,7 @@ class FateMonitor:
         while not self._stop.wait(tick):
             now = self._clock()
             overslept, last = now - last - tick, now
-            began, allowed = self._in_call, self.latency.threshold()
+            began, allowed = self._in_call, self.latency.call_limit()
             if began is None or overslept > allowed / 2 or now - began <= allowed:
                 continue
             self._fire(
@@ -192,12 +200,13 @@ class FateMonitor:
 
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
         """A store call, watched by the deadman and (``measure``: one round trip) timed for the
-        loss threshold."""
+        loss threshold; a call that waited past the threshold met an outage, not the store's latency,
+        and is not a sample (a 5 s outage would stretch every later verdict to the 30 s cap)."""
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
-        if measure:
-            self.latency.record(self._clock() - began)
+        if measure and (took := self._clock() - began) <= self.latency.threshold():
+            self.latency.record(took)
         return answer
 
     def _wait_loop(self) -> None:
@@ -231,6 +240,7 @@ class FateMonitor:
         """One interval's store calls: our beat; on the watcher, one read of every counter (and the
         elastic membership); on a node watching a watcher that does not serve the store, one read of
         that counter. True once this found the job dead (then it has published and fired)."""
+        began = self._clock()
         self._timed(self.job.beat)
         self._share_progress()
         if self._watched is None:
@@ -247,6 +257,9 @@ class FateMonitor:
             return False
         watched = list(self._watched)
         counts = self._timed(lambda: self.job.beat_counts(watched))
+        if self._clock() - began > self._beat_s + self.latency.threshold():
+            self._watch.forgive()  # the store was out of our reach too: the others' silence is ours
+            return False
         silent = self._watch.silent(counts, self._beat_s + self.latency.threshold())
         if silent is None:
             return False
@@ -366,7 +379,7 @@ def outlive_readers(job: JobStore, timeout_s: float = READERS_WAIT_S, poll_s: fl
 def finish_job(job: JobStore | None, hosts_store: bool) -> None:
     """This node's last act with the job's store: the host outlives the others' reads, the others
     leave. Runs in the launcher (and function mode's caller), after every attempt, whatever ended it."""
-    if job is None:
+    if job is None or lost_the_store(job):
         return
     if hosts_store:
         outlive_readers(job)

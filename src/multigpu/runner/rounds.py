@@ -27,7 +27,7 @@ from multigpu.rendezvous.elastic import (
     settings_from,
     settle_run_id,
 )
-from multigpu.rendezvous.failure_sharing import finish_job
+from multigpu.rendezvous.failure_sharing import finish_job, lost_the_store
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner.crash_loop import FailureMemory, StoreFailures
 from multigpu.runner.membership import Meeting, debug_server_lines
@@ -119,13 +119,21 @@ class ElasticMembership:
         other nodes' last reads of the last round (bounded), and every other node says it has read
         them: a refusal reads as itself on every node, not as a lost store. A node that leaves a job
         going on (SIGTERM, Ctrl-C) does not wait for nodes that go on without it."""
-        if over and self.last_round is not None:
+        if lost_the_store(self.last_round):
+            logger.warning(
+                f"this node lost the job: the rendezvous store at {self.config.rdzv.endpoint} stopped "
+                "answering it (its link, or the store, is down); the nodes that still reach it go on "
+                "without this one"
+            )
+        elif over and self.last_round is not None:
             finish_job(self.last_round, hosts_store=self.serves_store)
 
     def close(self, *, over: bool) -> None:
-        """The spawner, then our beats; with ``over``, the rendezvous closes (safe twice)."""
+        """The spawner, then our beats; with ``over``, the rendezvous closes (safe twice), unless this
+        node lost the store: the job is over for this node only, and a close sent once a cut link
+        returns would end it for the nodes that go on."""
         if self.spawner is not None:
             self.spawner.close()
             self.spawner = None
         self.rdzv.handler.worker_store = None
-        self.rdzv.shutdown(close=over)
+        self.rdzv.shutdown(close=over and not lost_the_store(self.last_round))

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+import threading
+import time
 
 import pytest
 
 from helpers import PYTHON, clean_env
+from multigpu.rendezvous import elastic_fixes
+from multigpu.rendezvous.elastic import ElasticRendezvous
 
 pytestmark = pytest.mark.integration
 
@@ -70,3 +74,43 @@ def test_only_a_launcher_whose_beats_stopped_is_aged_out_of_torchs_state() -> No
     assert result.returncode == 0, result.stderr[-2000:]
     expected = ["after 2s: True", "after 4s dead aged: True", "others untouched: True"]
     assert result.stdout.splitlines() == expected
+
+
+class _Liveness:
+    def stop(self) -> None:
+        pass
+
+
+class _Handler:
+    """torch's handler over a cut link: its close blocks until the link returns (here: ``back``)."""
+
+    def __init__(self) -> None:
+        self.back = threading.Event()
+        self.closing = 0
+
+    def shutdown(self) -> bool:
+        self.closing += 1
+        self.back.wait(10)
+        return True
+
+
+def _rendezvous(store_failed: bool) -> ElasticRendezvous:
+    rdzv = ElasticRendezvous.__new__(ElasticRendezvous)  # the shutdown path only: no torch, no store
+    rdzv.liveness, rdzv.handler, rdzv.store_failed = _Liveness(), _Handler(), store_failed  # type: ignore[assignment]
+    return rdzv
+
+
+def test_closing_the_rendezvous_is_bounded_in_time_and_skipped_when_the_store_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 41: torch's close is several store calls with no time-out; over a cut link it held the
+    launcher 22-24 s after the link came back, and then closed the rendezvous for every node."""
+    monkeypatch.setattr(elastic_fixes, "CLOSE_WAIT_S", 0.2)
+    rdzv = _rendezvous(store_failed=False)
+    began = time.monotonic()
+    rdzv.shutdown(close=True)
+    assert time.monotonic() - began < 2.0 and rdzv.handler.closing == 1
+    rdzv.handler.back.set()
+    failed = _rendezvous(store_failed=True)
+    failed.shutdown(close=True)
+    assert failed.handler.closing == 0, "a node whose store failed leaves the rendezvous open"
