@@ -1,7 +1,7 @@
 """The caller's watch over its children: a ``Supervisor`` on a background thread, and what their
 failures mean for the caller.
 
-Runs in function mode's caller, on the thread named ``multigpu-supervisor``: it waits for the children,
+Runs in OTX's caller, on the thread named ``multigpu-supervisor``: it waits for the children,
 hands a failure to the caller's thread through ``FailureDelivery``, and shares it with the job's other
 nodes. A child that announces its failure (its error record is written) is raised at once, before it
 exits; a peer that died of a signal first is the likelier root cause and is named instead.

@@ -1,6 +1,6 @@
 """Where one node's ranks meet the job's: the store's socket, the node's spawner, the other nodes.
 
-Runs in the launcher (and in function mode's caller, which meets its peers the same way). On one node
+Runs in the launcher (and in OTX's caller, which meets its peers the same way). On one node
 the node's template (or store process) serves the store on the socket bound here; on several, node 0's
 launcher serves it and every launcher joins the job's membership (``rendezvous/job.py``).
 """
@@ -40,7 +40,7 @@ class Rendezvous:
     run_id: str
     one_node: bool
     """The job is this node alone: the store is served here, on the socket the launcher bound (by the
-    node's template or store process, or by function mode's caller itself)."""
+    node's template or store process, or by OTX's caller itself)."""
     job: JobStore | None = None
     """Set for several nodes: the launchers share membership, heartbeats and the abort record."""
     spawner: NodeSpawner | None = None
@@ -49,7 +49,7 @@ class Rendezvous:
 
 def rendezvous(config: RunConfig, sock: socket.socket | None) -> Rendezvous:
     """Meet the other nodes (a job of several); this node's lines are logged (the run's console, or
-    stderr in function mode's caller)."""
+    stderr in OTX's caller)."""
     endpoint = config.rdzv.endpoint or LOOPBACK
     if not config.multi_node:
         assert sock is not None

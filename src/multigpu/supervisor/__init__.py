@@ -1,4 +1,4 @@
-"""One attempt's worker lifetimes on one node: runs in the launcher, and in function mode's caller (its
+"""One attempt's worker lifetimes on one node: runs in the launcher, and in OTX's caller (its
 watcher thread).
 
 From the bottom: ``states`` (the vocabulary: worker and run states and their one writer,

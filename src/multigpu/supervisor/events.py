@@ -1,6 +1,6 @@
 """The supervisor's event sources in one selector: rank exits (pidfds), pipes, beats, and a wake-up pipe.
 
-Runs in the launcher (and in function mode's caller, on the supervisor's thread). ``wake()`` is safe
+Runs in the launcher (and in OTX's caller, on the supervisor's thread). ``wake()`` is safe
 from a signal handler or another thread: it writes one byte to a non-blocking pipe, so a signal that
 only records still makes the loop look at once. ``close()`` releases every descriptor it was given.
 """

@@ -1,6 +1,6 @@
 """What a rank's exit means: success, a failure with its own record, or the end the launcher asked for.
 
-Runs in the launcher (and function mode's caller), on the supervisor's loop. A rank whose bootstrap
+Runs in the launcher (and OTX's caller), on the supervisor's loop. A rank whose bootstrap
 said "done" (its script returned, threads and atexit handlers finished) has succeeded even if the
 process then dies in torch's exit-time teardown; that is a warning.
 """

@@ -1,7 +1,7 @@
 """An attempt's outcome as the supervisor's loop learns it: the failures seen, whether the attempt
 hangs, and the ``RunResult`` they add up to, the root cause first (``by_time``).
 
-Runs in the launcher (and function mode's caller), on the supervisor's loop thread.
+Runs in the launcher (and OTX's caller), on the supervisor's loop thread.
 """
 
 from __future__ import annotations

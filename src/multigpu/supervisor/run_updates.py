@@ -1,5 +1,5 @@
 """What the supervisor tells its listener (run.json) and its tick hook, and how often. Runs in the
-launcher (and function mode's caller), on the supervisor's loop thread, never in a signal handler.
+launcher (and OTX's caller), on the supervisor's loop thread, never in a signal handler.
 
 Rank state changes are batched per loop turn: the listener rewrites run.json on each call, and one
 call per rank was 64 rewrites of a growing record while 64 ranks started (0.7 s of the launcher's

@@ -1,6 +1,6 @@
 """How a supervisor is set up: its timing (``SupervisorOptions``) and what it calls back (``Hooks``).
 
-Runs in the launcher and in function mode's caller, wherever a ``Supervisor`` is built.
+Runs in the launcher and in OTX's caller, wherever a ``Supervisor`` is built.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 record (``Worker``, the launcher's record of one rank) and an attempt's result.
 
 The bottom of ``supervisor/``: it imports none of the modules that use it, only ``contract``. Runs
-in the launcher and in function mode's caller.
+in the launcher and in OTX's caller.
 
 Worker states (``MOVES``; ``Worker.to`` is the one writer of a rank's state)::
 

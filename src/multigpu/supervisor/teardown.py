@@ -1,7 +1,7 @@
 """The steps of ``Supervisor.close()`` that need no loop: the stop signal to every group, SIGKILL for
 what is left, a bounded wait for emptied groups, and the descriptors released at the end.
 
-Runs in the launcher (and function mode's caller). The wait between the stop signal and SIGKILL is
+Runs in the launcher (and OTX's caller). The wait between the stop signal and SIGKILL is
 the supervisor's own (``Supervisor._stop_groups``): it keeps turning its loop, so output is still
 read, exits are still judged and a second Ctrl-C still cuts the grace short. Nothing here waits on a
 console or a rank without a deadline.

@@ -2,7 +2,7 @@
 (``contract/beats.BeatDecoder``) into the ``book.ProgressBook`` and into the rank's own record (its
 script finished, its stacks or flight record written), and the pipe closed at its end.
 
-Runs in the launcher (and function mode's caller), on the supervisor's loop; the rank's side is
+Runs in the launcher (and OTX's caller), on the supervisor's loop; the rank's side is
 ``rank/progress.py``.
 """
 

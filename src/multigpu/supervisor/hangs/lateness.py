@@ -18,7 +18,7 @@ script reports steps, else measured from the entry times) less the lateness, the
 A rank late by more than ``threshold`` of that (``--straggler-threshold``, 0.2: the job runs 20%
 slower for it) and by ``STRAGGLER_MIN_GAP_S`` is a straggler, until it falls under half of that.
 
-Runs in the launcher (and function mode's caller), inside ``book.ProgressBook``; pure arithmetic.
+Runs in the launcher (and OTX's caller), inside ``book.ProgressBook``; pure arithmetic.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (``hang_timeouts.json``) so that a restart or a requeue does not wait at the ceiling before its hang
 timeouts are known again (``book.ProgressBook``).
 
-Runs in the launcher (and function mode's caller). A file that cannot be read is an empty record,
+Runs in the launcher (and OTX's caller). A file that cannot be read is an empty record,
 one that cannot be written costs the reuse, never the run.
 """
 

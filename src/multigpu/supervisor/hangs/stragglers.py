@@ -1,7 +1,7 @@
 """Stragglers: a rank whose steps or sections take markedly longer than the other ranks' (its median
 over a window against theirs), named once on the console and in run.json (``book.ProgressBook``).
 
-Runs in the launcher (and function mode's caller); pure arithmetic on the ranks' recorded times.
+Runs in the launcher (and OTX's caller); pure arithmetic on the ranks' recorded times.
 """
 
 from __future__ import annotations
