@@ -308,26 +308,26 @@ def record_problems(root: Path) -> list[str]:
     return problems
 
 
-CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CGROUP_V1 = Path("/sys/fs/cgroup")
 
 
 @contextlib.contextmanager
-def cpu_group(**settings: int) -> Iterator[Path]:
-    """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
-    the default 100 ms period; ``shares``: its weight against the machine's other processes); skips in
-    one line (fails under CI=true) where this process cannot make one. Removed after, once every
-    process in it is gone (waited for, bounded: a process left makes the removal fail the test)."""
-    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
-        tier_cannot_run("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
-    path = CPU_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
+def v1_group(controller: str, **settings: int) -> Iterator[Path]:
+    """A child of cgroup v1 ``controller``'s root with ``settings`` written to ``<controller>.<name>``;
+    skips in one line (fails under CI=true) where this process cannot make one. Removed after, once
+    every process in it is gone (waited for, bounded: a process left makes the removal fail the test)."""
+    root = CGROUP_V1 / controller
+    if not (root / "cgroup.procs").exists():
+        tier_cannot_run(f"no cgroup v1 {controller} controller at {root}")
+    path = root / f"multigpu-test-{uuid.uuid4().hex[:8]}"
     try:
         path.mkdir()
         for name, value in settings.items():
-            (path / f"cpu.{name}").write_text(str(value))
+            (path / f"{controller}.{name}").write_text(str(value))
     except OSError as exc:
         with contextlib.suppress(OSError):
             path.rmdir()
-        tier_cannot_run(f"cannot make a child cpu cgroup here (root needed): {exc.strerror}")
+        tier_cannot_run(f"cannot make a child {controller} cgroup here (root needed): {exc.strerror}")
     try:
         yield path
     finally:
@@ -335,3 +335,9 @@ def cpu_group(**settings: int) -> Iterator[Path]:
         while (path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
             time.sleep(0.05)
         path.rmdir()
+
+
+def cpu_group(**settings: int) -> contextlib.AbstractContextManager[Path]:
+    """A child cgroup v1 CPU folder with ``settings`` (``cfs_quota_us=15000``: 15% of one core over
+    the default 100 ms period; ``shares``: its weight against the machine's other processes)."""
+    return v1_group("cpu", **settings)

@@ -11,17 +11,14 @@ import contextlib
 import json
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from helpers import MULTIGPU, clean_env, tier_cannot_run, write_script
+from helpers import MULTIGPU, clean_env, v1_group, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 LIMIT = 40
 """Tasks (threads count) the launcher's cgroup may hold: its own, the template's and a few ranks'."""
 RANKS = 200
@@ -32,27 +29,9 @@ SLEEP = """
 """
 
 
-@contextlib.contextmanager
-def pids_cgroup(limit: int) -> Iterator[Path]:
-    """A child cgroup of the v1 pids hierarchy's root with ``pids.max`` = ``limit``; removed after, once
-    every process in it is gone (waited for, bounded: one left makes the removal fail the test)."""
-    if not (PIDS_ROOT / "cgroup.procs").exists():
-        tier_cannot_run("no cgroup v1 pids controller at /sys/fs/cgroup/pids")
-    path = PIDS_ROOT / f"multigpu-test-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "pids.max").write_text(str(limit))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            path.rmdir()
-        tier_cannot_run(f"cannot make a child pids cgroup here (root needed): {exc.strerror}")
-    try:
-        yield path
-    finally:
-        deadline = time.monotonic() + 15
-        while (path / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        path.rmdir()
+def pids_cgroup(limit: int) -> contextlib.AbstractContextManager[Path]:
+    """A child cgroup of the v1 pids hierarchy with ``pids.max`` = ``limit``."""
+    return v1_group("pids", max=limit)
 
 
 def emptied(group: Path, timeout: float = 10.0) -> list[str]:
