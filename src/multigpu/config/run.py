@@ -38,7 +38,9 @@ class RendezvousConfig:
     """Where and how the nodes of the job meet (torchrun's ``--rdzv-*`` options)."""
 
     endpoint: Endpoint | None = None
-    """None: a store on 127.0.0.1, port chosen by the kernel."""
+    """None: a store on 127.0.0.1, port chosen by the kernel. With etcd: its first member."""
+    members: tuple[Endpoint, ...] = ()
+    """The etcd cluster's members (``--rdzv-backend etcd-v2``), as ``--rdzv-endpoint`` lists them."""
     timeout: float = 600.0
     """How long nodes wait for each other (``--rdzv-timeout``; function mode's ``rdzv_timeout``)."""
     backend: str = "static"

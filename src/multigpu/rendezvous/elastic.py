@@ -25,6 +25,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import integer, seconds
+from multigpu.rendezvous.etcd import rendezvous_backend
 from multigpu.rendezvous.elastic_fixes import Liveness, close_rendezvous, handler_class
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
@@ -38,7 +39,7 @@ WATCHER_KEY = "multigpu/watcher"
 
 
 def is_elastic(config: RunConfig) -> bool:
-    return config.rdzv.backend == "c10d" and (config.rdzv.max_nodes or 0) > 1
+    return config.rdzv.backend in ("c10d", "etcd-v2") and (config.rdzv.max_nodes or 0) > 1
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ class ElasticRendezvous:
         self.store_failed = False
         """A rendezvous call failed on the store: this node lost the job, the others may not have."""
         self.addr = local_address(rdzv.endpoint)
-        self.backend = C10dRendezvousBackend(store, run_id)
+        # etcd's store carries its client: torch's etcd-v2 backend keeps the state beside it
+        self.backend = rendezvous_backend(store, run_id) if rdzv.members else C10dRendezvousBackend(store, run_id)
         timeout = RendezvousTimeout(
             join=timedelta(seconds=settings.join_timeout),
             last_call=timedelta(seconds=settings.last_call_timeout),
