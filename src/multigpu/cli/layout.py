@@ -128,7 +128,9 @@ def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str
             return elastic
         values = dataclasses.replace(values, nnodes=None, node_rank=None)
         if config.rdzv.members:  # one node needs no etcd: it is an ordinary one-machine job
-            config = dataclasses.replace(config, rdzv=dataclasses.replace(config.rdzv, endpoint=None, members=()))
+            config = dataclasses.replace(
+                config, rdzv=dataclasses.replace(config.rdzv, endpoint=None, members=())
+            )
     base_rank = _opt_int(values.base_rank, "--base-rank", 0)
     world_size = _opt_int(values.world_size, "--world-size", 1)
     nnodes = _opt_int(values.nnodes, "--nnodes", 1)

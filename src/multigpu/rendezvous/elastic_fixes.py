@@ -81,7 +81,9 @@ def handler_class() -> Any:
             """The round's keys: a store of ours that has its own prefix view (etcd's) gives it, the
             same keys as torch's ``PrefixStore`` but every call in Python."""
             if hasattr(store, "prefixed"):
-                return store.prefixed(f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}")
+                return store.prefixed(
+                    f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
+                )
             return super()._wrap_store(store)
 
     return ElasticHandler

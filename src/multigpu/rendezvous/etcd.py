@@ -14,10 +14,10 @@ import base64
 import contextlib
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multigpu.config.endpoint import Endpoint, parse_endpoint
 from multigpu.contract.errors import RendezvousError, StoreLostError, UsageError
@@ -135,12 +135,6 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
-def _store_base() -> Any:
-    from torch.distributed import Store  # type: ignore[attr-defined]
-
-    return Store
-
-
 def _encode(value: str | bytes) -> str:
     raw = value.encode() if isinstance(value, str) else bytes(value)
     return base64.urlsafe_b64encode(raw).decode()
@@ -148,6 +142,15 @@ def _encode(value: str | bytes) -> str:
 
 def _decode(value: str) -> bytes:
     return base64.urlsafe_b64decode(value.encode())
+
+
+class EtcdLostError(StoreLostError):
+    """The etcd cluster failed a call (every member tried): its quorum lost, or no member reached.
+    ``why`` completes "the rendezvous store ..." in the failure record fate sharing makes of it."""
+
+    def __init__(self, where: str, cause: str) -> None:
+        self.why = f"({where}) lost its quorum or stopped answering ({cause})"
+        super().__init__(where, f"lost its quorum or stopped answering ({cause})")
 
 
 class _Missing(Exception):
@@ -160,148 +163,159 @@ class _Missing(Exception):
 
 
 @functools.cache
-def job_store_class() -> Any:  # noqa: C901 - one class, each method small
-    """``EtcdJobStore``, made at its first use: its base, torch's ``Store``, imports torch."""
-    etcd = etcd_module()
-    store_base = _store_base()
+def job_store_class() -> Any:
+    """``EtcdJobStore``: our keys on torch's ``Store`` (a C++ base, so made at the first use: torch)."""
+    from torch.distributed import Store  # type: ignore[attr-defined]
 
-    expected = (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed, etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared)
+    return type("EtcdJobStore", (EtcdKeys, Store), {})
 
-    class EtcdJobStore(store_base):  # type: ignore[misc, valid-type]
-        """A c10d store on etcd (the job's keys: run id, restart count, each round's fate sharing),
-        one etcd key per store key, so a read is one request (torch's ``EtcdStore`` reads a whole
-        directory per key). Any failure to reach the cluster (a lost quorum: writes time out) is a
-        ``StoreLostError`` naming it, which fate sharing reports in one line."""
 
-        def __init__(self, client: Any, where: str, timeout: timedelta, prefix: str = "") -> None:
-            super().__init__()
-            self.client, self.where, self.prefix = client, where, prefix
-            self.set_timeout(timeout)
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
-        def prefixed(self, prefix: str) -> Any:
-            """torch's ``PrefixStore``'s keys (``prefix/key``) as a store of ours: torch's C++ prefix
-            store cannot call a Python store's ``delete_key``."""
-            return type(self)(self.client, self.where, self.timeout, f"{self.prefix}{prefix}/")
 
-        def _path(self, key: str | bytes) -> str:
-            name = key if isinstance(key, str) else bytes(key).decode()
-            return f"{STORE_PREFIX}/{_encode(self.prefix + name)}"
+class EtcdKeys:
+    """A c10d store on etcd (the job's keys: run id, restart count, each round's fate sharing), one
+    etcd key per store key, so a read is one request (torch's ``EtcdStore`` reads a whole directory
+    per key). Any failure to reach the cluster (a lost quorum: writes time out) is an
+    ``EtcdLostError`` naming it, which fate sharing reports in one line. Every thread of the launcher
+    calls it; python-etcd's pool opens a connection per call in flight."""
 
-        def _call(self, call: Any) -> Any:
-            try:
-                return call()
-            except etcd.EtcdKeyNotFound as exc:
-                payload = exc.payload if isinstance(exc.payload, dict) else {}
-                raise _Missing(payload.get("index")) from None
-            except expected:
-                raise
-            except Exception as exc:
-                raise StoreLostError(
-                    self.where, f"stopped answering ({type(exc).__name__}: {_first_line(exc)})"
-                ) from None
+    def __init__(self, client: Any, where: str, timeout: timedelta, prefix: str = "") -> None:
+        super().__init__()  # torch's Store, the second base (``job_store_class``)
+        self.client, self.where, self.prefix = client, where, prefix
+        self.etcd = etcd_module()
+        self.set_timeout(timeout)
+        self._passed = (
+            self.etcd.EtcdAlreadyExist,
+            self.etcd.EtcdCompareFailed,
+            self.etcd.EtcdWatchTimedOut,
+            self.etcd.EtcdEventIndexCleared,
+        )
 
-        def _read(self, key: str | bytes) -> bytes | None:
-            try:
-                return _decode(self._call(lambda: self.client.read(self._path(key))).value)
-            except _Missing:
-                return None
+    if TYPE_CHECKING:  # torch's Store's, the second base
 
-        def set(self, key: str, value: str | bytes) -> None:
-            self._call(lambda: self.client.write(self._path(key), _encode(value)))
+        @property
+        def timeout(self) -> timedelta: ...
 
-        def get(self, key: str) -> bytes:
-            self.wait([key])
-            value = self._read(key)
-            if value is None:
-                raise LookupError(f"key {key!r} not found in {self.where}")
-            return value
+        def set_timeout(self, timeout: timedelta) -> None: ...
 
-        def check(self, keys: list[str]) -> bool:
-            return all(self._read(key) is not None for key in keys)
+    def prefixed(self, prefix: str) -> Any:
+        """torch's ``PrefixStore``'s keys (``prefix/key``) as a store of ours: torch's C++ prefix store
+        cannot call a Python store's ``delete_key``."""
+        return type(self)(self.client, self.where, self.timeout, f"{self.prefix}{prefix}/")
 
-        def multi_get(self, keys: list[str]) -> list[bytes]:
-            return [self.get(key) for key in keys]
+    def clone(self) -> Any:
+        return type(self)(self.client, self.where, self.timeout, self.prefix)
 
-        def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-            for key, value in zip(keys, values, strict=True):
-                self.set(key, value)
+    def _path(self, key: str | bytes) -> str:
+        return f"{STORE_PREFIX}/{_encode(self.prefix + _bytes(key).decode())}"
 
-        def delete_key(self, key: str) -> bool:
-            try:
-                self._call(lambda: self.client.delete(self._path(key)))
-            except _Missing:
-                return False
-            return True
+    def _call(self, method: str, key: str | bytes, *args: Any, **kwargs: Any) -> Any:
+        """python-etcd's ``method`` on ``key``'s etcd key; a missing key is ``_Missing``."""
+        try:
+            return getattr(self.client, method)(self._path(key), *args, **kwargs)
+        except self.etcd.EtcdKeyNotFound as exc:
+            payload = exc.payload if isinstance(exc.payload, dict) else {}
+            raise _Missing(payload.get("index")) from None
+        except self._passed:
+            raise
+        except Exception as exc:
+            raise EtcdLostError(self.where, f"{type(exc).__name__}: {_first_line(exc)}") from None
 
-        def num_keys(self) -> int:
-            try:
-                return len(list(self._call(lambda: self.client.read(STORE_PREFIX)).leaves))
-            except _Missing:
-                return 0
+    def _read(self, key: str | bytes) -> bytes | None:
+        try:
+            return _decode(self._call("read", key).value)
+        except _Missing:
+            return None
 
-        def clone(self) -> Any:
-            """The same client: python-etcd's pool opens a connection per call in flight."""
-            return type(self)(self.client, self.where, self.timeout, self.prefix)
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("write", key, _encode(value))
 
-        def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-            """c10d's rule: set ``desired`` where the value is ``expected`` (absent for ""); the
-            value now."""
-            path, want = self._path(key), _encode(desired)
-            try:
-                if expected in ("", b""):
-                    self._call(lambda: self.client.write(path, want, prevExist=False))
-                else:
-                    self._call(lambda: self.client.write(path, want, prevValue=_encode(expected)))
-                return _decode(want)
-            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
-                current = self._read(key)
-            except _Missing:
-                return expected.encode() if isinstance(expected, str) else bytes(expected)
-            return self.compare_set(key, expected, desired) if current is None else current
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        value = self._read(key)
+        if value is None:
+            raise LookupError(f"key {key!r} not found in {self.where}")
+        return value
 
-        def add(self, key: str, amount: int) -> int:
-            return int(self._update(key, lambda old: str(int(old or b"0") + amount)))
+    def check(self, keys: list[str]) -> bool:
+        return all(self._read(key) is not None for key in keys)
 
-        def append(self, key: str, value: str | bytes) -> None:
-            tail = value.encode() if isinstance(value, str) else bytes(value)
-            self._update(key, lambda old: (old or b"") + tail)
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
 
-        def _update(self, key: str, change: Any) -> bytes:
-            """A read-modify-write, retried until no other writer came between (etcd's index)."""
-            path = self._path(key)
-            while True:
-                try:
-                    node = self._call(lambda: self.client.read(path))
-                except _Missing:
-                    new = change(None)
-                    with contextlib.suppress(etcd.EtcdAlreadyExist):
-                        self._call(lambda: self.client.write(path, _encode(new), prevExist=False))
-                        return bytes(new.encode() if isinstance(new, str) else new)
-                    continue
-                new = change(_decode(node.value))
-                with contextlib.suppress(etcd.EtcdCompareFailed):
-                    self._call(lambda: self.client.write(path, _encode(new), prevIndex=node.modifiedIndex))
-                    return bytes(new.encode() if isinstance(new, str) else new)
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
 
-        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-            """Each key in turn, each read, else watched until it is written (one deadline)."""
-            limit = (timeout or self.timeout).total_seconds()
-            deadline = time.monotonic() + limit
-            for key in keys:
-                while (index := self._missing_at(key)) is not False:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise LookupError(f"{self.where}: key {key!r} not set within {limit:g}s")
-                    after = None if index is None else int(index) + 1
-                    with contextlib.suppress(etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-                        self._call(lambda: self.client.watch(self._path(key), index=after, timeout=left))
-
-        def _missing_at(self, key: str) -> int | None | bool:
-            """False where ``key`` is set, else etcd's index when it was found missing (or None)."""
-            try:
-                self._call(lambda: self.client.read(self._path(key)))
-            except _Missing as missing:
-                return missing.index
+    def delete_key(self, key: str) -> bool:
+        try:
+            self._call("delete", key)
+        except _Missing:
             return False
+        return True
 
-    return EtcdJobStore
+    def num_keys(self) -> int:
+        try:
+            return len(list(self.client.read(STORE_PREFIX).leaves))
+        except self.etcd.EtcdKeyNotFound:
+            return 0
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """c10d's rule: set ``desired`` where the value is ``expected`` (absent for ""); the value now."""
+        try:
+            if expected in ("", b""):
+                self._call("write", key, _encode(desired), prevExist=False)
+            else:
+                self._call("write", key, _encode(desired), prevValue=_encode(expected))
+            return _bytes(desired)
+        except (self.etcd.EtcdAlreadyExist, self.etcd.EtcdCompareFailed):
+            current = self._read(key)
+        except _Missing:  # c10d's answer for an absent key that was expected to be set
+            return _bytes(expected)
+        return self.compare_set(key, expected, desired) if current is None else current
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode()))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._update(key, lambda old: (old or b"") + _bytes(value))
+
+    def _update(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
+        """A read-modify-write, retried until no other writer came between (etcd's index)."""
+        while True:
+            try:
+                node = self._call("read", key)
+            except _Missing:
+                new = change(None)
+                with contextlib.suppress(self.etcd.EtcdAlreadyExist):
+                    self._call("write", key, _encode(new), prevExist=False)
+                    return new
+                continue
+            new = change(_decode(node.value))
+            with contextlib.suppress(self.etcd.EtcdCompareFailed):
+                self._call("write", key, _encode(new), prevIndex=node.modifiedIndex)
+                return new
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Each key in turn: read, else watched from the index it was found missing at (no write
+        slips between), all under one deadline."""
+        limit = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        for key in keys:
+            while (index := self._missing_at(key)) is not False:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LookupError(f"{self.where}: key {key!r} not set within {limit:g}s")
+                after = None if index is None else int(index) + 1
+                with contextlib.suppress(self.etcd.EtcdWatchTimedOut, self.etcd.EtcdEventIndexCleared):
+                    self._call("watch", key, index=after, timeout=left)
+
+    def _missing_at(self, key: str) -> int | bool | None:
+        """False where ``key`` is set, else etcd's index when it was found missing (or None)."""
+        try:
+            self._call("read", key)
+        except _Missing as missing:
+            return missing.index
+        return False

@@ -125,10 +125,11 @@ class ElasticMembership:
         them: a refusal reads as itself on every node, not as a lost store. A node that leaves a job
         going on (SIGTERM, Ctrl-C) does not wait for nodes that go on without it."""
         if lost_the_store(self.last_round):
+            members = self.config.rdzv.members
+            where = describe(members) if members else f"the rendezvous store at {self.config.rdzv.endpoint}"
             logger.warning(
-                f"this node lost the job: the rendezvous store at {self.config.rdzv.endpoint} stopped "
-                "answering it (its link, or the store, is down); the nodes that still reach it go on "
-                "without this one"
+                f"this node lost the job: {where} stopped answering it (its link, or the store, is "
+                "down); the nodes that still reach it go on without this one"
             )
         elif over and self.last_round is not None:
             finish_job(self.last_round, hosts_store=self.serves_store)
