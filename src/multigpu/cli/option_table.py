@@ -208,7 +208,7 @@ class TorchrunOptions:
     nnodes: str | None = _text(
         ("--nnodes",),
         "N|MIN:MAX",
-        "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d)",
+        "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d or etcd-v2)",
         torchrun=True,
     )
     nproc_per_node: str | None = _text(
@@ -220,7 +220,10 @@ class TorchrunOptions:
         torchrun=True,
     )
     rdzv_backend: str | None = _text(
-        _both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused", torchrun=True
+        _both("rdzv-backend"),
+        "NAME",
+        "static (default), c10d, or etcd-v2 (also 'etcd'; --rdzv-endpoint lists the etcd members)",
+        torchrun=True,
     )
     rdzv_endpoint: str | None = _text(
         _both("rdzv-endpoint"),
