@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from multigpu.config.endpoint import Endpoint, parse_endpoint
-from multigpu.contract.errors import RendezvousError, StoreLostError, UsageError
+from multigpu.contract.errors import RendezvousError, UsageError
 from multigpu.contract.values import seconds
+from multigpu.rendezvous.etcd_client import FailoverClient, etcd_module, first_line
 from multigpu.rendezvous.store import import_torch_quietly
 
-T = TypeVar("T")
 ETCD_PORT = 2379
 """etcd's client port, torch's default for an etcd endpoint written without one."""
 BACKENDS = ("etcd", "etcd-v2")
@@ -33,14 +33,6 @@ STORE_PREFIX = "/multigpu/store"
 """The etcd directory of every job's c10d keys (each key names its run id or torch's round)."""
 RDZV_PREFIX = "/torch/elastic/rendezvous"
 """torch's own directory for the rendezvous state (``etcd_rendezvous_backend.create_backend``)."""
-RIDE_OUT_S = 5.0
-"""How long a failing etcd call is tried again: a new leader's election (about a second) and the
-client's move to another member fit; a lost quorum does not (and fate sharing's deadman allows a call
-in flight 8 s at least: ``latency.OUTAGE_S``)."""
-RETRY_S = 0.2
-REQUEST_S = 2.0
-"""One etcd request's bound (python-etcd's read timeout; a watch names its own): a write stuck at a
-killed leader moves to the next member after it. ``--rdzv-conf read_timeout`` bounds a store's wait."""
 _CONF_ALIASES = {"ca_cert": "cacert", "ssl_cert": "cert", "ssl_cert_key": "key"}
 """The keys of torch's etcd-v2 backend, read as the older etcd backend's names (both are accepted)."""
 
@@ -97,63 +89,28 @@ def describe(members: Sequence[Endpoint]) -> str:
     return f"the etcd cluster at {','.join(map(str, members))}"
 
 
-def etcd_module() -> Any:
-    """python-etcd, or one line saying how to install it."""
-    try:
-        import etcd  # type: ignore[import-untyped]
-    except ImportError:
-        raise RendezvousError(
-            "--rdzv-backend etcd-v2 needs python-etcd: pip install 'multigpu[etcd]' (or python-etcd)"
-        ) from None
-    return etcd
-
-
 def open_etcd_store(members: Sequence[Endpoint], conf: Mapping[str, str]) -> Any:
-    """The job's store on the etcd cluster, on a python-etcd client that knows every member (it fails
-    over to the next); a cluster that does not answer is one line naming it."""
-    etcd = etcd_module()
+    """The job's store on the etcd cluster (``FailoverClient``: every member); a cluster none of
+    whose members answers is one line naming it."""
+    etcd_module()
     import_torch_quietly()
     settings, where = etcd_settings(conf), describe(members)
     cert: Any = (settings.cert, settings.key) if settings.key else settings.cert
-    machines = tuple((m.host, m.port) for m in members)
     try:
-        client = etcd.Client(
-            host=machines if len(machines) > 1 else machines[0][0],
-            port=members[0].port,
-            read_timeout=REQUEST_S,
-            protocol=settings.protocol,
-            cert=cert,
-            ca_cert=settings.cacert,
-            allow_reconnect=len(machines) > 1,
+        client = FailoverClient(
+            members, where, protocol=settings.protocol, cert=cert, ca_cert=settings.cacert
         )
-        client.read("/")  # one call now: an unreachable cluster is said here, not at the first round
-        client.machines_cache_at_start = [client.base_uri, *client._machines_cache]
+        client.probe()  # one call now: an unreachable cluster is said here, not at the first round
     except Exception as exc:  # python-etcd's, urllib3's, a bad certificate: one line, which
-        raise RendezvousError(f"{where} did not answer ({type(exc).__name__}: {_first_line(exc)})") from None
+        raise RendezvousError(f"{where} did not answer ({type(exc).__name__}: {first_line(exc)})") from None
     return job_store_class()(client, where, timedelta(seconds=settings.read_timeout))
 
 
 def rendezvous_backend(store: Any, run_id: str) -> Any:
     """torch's etcd-v2 backend for ``run_id``, on the store's client (torch's own key prefix)."""
-    etcd_module()
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 
-    class RiddenOut(EtcdRendezvousBackend):  # type: ignore[misc]
-        """torch's backend, its calls ridden out as the store's are (an election, a member lost)."""
-
-        def get_state(self) -> Any:
-            return store.ride_out(super().get_state, RendezvousConnectionError)
-
-        def set_state(self, state: bytes, token: Any = None) -> Any:
-            parent = super().set_state
-            return store.ride_out(lambda: parent(state, token), RendezvousConnectionError)
-
-    return RiddenOut(store.client, run_id, key_prefix=RDZV_PREFIX)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return EtcdRendezvousBackend(store.client, run_id, key_prefix=RDZV_PREFIX)
 
 
 def _encode(value: str | bytes) -> str:
@@ -163,15 +120,6 @@ def _encode(value: str | bytes) -> str:
 
 def _decode(value: str) -> bytes:
     return base64.urlsafe_b64decode(value.encode())
-
-
-class EtcdLostError(StoreLostError):
-    """The etcd cluster failed a call (every member tried): its quorum lost, or no member reached.
-    ``why`` completes "the rendezvous store ..." in the failure record fate sharing makes of it."""
-
-    def __init__(self, where: str, cause: str) -> None:
-        self.why = f"({where}) lost its quorum or stopped answering ({cause})"
-        super().__init__(where, f"lost its quorum or stopped answering ({cause})")
 
 
 class _Missing(Exception):
@@ -202,18 +150,11 @@ class EtcdKeys:
     ``EtcdLostError`` naming it, which fate sharing reports in one line. Every thread of the launcher
     calls it; python-etcd's pool opens a connection per call in flight."""
 
-    def __init__(self, client: Any, where: str, timeout: timedelta, prefix: str = "") -> None:
+    def __init__(self, client: FailoverClient, where: str, timeout: timedelta, prefix: str = "") -> None:
         super().__init__()  # torch's Store, the second base (``job_store_class``)
         self.client, self.where, self.prefix = client, where, prefix
-        self.urls: list[str] = list(client.machines_cache_at_start)
-        self.etcd = etcd_module()
+        self.etcd = client.etcd
         self.set_timeout(timeout)
-        self._passed = (
-            self.etcd.EtcdAlreadyExist,
-            self.etcd.EtcdCompareFailed,
-            self.etcd.EtcdWatchTimedOut,
-            self.etcd.EtcdEventIndexCleared,
-        )
 
     if TYPE_CHECKING:  # torch's Store's, the second base
 
@@ -234,34 +175,12 @@ class EtcdKeys:
         return f"{STORE_PREFIX}/{_encode(self.prefix + _bytes(key).decode())}"
 
     def _call(self, method: str, key: str | bytes, *args: Any, **kwargs: Any) -> Any:
-        """python-etcd's ``method`` on ``key``'s etcd key (ridden out); a missing key is ``_Missing``."""
+        """The client's ``method`` on ``key``'s etcd key (ridden out); a missing key is ``_Missing``."""
         try:
-            return self.ride_out(lambda: getattr(self.client, method)(self._path(key), *args, **kwargs))
+            return getattr(self.client, method)(self._path(key), *args, **kwargs)
         except self.etcd.EtcdKeyNotFound as exc:
             payload = exc.payload if isinstance(exc.payload, dict) else {}
             raise _Missing(payload.get("index")) from None
-
-    def ride_out(self, call: Callable[[], T], *retried: type[BaseException]) -> T:
-        """``call``, tried again for ``RIDE_OUT_S`` after its first failure (a leader's election fails
-        writes meanwhile: "request timed out"); past that, the cluster is lost to this node
-        (``EtcdLostError``). Also for torch's backend, whose own errors are ``retried``. python-etcd
-        drops a member that failed a call from its list until a later failure: it gets every member
-        back, so one only slow during an election serves again."""
-        give_up = None
-        while True:
-            try:
-                return call()
-            except self._passed:
-                raise
-            except (self.etcd.EtcdException, OSError, *retried) as exc:
-                if isinstance(exc, self.etcd.EtcdKeyNotFound):
-                    raise
-                now = time.monotonic()
-                give_up = now + RIDE_OUT_S if give_up is None else give_up
-                if now >= give_up:
-                    raise EtcdLostError(self.where, f"{type(exc).__name__}: {_first_line(exc)}") from None
-                self.client._machines_cache = [u for u in self.urls if u != self.client.base_uri]
-            time.sleep(RETRY_S)
 
     def _read(self, key: str | bytes) -> bytes | None:
         try:
