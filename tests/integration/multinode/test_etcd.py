@@ -4,8 +4,9 @@ etcd leader kill -9ed mid-training, the job finishes; node 0's launcher kill -9e
 within 10 s and finishes; both at once, within 15 s; an etcd quorum lost (2 of 3 members), every node
 ends within 30 s with one line naming it. Nothing of the job is left running after any case.
 
-Each case is bounded (``timeout``); measured here, with the cluster's start: healthy 9 s, leader 11 s,
-node 0 18 s, both 19 s, quorum 17 s."""
+Each case is bounded (``timeout``); measured here (2-core machine, other tests running), the etcd
+cluster's start included: healthy 15 s, leader 17 s, node 0 24 s (its round of 2 6.1 s after the
+kill), both 29 s (7.9 s), quorum 21 s (every node ended 7.9 s after it); 107 s for the five."""
 
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def ranks_of(results: list[tuple[int, str, str]]) -> list[int]:
 
 
 def test_a_healthy_job_on_etcd_ends_with_exit_0_everywhere(tmp_path: Path, cluster: Cluster) -> None:
-    results = finish(tmp_path, launchers(tmp_path, cluster, steps=10), timeout=60)
+    results = finish(tmp_path, launchers(tmp_path, cluster, steps=5), timeout=60)
     for code, out, err in results:
         assert code == 0, err
         assert "done world=3 restart=0" in out, out + err
@@ -164,7 +165,7 @@ def test_a_healthy_job_on_etcd_ends_with_exit_0_everywhere(tmp_path: Path, clust
 
 
 def test_the_etcd_leader_killed_mid_training_the_job_finishes(tmp_path: Path, cluster: Cluster) -> None:
-    procs = launchers(tmp_path, cluster, steps=40)
+    procs = launchers(tmp_path, cluster, steps=25)
     node_zero(tmp_path)
     leader = cluster.leader()
     assert leader is not None
@@ -180,7 +181,7 @@ def test_the_etcd_leader_killed_mid_training_the_job_finishes(tmp_path: Path, cl
 def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> float:
     """Node 0's launcher (and the etcd leader) kill -9ed: the survivors' round of 2 trains and ends;
     the seconds from the kill to that round's first rank."""
-    procs = launchers(tmp_path, cluster, steps=40)
+    procs = launchers(tmp_path, cluster, steps=25)
     zero = node_zero(tmp_path)
     leader = cluster.leader() if with_leader else None
     killed = time.time()
@@ -197,6 +198,7 @@ def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> f
         assert not launcher_noise(err), err
         starts += [float(at) for at in re.findall(r"world=2 restart=1 at=([\d.]+)", out)]
     assert_gone(ranks_of(results))
+    print(f"from the kill to the round of 2's first rank: {min(starts) - killed:.1f} s")  # -s shows it
     return min(starts) - killed
 
 
@@ -217,6 +219,7 @@ def test_an_etcd_quorum_lost_ends_every_node_within_30_s(tmp_path: Path, cluster
     for i in (leader, (leader + 1) % 3):
         cluster.procs[i].kill()
     results = finish(tmp_path, procs, timeout=40)
+    print(f"from the quorum's loss to every node's end: {time.monotonic() - killed:.1f} s")
     assert time.monotonic() - killed < 30, [err for _, _, err in results]
     for code, _, err in results:
         assert code != 0, err
