@@ -10,7 +10,7 @@ import pytest
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.contract.errors import RendezvousError, UsageError
-from multigpu.rendezvous import etcd
+from multigpu.rendezvous import etcd, etcd_client
 
 
 def test_members_one_or_a_list_with_etcd_default_port() -> None:
@@ -64,3 +64,40 @@ def test_an_unreachable_cluster_is_one_line_naming_it() -> None:
         f"the etcd cluster at 127.0.0.1:{closed[0]},127.0.0.1:{closed[1]} did not answer"
     )
     assert "\n" not in message
+
+
+class _Member:
+    """A python-etcd client of one member: answers, or fails as a member without a leader does."""
+
+    def __init__(self, failure: BaseException | None, base_uri: str) -> None:
+        self.failure, self.base_uri, self.calls = failure, base_uri, 0
+
+    def read(self, key: str) -> str:
+        self.calls += 1
+        if self.failure is not None:
+            raise self.failure
+        return f"{self.base_uri}{key}"
+
+
+def test_a_failed_call_moves_to_the_next_member_then_ends_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    python_etcd = pytest.importorskip("etcd")
+    client = etcd_client.FailoverClient(etcd.parse_members("a:1,b:2"), "the etcd cluster at a:1,b:2")
+    timeout = python_etcd.EtcdException("Raft Internal Error : etcdserver: request timed out")
+    client.clients = [_Member(timeout, "http://a:1"), _Member(None, "http://b:2")]
+    assert client.read("/k") == "http://b:2/k" and client.current == 1  # the next member, kept
+    assert client.read("/k") == "http://b:2/k" and client.clients[0].calls == 1
+    client.clients[1].failure = timeout
+    monkeypatch.setattr(etcd_client, "RIDE_OUT_S", 0.3)
+    monkeypatch.setattr(etcd_client, "RETRY_S", 0.01)
+    with pytest.raises(etcd_client.EtcdLostError) as info:
+        client.read("/k")
+    assert all(m.calls > 1 for m in client.clients)  # both tried again within the ride-out
+    assert info.value.why.startswith("(the etcd cluster at a:1,b:2) lost its quorum or stopped answering (")
+    assert "\n" not in str(info.value)
+    missing = python_etcd.EtcdKeyNotFound("Key not found")
+    client.clients = [_Member(missing, "http://a:1"), _Member(None, "http://b:2")]
+    client.current = 0
+    with pytest.raises(python_etcd.EtcdKeyNotFound):  # an answer, not a failure: never tried elsewhere
+        client.read("/k")
