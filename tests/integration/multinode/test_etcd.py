@@ -23,9 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MULTIGPU, assert_gone, clean_env, free_port, pids_in, tier_cannot_run, write_script
+from helpers import (
+    MULTIGPU,
+    assert_gone,
+    clean_env,
+    free_port,
+    pids_in,
+    run_cli,
+    tier_cannot_run,
+    write_script,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.matrix, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(120)]
+heavy = pytest.mark.matrix  # three launchers and an etcd cluster: the matrix tier (scripts/fault_matrix.sh)
 
 NOISE = ("Traceback", "Exception raised from", ".cpp:")
 HOSTS = ("127.0.0.11", "127.0.0.12", "127.0.0.13")
@@ -154,6 +164,7 @@ def ranks_of(results: list[tuple[int, str, str]]) -> list[int]:
     return [pid for _, out, _ in results for pid in pids_in(out)]
 
 
+@heavy
 def test_a_healthy_job_on_etcd_ends_with_exit_0_everywhere(tmp_path: Path, cluster: Cluster) -> None:
     results = finish(tmp_path, launchers(tmp_path, cluster, steps=5), timeout=60)
     for code, out, err in results:
@@ -164,6 +175,7 @@ def test_a_healthy_job_on_etcd_ends_with_exit_0_everywhere(tmp_path: Path, clust
     assert_gone(ranks_of(results))
 
 
+@heavy
 def test_the_etcd_leader_killed_mid_training_the_job_finishes(tmp_path: Path, cluster: Cluster) -> None:
     procs = launchers(tmp_path, cluster, steps=25)
     node_zero(tmp_path)
@@ -202,14 +214,17 @@ def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> f
     return min(starts) - killed
 
 
+@heavy
 def test_node_0_lost_a_round_of_2_trains_within_10_s(tmp_path: Path, cluster: Cluster) -> None:
     assert _lose_node_zero(tmp_path, cluster, with_leader=False) < 10
 
 
+@heavy
 def test_node_0_and_the_etcd_leader_lost_a_round_of_2_within_15_s(tmp_path: Path, cluster: Cluster) -> None:
     assert _lose_node_zero(tmp_path, cluster, with_leader=True) < 15
 
 
+@heavy
 def test_an_etcd_quorum_lost_ends_every_node_within_30_s(tmp_path: Path, cluster: Cluster) -> None:
     procs = launchers(tmp_path, cluster, steps=1000)
     node_zero(tmp_path)
@@ -227,3 +242,21 @@ def test_an_etcd_quorum_lost_ends_every_node_within_30_s(tmp_path: Path, cluster
         assert "lost its quorum or stopped answering" in err, err
         assert not launcher_noise(err), err
     assert_gone(ranks_of(results))
+
+
+def test_an_unreachable_etcd_cluster_is_one_line_and_exit_nonzero(tmp_path: Path) -> None:
+    """No member answers (ports nothing listens on): one line naming the cluster, no traceback."""
+    try:
+        import etcd  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        tier_cannot_run("python-etcd is not installed (pip install 'multigpu[etcd]')")
+    write_script(tmp_path, "loop.py", LOOP)
+    members = f"127.0.0.11:{free_port()},127.0.0.12:{free_port()}"
+    args = ["run", "--nnodes", "2:3", "--rdzv-backend", "etcd", "--rdzv-endpoint", members, "--cpu", "1"]
+    result = run_cli([*args, "loop.py"], cwd=tmp_path, timeout=60)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"multigpu: error: the etcd cluster at {members} did not answer"
+    )
+    assert not launcher_noise(result.stderr) and result.stdout == ""
