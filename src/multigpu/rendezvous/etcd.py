@@ -2,10 +2,16 @@
 same etcd cluster, through python-etcd. No consensus of ours: etcd's Raft keeps the job's state, so
 losing any one process (an etcd member, leader or not; any node, node 0 included) costs at most a new
 round. Runs in the launcher of an elastic job; python-etcd and torch are imported only when a job
-opens the cluster (``open_etcd``), so the CLI checks the member list without either.
+opens the cluster (``open_etcd_store``), so the CLI checks the member list without either.
 
 torch's parser takes one ``host:port`` ("must be a dot-separated list of labels" for a list): the
-members are parsed here and handed to python-etcd as its tuple of machines, which it fails over.
+members are parsed here, and ``etcd_client.FailoverClient`` holds a python-etcd client for each.
+
+What lives where: every job-wide record (torch's rendezvous state, the run id, the restart count, the
+crash-loop stop's failed rounds, the launchers' beats) and each round's keys (fate sharing, hang
+verdicts, fingerprints, preflight figures, under torch's per-round prefix) are in etcd: they survive
+any one process, a node or a member. Only the workers' store (MASTER_ADDR/PORT) is on the round's
+first node, made afresh each round (``elastic_fixes.handler_class``): it need not outlive its round.
 """
 
 from __future__ import annotations
@@ -148,7 +154,7 @@ class EtcdKeys:
     etcd key per store key, so a read is one request (torch's ``EtcdStore`` reads a whole directory
     per key). Any failure to reach the cluster (a lost quorum: writes time out) is an
     ``EtcdLostError`` naming it, which fate sharing reports in one line. Every thread of the launcher
-    calls it; python-etcd's pool opens a connection per call in flight."""
+    calls it; python-etcd's pool opens a connection per call in flight (so ``clone`` shares it)."""
 
     def __init__(self, client: FailoverClient, where: str, timeout: timedelta, prefix: str = "") -> None:
         super().__init__()  # torch's Store, the second base (``job_store_class``)

@@ -164,6 +164,19 @@ def ranks_of(results: list[tuple[int, str, str]]) -> list[int]:
     return [pid for _, out, _ in results for pid in pids_in(out)]
 
 
+def children(procs: list[subprocess.Popen[str]]) -> list[int]:
+    """The launchers' live children (each one's template, its sentinel): they must end with them."""
+    parents, found = {p.pid for p in procs}, []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if (
+                entry.name.isdigit()
+                and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) in parents
+            ):
+                found.append(int(entry.name))
+    return found
+
+
 @heavy
 def test_a_healthy_job_on_etcd_ends_with_exit_0_everywhere(tmp_path: Path, cluster: Cluster) -> None:
     results = finish(tmp_path, launchers(tmp_path, cluster, steps=5), timeout=60)
@@ -195,6 +208,7 @@ def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> f
     the seconds from the kill to that round's first rank."""
     procs = launchers(tmp_path, cluster, steps=25)
     zero = node_zero(tmp_path)
+    kids = children(procs)
     leader = cluster.leader() if with_leader else None
     killed = time.time()
     procs[zero].kill()
@@ -209,7 +223,7 @@ def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> f
         assert len(re.findall(r"node 0 was lost", err)) == 1, err
         assert not launcher_noise(err), err
         starts += [float(at) for at in re.findall(r"world=2 restart=1 at=([\d.]+)", out)]
-    assert_gone(ranks_of(results))
+    assert_gone(ranks_of(results) + kids)
     print(f"from the kill to the round of 2's first rank: {min(starts) - killed:.1f} s")  # -s shows it
     return min(starts) - killed
 
@@ -228,6 +242,7 @@ def test_node_0_and_the_etcd_leader_lost_a_round_of_2_within_15_s(tmp_path: Path
 def test_an_etcd_quorum_lost_ends_every_node_within_30_s(tmp_path: Path, cluster: Cluster) -> None:
     procs = launchers(tmp_path, cluster, steps=1000)
     node_zero(tmp_path)
+    kids = children(procs)
     leader = cluster.leader()
     assert leader is not None
     killed = time.monotonic()
@@ -241,7 +256,7 @@ def test_an_etcd_quorum_lost_ends_every_node_within_30_s(tmp_path: Path, cluster
         assert "root cause: the rendezvous store (the etcd cluster at 127.0.0.11:" in err, err
         assert "lost its quorum or stopped answering" in err, err
         assert not launcher_noise(err), err
-    assert_gone(ranks_of(results))
+    assert_gone(ranks_of(results) + kids)
 
 
 def test_an_unreachable_etcd_cluster_is_one_line_and_exit_nonzero(tmp_path: Path) -> None:
