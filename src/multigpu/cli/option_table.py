@@ -169,6 +169,12 @@ class OurOptions:
         "live status view: auto (on a terminal), on, off",
         choices=("auto", "on", "off"),
     )
+    steps: str | None = _text(
+        ("--steps",),
+        "N",
+        "the job's step count, as multigpu.heartbeat(step=...) counts: the live view and "
+        "'multigpu status' show its progress and ETA",
+    )
     # -- preemption and requeue
     preempt_signal: str | None = _text(
         ("--preempt-signal",),

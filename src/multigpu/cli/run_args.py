@@ -219,7 +219,10 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
             ),
         ),
         output=OutputConfig(
-            dir=Path(values.output) if values.output else None, run_id=values.run_id, status=status
+            dir=Path(values.output) if values.output else None,
+            run_id=values.run_id,
+            status=status,
+            steps=integer(values.steps, "--steps", 1) if values.steps else None,
         ),
         start=StartConfig(run_mode=run_mode),
     )

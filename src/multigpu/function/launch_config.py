@@ -41,6 +41,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "output": ("output", "dir"),
     "run_id": ("output", "run_id"),
     "log_ranks": ("output", "log_ranks"),
+    "steps": ("output", "steps"),
 }
 """Each option's Python name and the (section, field) of ``RunConfig`` that holds it."""
 
@@ -94,6 +95,7 @@ _PARSE: dict[str, Callable[[Any, str], Any]] = {
     "output": _output,
     "run_id": lambda v, name: check_run_id(_text(v, name), name),
     "log_ranks": _ranks,
+    "steps": lambda v, name: integer(_text(v, name), name, 1),
 }
 """Each option checked by the parser ``multigpu run`` checks its flag with (``contract/values``, the run
 id's ``record/folder.check_run_id``), so a wrong value is one ``UsageError`` in the caller before

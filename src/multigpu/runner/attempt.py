@@ -201,8 +201,9 @@ def run_attempt(
             progress=progress_book(config, run.record.path.parent, specs),
         )
         stack.callback(supervisor.close)
+        run.record.ledger.watch(supervisor.progress)
         if live is not None:
-            live.workers = supervisor.workers
+            live.workers, live.book = supervisor.workers, supervisor.progress
             stack.enter_context(live)
         preempt = run.watch
         stack.enter_context(

@@ -30,6 +30,7 @@ from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESU
 from multigpu.contract.prctl import set_child_subreaper
 from multigpu.record.failure_report import format_report
 from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit, resolve_output
+from multigpu.record.ledger import ledger_line
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import serve_until_all_done
@@ -153,12 +154,17 @@ def run_attempts(run: Run) -> int:
     )
     try:
         while True:
-            meeting = run.members.meet()
-            if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
-                continue  # a slow node left the elastic round: the others meet again without it
+            with record.ledger.phase("waiting_for_nodes"):
+                meeting = run.members.meet()
+            if preflight.due(meeting):
+                with record.ledger.phase("preflight"):
+                    checked = preflight.check(meeting, run.members.spawner)
+                if not checked:
+                    continue  # a slow node left the elastic round: the others meet again without it
             result, workers = _attempt(run, meeting)
             code = _verdict(run, meeting, result, workers, policy)
             if code is not None:
+                _say_ledger(record)
                 return code
     except BaseException as exc:  # whatever ended it, run.json does not stay "running"
         code = exc.launcher_exit if isinstance(exc, MultiGPUError) else 1
@@ -245,6 +251,13 @@ def _verdict(
         return _finish(run, EXIT_CRASH_LOOP)
     logger.info(members.restart(meeting))
     return None
+
+
+def _say_ledger(record: RunRecord) -> None:
+    """The run's last line, after a run that lost time to an incident: where its time went."""
+    line = ledger_line(record.data.get("ledger") or {})
+    if record.data["incidents"] and line is not None:
+        logger.info(line)
 
 
 def _finish(run: Run, code: int, *, over: bool = True) -> int:

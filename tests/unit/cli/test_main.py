@@ -38,6 +38,15 @@ def test_straggler_threshold_is_a_share_of_the_step_0_for_off(script: str) -> No
     assert parse(["--cpu", "2", "--straggler-threshold", "0", script]).hang.straggler_threshold == 0
 
 
+def test_steps_is_the_jobs_step_count_for_its_eta(script: str) -> None:
+    assert parse(["--cpu", "2", script]).output.steps is None
+    assert parse(["--cpu", "2", "--steps", "1000", script]).output.steps == 1000
+    assert parse(["--cpu", "2", script], {"MULTIGPU_STEPS": "7"}).output.steps == 7
+    for bad, said in (("0", "--steps must be at least 1, got 0"), ("ten", "--steps must be an integer")):
+        with pytest.raises(UsageError, match=said):
+            parse(["--cpu", "2", "--steps", bad, script])
+
+
 def test_preflight_is_on_off_or_strict_and_no_preflight_turns_it_off(script: str) -> None:
     assert parse(["--cpu", "2", script]).rdzv.preflight == "auto"
     assert parse(["--cpu", "2", "--preflight", "strict", script]).rdzv.preflight == "strict"
