@@ -36,19 +36,18 @@ def rank_timeout(progress: ProgressBook, rank: int) -> float | None:
 
 def verdict(workers: Sequence[Worker], progress: ProgressBook, now: float) -> str | None:
     """None while every rank lives and progresses; else one line naming the rank: a failed rank first
-    (the lowest), then the running rank quiet longest past its timeout, then, of the ranks the launcher
-    stopped, the one that stopped progressing first (``ProgressBook.order``: a hang's culprit)."""
+    (the lowest), then the rank quiet longest past its timeout, then, of the ranks the launcher
+    stopped, the one that stopped progressing first (``ProgressBook.order``: a hang's culprit).
+
+    As the launcher judges a hang (``book.ProgressBook.check``): a rank that reports steps by its own
+    timeout; one that reports none only once no rank has shown progress for the ceiling (its quiet
+    output says nothing while the others progress)."""
     ordered = sorted(workers, key=lambda w: w.rank)
     for w in ordered:
         if w.state is WorkerState.FAILED:
             return f"rank {w.rank} failed ({w.exit_text})"
-    late: list[tuple[float, int, float]] = []
-    for w in ordered:
-        p = progress.ranks.get(w.rank)
-        limit = rank_timeout(progress, w.rank)
-        quiet = None if p is None else now - p.last_progress
-        if w.state is WorkerState.RUNNING and quiet is not None and limit is not None and quiet >= limit:
-            late.append((quiet, -w.rank, limit))
+    running = [w.rank for w in ordered if w.state is WorkerState.RUNNING and w.rank in progress.ranks]
+    late = _late(progress, running, now)
     if late:
         quiet, rank, limit = max(late)
         return f"rank {-rank} made no progress for {quiet:.1f}s, past its hang timeout {limit:g}s"
@@ -57,6 +56,24 @@ def verdict(workers: Sequence[Worker], progress: ProgressBook, now: float) -> st
         first = progress.order(stopped)[0]
         return f"rank {first} was stopped by the launcher (of the stopped ranks, its progress stopped first)"
     return None
+
+
+def _late(progress: ProgressBook, running: Sequence[int], now: float) -> list[tuple[float, int, float]]:
+    """(quiet seconds, minus the rank, its timeout) of each running rank past its timeout."""
+    ranks = {r: progress.ranks[r] for r in running}
+    late = []
+    for r, p in ranks.items():
+        limit = rank_timeout(progress, r) if p.reports_steps else None
+        if limit is not None and now - p.last_progress >= limit:
+            late.append((now - p.last_progress, -r, limit))
+    ceiling = progress.policy.ceiling
+    if late or ceiling is None or not ranks:
+        return late
+    silent = now - max(progress.last_finish, progress.job_at, *(p.last_progress for p in ranks.values()))
+    if silent < ceiling:
+        return []
+    first = progress.order(list(ranks))[0]
+    return [(now - ranks[first].last_progress, -first, ceiling)]
 
 
 def answer(watched: Watched) -> tuple[int, str]:

@@ -11,6 +11,12 @@ from multigpu.supervisor.states import WorkerState
 from unit.observe.fakes import ranks, steps, watched
 
 
+def test_a_rank_without_steps_is_judged_by_the_jobs_silence() -> None:
+    workers, book, clock = ranks(2, ceiling=8.0)
+    steps(book, clock, 30, 0.5, (0,))  # rank 1 reports no step; rank 0 progresses: the job is not silent
+    assert health.verdict(workers, book, clock.now) is None
+
+
 def test_healthy_while_every_rank_steps() -> None:
     workers, book, clock = ranks(2)
     steps(book, clock, 5, 0.5, (0, 1))
