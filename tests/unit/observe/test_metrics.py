@@ -132,3 +132,9 @@ def test_the_grafana_dashboard_queries_only_exported_series() -> None:
     asked = dashboard_series()
     assert asked <= metrics.exported_names(), sorted(asked - metrics.exported_names())
     assert "multigpu_rank_step" in asked and "multigpu_lost_seconds_total" in asked
+
+
+def test_the_guide_lists_every_exported_family() -> None:
+    page = (DASHBOARD.parent / "metrics.md").read_text()
+    listed = set(re.findall(r"^\| `(multigpu_\w+)` \|", page, re.M))
+    assert listed == metrics.exported_names()
