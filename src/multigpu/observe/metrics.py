@@ -64,7 +64,7 @@ class RunCollector:
 
     def collect(self) -> Iterator[Metric]:
         w = self.watched
-        base = {"run_id": w.run_id, "node": str(w.node)}
+        base = {"run_id": w.run_id, "node": w.node_label()}
         if w.slurm_job_id:
             base["slurm_job_id"] = w.slurm_job_id
         families = _Families(base)
@@ -79,7 +79,7 @@ class RunCollector:
         families.by("multigpu_incidents", "kind", kinds)
         families.by("multigpu_lost_seconds", "cause", w.lost())
         _ranks(families, w.attempt, w.clock())
-        _preflight(families, w.record.get("preflight"), w.node)
+        _preflight(families, w.record.get("preflight"), int(base["node"]))
         yield from families.all()
 
 

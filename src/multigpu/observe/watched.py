@@ -49,6 +49,13 @@ class Watched:
         """The attempt that starts now (the launcher's main thread, before its ranks start)."""
         self.attempt = Attempt(workers, progress)
 
+    def node_label(self) -> str:
+        """This node's index in the job: its ranks' once an attempt started (an elastic round assigns
+        it), else the configured one."""
+        attempt = self.attempt
+        workers = list(attempt.workers) if attempt is not None else []
+        return str(workers[0].spec.node if workers else self.node)
+
     def lost(self) -> Mapping[str, float]:
         if self.lost_seconds is not None:
             return self.lost_seconds()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from multigpu.observe.watched import lost_from_incidents
-from unit.observe.fakes import watched
+from multigpu.supervisor.states import Worker
+from unit.observe.fakes import ranks, watched
 
 
 def test_each_phase_of_an_incident_is_lost_to_its_cause() -> None:
@@ -33,3 +36,15 @@ def test_restarts_leave_out_membership_changes() -> None:
     }
     assert watched(record).restarts() == 2
     assert watched().restarts() == 0
+
+
+def test_the_node_label_is_the_ranks_once_they_started() -> None:
+    seen = watched()
+    assert seen.node_label() == "0"
+    workers, book, _ = ranks(2)
+    seen.attach([replace_node(w, 3) for w in workers], book)
+    assert seen.node_label() == "3"
+
+
+def replace_node(worker: Worker, node: int) -> Worker:
+    return Worker(dataclasses.replace(worker.spec, node=node))
