@@ -10,6 +10,7 @@ own threads, reading ``watched.Watched``.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,13 +24,16 @@ HEALTH_PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"
 
 def rank_timeout(progress: ProgressBook, rank: int) -> float | None:
     """The rank's hang timeout now: the book's (given or learned), else, without ``--hang-timeout``,
-    the one its learned step time would give (factor x slowest step, at least the floor); None before
-    anything is known."""
+    the one its learned step time would give (factor x slowest step, at least the floor) once this
+    attempt saw its warm-up steps; None where the book would wait at the ceiling (before the first
+    steps, inside a section, once a rank has finished)."""
     seconds = progress.timeout_seconds(rank)
     if seconds is not None:
         return seconds
     p, slowest = progress.ranks.get(rank), progress.learned.slowest_step
     if p is None or not p.reports_steps or slowest is None or p.section is not None:
+        return None
+    if len(p.intervals) < progress.policy.warmup or progress.last_finish > -math.inf:
         return None
     return progress.policy.clamp(slowest)
 

@@ -48,6 +48,9 @@ def test_without_a_hang_timeout_the_learned_step_time_still_judges() -> None:
     clock.now += 1.5
     why = health.verdict(workers, book, clock.now)
     assert why is not None and "past its hang timeout 5s" in why
+    book.finished(0, clock.now)  # once a rank has finished, the others may wait on anything
+    clock.now += 100
+    assert health.verdict(workers, book, clock.now) is None
 
 
 def test_a_failed_rank_is_named_first() -> None:
