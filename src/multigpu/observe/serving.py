@@ -17,7 +17,7 @@ from multigpu.config.endpoint import Endpoint, format_endpoint, parse_endpoint
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import UsageError
 from multigpu.observe import health, metrics
-from multigpu.observe.watched import Watched
+from multigpu.observe.watched import LostSeconds, Watched
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +44,21 @@ def health_port(env: Mapping[str, str]) -> int | None:
 
 @contextlib.contextmanager
 def observed(
-    config: RunConfig, env: Mapping[str, str], record: Mapping[str, Any], run_id: str
+    config: RunConfig,
+    env: Mapping[str, str],
+    record: Mapping[str, Any],
+    run_id: str,
+    lost_seconds: LostSeconds | None = None,
 ) -> Iterator[Watched | None]:
     """The servers the run asked for, for the ``with`` block; None when it asked for neither. A port
-    that cannot be bound is one line (exit 2) before any rank starts."""
+    that cannot be bound is one line (exit 2) before any rank starts. ``lost_seconds``: the run's
+    lost time by cause (None: what its incidents tell, ``watched.lost_from_incidents``)."""
     where, port = config.output.metrics, health_port(env)
     if where is None and port is None:
         yield None
         return
-    watched = Watched(run_id, config.group_rank, record, slurm_job_id=env.get("SLURM_JOB_ID") or None)
+    slurm = env.get("SLURM_JOB_ID") or None
+    watched = Watched(run_id, config.group_rank, record, slurm_job_id=slurm, lost_seconds=lost_seconds)
     with contextlib.ExitStack() as stack:
         if where is not None:
             bound = _open(

@@ -59,3 +59,9 @@ def test_a_taken_port_is_one_line() -> None:
             serving.observed(RunConfig("x"), env, {}, "r"),
         ):
             pass
+
+
+def test_the_lost_seconds_provider_reaches_the_scrape() -> None:
+    config = RunConfig("x", output=OutputConfig(metrics=Endpoint("127.0.0.1", 0)))
+    with serving.observed(config, {"SLURM_JOB_ID": "77"}, {}, "r", lambda: {"preemption": 3.0}) as seen:
+        assert seen is not None and seen.lost() == {"preemption": 3.0} and seen.slurm_job_id == "77"
