@@ -46,6 +46,7 @@ from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV, DEBUG_TOKEN_ENV
 from multigpu.contract.values import integer, module_names, number, seconds
+from multigpu.observe.serving import metrics_endpoint
 
 
 def _choose_devices(
@@ -230,6 +231,9 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = _apply_template(config, values)
     config = _apply_preflight(config, values)
     config = _apply_debug_server(config, values.debug_server, env)
+    if values.metrics_port is not None:
+        where = metrics_endpoint(values.metrics_port)
+        config = dataclasses.replace(config, output=dataclasses.replace(config.output, metrics=where))
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
 

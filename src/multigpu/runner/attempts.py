@@ -28,6 +28,7 @@ from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.failure import FailureKind
 from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
+from multigpu.observe.serving import observed
 from multigpu.record.failure_report import format_report
 from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit, resolve_output
 from multigpu.record.run_json import RunRecord
@@ -152,14 +153,15 @@ def run_attempts(run: Run) -> int:
         auto=config.rdzv.preflight == "auto",
     )
     try:
-        while True:
-            meeting = run.members.meet()
-            if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
-                continue  # a slow node left the elastic round: the others meet again without it
-            result, workers = _attempt(run, meeting)
-            code = _verdict(run, meeting, result, workers, policy)
-            if code is not None:
-                return code
+        with observed(config, run.base_env, record.data, run.members.run_id) as run.watched:
+            while True:
+                meeting = run.members.meet()
+                if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
+                    continue  # a slow node left the elastic round: the others meet again without it
+                result, workers = _attempt(run, meeting)
+                code = _verdict(run, meeting, result, workers, policy)
+                if code is not None:
+                    return code
     except BaseException as exc:  # whatever ended it, run.json does not stay "running"
         code = exc.launcher_exit if isinstance(exc, MultiGPUError) else 1
         record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", code)))
