@@ -169,6 +169,12 @@ class OurOptions:
         "live status view: auto (on a terminal), on, off",
         choices=("auto", "on", "off"),
     )
+    metrics_port: str | None = _text(
+        ("--metrics-port",),
+        "[HOST:]PORT",
+        "serve Prometheus metrics at /metrics on PORT of every node's launcher for the whole run, on "
+        "loopback unless HOST is given (0: a free port, printed); needs pip install 'multigpu[metrics]'",
+    )
     steps: str | None = _text(
         ("--steps",),
         "N",

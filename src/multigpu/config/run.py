@@ -99,6 +99,8 @@ class OutputConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     logs_specs: str | None = None
+    metrics: Endpoint | None = None
+    """``--metrics-port``: where this node's launcher serves Prometheus's ``/metrics``; None: off."""
 
 
 @dataclass(frozen=True)

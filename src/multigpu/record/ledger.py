@@ -172,18 +172,29 @@ class Ledger:
 
     # ---- reading (any thread) ----------------------------------------------------------------------
 
-    def _totals(self) -> tuple[dict[str, float], float]:
+    def _totals(self, settled: bool = False) -> tuple[dict[str, float], float]:
+        """(seconds by cause, wall seconds) now; ``settled``: only up to where no later event can
+        take time back (an attempt that reported no step yet may turn out to have trained)."""
         with self._lock:
             marks, end = list(self._marks), self._end
+            open_from = self._began if settled and not self._stepping else None
         now = end if end is not None else max(self._clock(), marks[-1][0])
+        until = now if open_from is None else max(min(open_from, now), marks[0][0])
         seconds = dict.fromkeys(CAUSES, 0.0)
         for (t, cause), nxt in zip(marks, [*(t for t, _ in marks[1:]), now], strict=True):
-            seconds[cause] += max(0.0, min(nxt, now) - t)
+            seconds[cause] += max(0.0, min(nxt, until) - t)
         return seconds, now - marks[0][0]
 
     def seconds_by_cause(self) -> dict[str, float]:
         """Seconds of the run so far by cause (every cause, 0.0 where none), summing to the wall time."""
         return self._totals()[0]
+
+    def lost_seconds(self) -> dict[str, float]:
+        """The causes other than training, for ``multigpu_lost_seconds_total{cause}``: counters, so only
+        the settled time, which never falls back (an attempt's time before its first step counts once
+        that step, or the attempt's end, says what it was)."""
+        seconds = self._totals(settled=True)[0]
+        return {cause: seconds[cause] for cause in LOST_CAUSES}
 
     def wall_seconds(self) -> float:
         """Seconds from the run's start to its end, or to now while it runs."""

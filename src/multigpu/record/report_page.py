@@ -9,7 +9,7 @@ rank was a straggler.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +36,22 @@ def run_records(folder: Path) -> list[Path]:
     return sorted(folder.glob("run_node*.json"), key=lambda p: (len(p.name), p.name))
 
 
-def find_run(arg: str | None) -> list[Path]:
-    """The records of the run folder asked for, or of the newest under ./multigpu_runs; a UsageError
-    naming what is missing."""
+def find_run(arg: str | None, roots: Sequence[Path] = (Path("multigpu_runs"),)) -> list[Path]:
+    """The records of the run folder asked for, or of the newest run under any of ``roots`` (``multigpu
+    run``'s ./multigpu_runs, and the cache folder where ``multigpu.launch`` keeps its runs); a
+    UsageError naming what is missing."""
     if arg is not None:
         records = run_records(Path(arg))
         if not records:
             raise UsageError(f"{arg}: no run.json there; give a run's output folder")
         return records
     runs = sorted(
-        (p for p in Path("multigpu_runs").glob("*/run*.json") if run_records(p.parent)),
+        (p for root in roots for p in root.glob("*/run*.json") if run_records(p.parent)),
         key=lambda p: p.stat().st_mtime,
     )
     if not runs:
-        raise UsageError("no run under ./multigpu_runs; give a run's output folder")
+        where = " or ".join(str(root) if root.is_absolute() else f"./{root}" for root in roots)
+        raise UsageError(f"no run under {where}; give a run's output folder")
     return run_records(runs[-1].parent)
 
 

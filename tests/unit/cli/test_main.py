@@ -347,3 +347,19 @@ def test_resolved_options_are_typed() -> None:
     assert (values.run_id, values.rdzv_id, values.gpus, values.no_requeue) == ("job", "job", None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         values.cpu = "3"  # type: ignore[misc]
+
+
+def test_the_metrics_port_is_on_loopback_unless_a_host_is_given(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse(["--cpu", "2", "--metrics-port", "9400", script]).output.metrics == Endpoint(
+        "127.0.0.1", 9400
+    )
+    assert parse(["--metrics-port", "0.0.0.0:0", script]).output.metrics == Endpoint("0.0.0.0", 0)
+    assert parse([script], {"MULTIGPU_METRICS_PORT": "0"}).output.metrics == Endpoint("127.0.0.1", 0)
+    assert parse([script]).output.metrics is None
+    from multigpu.observe import serving
+
+    monkeypatch.setattr(serving.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UsageError, match=r"^--metrics-port needs prometheus_client: pip install"):
+        parse(["--metrics-port", "0", script])

@@ -3,6 +3,7 @@ clock, so each sum is exact; and the record's, the report's and the console's li
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from typing import Any
@@ -185,3 +186,39 @@ def test_the_ledger_line_names_training_first_then_the_largest_losses() -> None:
         "effective training 40.0% of 10.0s; lost: hang_undetected 3.0s, starting 2.0s, hang_handling 1.0s"
     )
     assert ledger_line({}) is None  # a record an older multigpu wrote
+
+
+def test_the_lost_seconds_for_counters_never_fall_back() -> None:
+    """``lost_seconds`` feeds counters: an attempt's time before its first step is held back until the
+    step (or the attempt's end) says what it was, so no cause ever shrinks between two reads."""
+    clock = Clock(0.0)
+    ledger = Ledger(0.0, clock=clock)
+    seen: list[dict[str, float]] = []
+
+    def look(at: float) -> None:
+        clock.now = at
+        seen.append(ledger.lost_seconds())
+
+    look(1.0)
+    ledger.attempt_began(2.0)  # a script that reports no step: its attempt is training, known at its end
+    look(9.0)
+    ledger.attempt_ended(incident("hung", 8.0, 11.0, 12.0), 12.0)
+    look(12.5)
+    ledger.attempt_began(13.0)
+    look(15.0)
+    ledger.first_step(14.0)
+    look(16.0)
+    ledger.attempt_ended(incident("failed", 20.0, 20.0, 21.0), 21.0)
+    look(22.0)
+    assert "training" not in seen[-1]
+    for earlier, later in itertools.pairwise(seen):
+        assert all(later[c] >= earlier[c] for c in earlier), (earlier, later)
+    assert seen[1]["starting"] == 2.0  # the attempt from 2 s on was not counted while unknown
+    assert seen[-1] == {
+        **dict.fromkeys(seen[-1], 0.0),
+        "starting": 2.0,
+        "hang_undetected": 3.0,
+        "hang_handling": 1.0,
+        "restarting": 2.0 + 2.0,
+    }
+    assert ledger.seconds_by_cause()["starting"] == 2.0  # the full view: the same, settled
