@@ -169,6 +169,18 @@ class OurOptions:
         "live status view: auto (on a terminal), on, off",
         choices=("auto", "on", "off"),
     )
+    metrics_port: str | None = _text(
+        ("--metrics-port",),
+        "[HOST:]PORT",
+        "serve Prometheus metrics at /metrics on PORT of every node's launcher for the whole run, on "
+        "loopback unless HOST is given (0: a free port, printed); needs pip install 'multigpu[metrics]'",
+    )
+    steps: str | None = _text(
+        ("--steps",),
+        "N",
+        "the job's step count, as multigpu.heartbeat(step=...) counts: the live view and "
+        "'multigpu status' show its progress and ETA",
+    )
     # -- preemption and requeue
     preempt_signal: str | None = _text(
         ("--preempt-signal",),

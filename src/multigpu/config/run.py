@@ -90,6 +90,9 @@ class OutputConfig:
     log_ranks: frozenset[int] | None = None
     """Global ranks shown on the console (``--log-ranks``); None: all."""
     status: LiveView = "auto"
+    steps: int | None = None
+    """``--steps``: the job's step count (as ``multigpu.heartbeat(step=N)`` counts), for its progress
+    and ETA in the live view, ``multigpu status`` and the run's ledger; None: the step alone."""
     log_dir: Path | None = None
     """torchrun's ``--log-dir``: its per-local-rank files are written there too."""
     redirects: StdStreams = field(default_factory=StdStreams)
@@ -98,6 +101,8 @@ class OutputConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     logs_specs: str | None = None
+    metrics: Endpoint | None = None
+    """``--metrics-port``: where this node's launcher serves Prometheus's ``/metrics``; None: off."""
 
 
 @dataclass(frozen=True)
