@@ -38,6 +38,20 @@ def test_restarts_leave_out_membership_changes() -> None:
     assert watched().restarts() == 0
 
 
+def test_restarts_do_not_fall_when_a_restarted_attempt_ends_by_a_membership_change() -> None:
+    """A counter: attempt 1, a restart after a failure, ends when a node joins; that round's incident is
+    recorded before the next attempt begins, and must not take the restart back meanwhile."""
+    record: dict[str, list[dict[str, object]]] = {"attempts": [{}], "incidents": [{"kind": "failed"}]}
+    seen = [watched(record).restarts()]
+    record["attempts"].append({})  # attempt 1: a restart
+    seen.append(watched(record).restarts())
+    record["incidents"].append({"kind": "membership change"})  # a node joined: attempt 1's round ends
+    seen.append(watched(record).restarts())
+    record["attempts"].append({})  # attempt 2: the same restart's new round, not another restart
+    seen.append(watched(record).restarts())
+    assert seen == [0, 1, 1, 1]
+
+
 def test_the_node_label_is_the_ranks_once_they_started() -> None:
     seen = watched()
     assert seen.node_label() == "0"
