@@ -72,13 +72,14 @@ class Watched:
 
 
 INCIDENT_CAUSES = (
-    ("failure_detection", "hang_undetected"),
-    ("failure_handling", "hang_handling"),
+    ("restarting", "hang_undetected"),
+    ("restarting", "hang_handling"),
     ("restarting", "restarting"),
-    ("starting", "starting"),
+    ("restarting", "restarting"),
 )
 """The cause each phase of an incident (``record/incidents.PHASES``, in order) loses its time to:
-(a failure's, a hang's)."""
+(a failure's, a hang's), in the ledger's words (``record/ledger.CAUSES``, docs/metrics.md): a
+failure's time to the next first step is restarting."""
 
 
 def lost_from_incidents(incidents: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -73,8 +73,7 @@ def test_every_family_with_the_runs_labels_and_the_launchers_values() -> None:
     assert {s[0]["kind"]: s[1] for s in got["multigpu_incidents_total"]} == {"failed": 1.0, "hung": 1.0}
     lost = {s[0]["cause"]: s[1] for s in got["multigpu_lost_seconds_total"]}
     assert lost == {
-        "failure_detection": 1.0,
-        "failure_handling": 1.0,
+        "restarting": 1.0 + 1.0,
         "hang_undetected": 8.0,
         "hang_handling": 2.0,
     }
