@@ -30,8 +30,8 @@ FAMILIES: dict[str, str] = {
     "multigpu_attempt": "the attempt running now (0: the first)",
     "multigpu_ranks": "this node's ranks in each state",
     "multigpu_rank_step": "the last step a rank reported (multigpu.heartbeat(step=N))",
-    "multigpu_rank_last_progress_seconds": "seconds since a rank's last progress (a step, a section "
-    "boundary, a heartbeat; its output for a rank that reports none)",
+    "multigpu_rank_last_progress_seconds": "seconds since a running rank's last progress (a step, a "
+    "section boundary, a heartbeat; its output for a rank that reports none)",
     "multigpu_rank_hang_timeout_seconds": "the hang timeout in force for a rank (given or learned)",
     "multigpu_rank_step_seconds": "a rank's median step interval over its recent steps",
     "multigpu_straggler_lateness_seconds": "how late a rank enters collectives against this node's "
@@ -104,7 +104,8 @@ def _ranks(families: _Families, attempt: Attempt | None, now: float) -> None:
         rank = {"rank": str(worker.rank)}
         if p.step is not None:
             families.add("multigpu_rank_step", p.step, rank)
-        families.add("multigpu_rank_last_progress_seconds", max(0.0, now - p.last_progress), rank)
+        if worker.state is WorkerState.RUNNING:  # an age that grows for a rank that ended pages no one
+            families.add("multigpu_rank_last_progress_seconds", max(0.0, now - p.last_progress), rank)
         timeout = rank_timeout(attempt.progress, worker.rank)
         if timeout is not None:
             families.add("multigpu_rank_hang_timeout_seconds", timeout, rank)

@@ -26,7 +26,9 @@ def metrics_endpoint(value: str, option: str = "--metrics-port") -> Endpoint:
     """``[HOST:]PORT``: loopback unless a host is given (0 picks a free port); prometheus_client must be
     importable."""
     text = value.strip()
-    where = parse_endpoint(f"127.0.0.1:{text}" if text.isdigit() else text, option=option)
+    if ":" not in text and not (text.isdigit() and int(text) <= 65535):
+        raise UsageError(f"{option} {text!r}: write a port number from 0 to 65535, or HOST:PORT")
+    where = parse_endpoint(text if ":" in text else f"127.0.0.1:{text}", option=option)
     if importlib.util.find_spec("prometheus_client") is None:
         raise UsageError(f"{option} needs prometheus_client: pip install 'multigpu[metrics]'")
     return where

@@ -63,20 +63,23 @@ class Watched:
 
     def restarts(self) -> int:
         """Attempts begun after the first, an elastic round ended by a membership change not counted
-        (torchrun counts only failures against ``--max-restarts``)."""
+        (torchrun counts only failures against ``--max-restarts``). Every attempt but the last ended in
+        an incident, in order: the incidents an attempt followed are those before the last attempt's (a
+        counter: the last attempt's own incident, recorded before the next begins, counts nothing yet)."""
         begun = len(self.record.get("attempts", ()))
-        changes = sum(1 for i in list(self.record.get("incidents", ())) if i["kind"] == "membership change")
-        return max(0, begun - 1 - changes)
+        followed = list(self.record.get("incidents", ()))[: max(0, begun - 1)]
+        return sum(1 for i in followed if i["kind"] != "membership change")
 
 
 INCIDENT_CAUSES = (
-    ("failure_detection", "hang_undetected"),
-    ("failure_handling", "hang_handling"),
+    ("restarting", "hang_undetected"),
+    ("restarting", "hang_handling"),
     ("restarting", "restarting"),
-    ("starting", "starting"),
+    ("restarting", "restarting"),
 )
 """The cause each phase of an incident (``record/incidents.PHASES``, in order) loses its time to:
-(a failure's, a hang's)."""
+(a failure's, a hang's), in the ledger's words (``record/ledger.CAUSES``, docs/metrics.md): a
+failure's time to the next first step is restarting."""
 
 
 def lost_from_incidents(incidents: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -78,6 +78,8 @@ class Ledger:
         """``--steps``: the job's step count, for ``progress``'s estimate."""
         self.book: ProgressBook | None = None
         """The current attempt's progress book (``watch``), read by ``progress``."""
+        self._counted = dict.fromkeys(LOST_CAUSES, 0.0)
+        """The most ``lost_seconds`` has said of each cause: what a counter was told stays told."""
 
     # ---- feeding (the launcher's main thread) ------------------------------------------------------
 
@@ -191,10 +193,16 @@ class Ledger:
 
     def lost_seconds(self) -> dict[str, float]:
         """The causes other than training, for ``multigpu_lost_seconds_total{cause}``: counters, so only
-        the settled time, which never falls back (an attempt's time before its first step counts once
-        that step, or the attempt's end, says what it was)."""
+        the settled time (an attempt's time before its first step counts once that step, or the
+        attempt's end, says what it was), and never less than a previous call said: the run's end may
+        still move time between lost causes (a failure no attempt followed, ``restarting``, becomes
+        ``stopping``; a preemption warning takes what came after it), and a counter that fell would read
+        as a reset. ``summary`` (run.json) keeps the exact story."""
         seconds = self._totals(settled=True)[0]
-        return {cause: seconds[cause] for cause in LOST_CAUSES}
+        with self._lock:
+            for cause in LOST_CAUSES:
+                self._counted[cause] = max(self._counted[cause], seconds[cause])
+            return dict(self._counted)
 
     def wall_seconds(self) -> float:
         """Seconds from the run's start to its end, or to now while it runs."""

@@ -3,8 +3,13 @@ and progresses, 503 naming the rank once one failed or stopped progressing past 
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 from multigpu.observe import health
 from multigpu.supervisor.states import WorkerState
@@ -96,6 +101,7 @@ def test_the_server_answers_healthz_and_closes(tmp_path: object) -> None:
             assert exc.code == 503 and exc.read() == b"rank 1 failed (SIGKILL)\n"
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
+            raise AssertionError("a path other than /healthz answered 200")
         except urllib.error.HTTPError as exc:
             assert exc.code == 404
     try:
@@ -103,3 +109,26 @@ def test_the_server_answers_healthz_and_closes(tmp_path: object) -> None:
         raise AssertionError("the server still answers after its block")
     except urllib.error.URLError as exc:
         assert isinstance(exc.reason, ConnectionRefusedError)
+
+
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
+
+
+def test_the_guides_kubernetes_probe_reaches_the_loopback_server() -> None:
+    """The server listens on loopback only, and a Kubernetes ``httpGet`` probe connects to the pod's
+    address, where nothing listens: the guide's probe runs inside the pod. Its command, run against the
+    server, succeeds on 200 and fails on 503."""
+    guide = GUIDE.read_text()
+    probe = guide[guide.index("livenessProbe:") :].split("```", 1)[0]
+    assert "httpGet" not in probe, probe
+    found = re.search(r"command: (\[.*\])", probe)
+    assert found is not None, probe
+    command = json.loads(found.group(1))
+    workers, book, clock = ranks(2)
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    with health.serving(seen, "127.0.0.1", 0) as port:
+        run = [sys.executable, *command[1:-1], command[-1].replace("8081", str(port))]
+        assert subprocess.run(run, capture_output=True, timeout=30).returncode == 0
+        workers[1].to(WorkerState.FAILED)
+        assert subprocess.run(run, capture_output=True, timeout=30).returncode != 0

@@ -73,8 +73,7 @@ def test_every_family_with_the_runs_labels_and_the_launchers_values() -> None:
     assert {s[0]["kind"]: s[1] for s in got["multigpu_incidents_total"]} == {"failed": 1.0, "hung": 1.0}
     lost = {s[0]["cause"]: s[1] for s in got["multigpu_lost_seconds_total"]}
     assert lost == {
-        "failure_detection": 1.0,
-        "failure_handling": 1.0,
+        "restarting": 1.0 + 1.0,
         "hang_undetected": 8.0,
         "hang_handling": 2.0,
     }
@@ -141,3 +140,18 @@ def test_the_guide_lists_every_exported_family() -> None:
     page = (DASHBOARD.parent / "metrics.md").read_text()
     listed = set(re.findall(r"^\| `(multigpu_\w+)` \|", page, re.M))
     assert listed == metrics.exported_names()
+
+
+def test_a_rank_that_no_longer_runs_has_no_last_progress_age() -> None:
+    """The guide's alert is ``multigpu_rank_last_progress_seconds > 600``: a rank that finished while
+    another still trains, or the last attempt's ranks while the nodes meet again, made no progress
+    because they no longer run, and must not page anyone."""
+    workers, book, clock = ranks(2)
+    steps(book, clock, 3, 0.5, (0, 1))
+    workers[1].to(WorkerState.SUCCEEDED)
+    book.finished(1, clock.now)
+    steps(book, clock, 1400, 0.5, (0,))  # rank 0 trains on for 700 s
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    ages = {s[0]["rank"]: s[1] for s in scrape(seen)["multigpu_rank_last_progress_seconds"]}
+    assert ages == {"0": 0.0}

@@ -21,6 +21,17 @@ def test_a_port_alone_is_loopback_and_a_host_is_kept() -> None:
         serving.metrics_endpoint("x:y")
 
 
+@pytest.mark.parametrize("given", ["70000", "-1", "", "abc"])
+def test_a_wrong_port_alone_is_named_as_given(given: str) -> None:
+    """A port alone is the usual value: its error names what the user wrote (not the loopback address
+    the launcher put before it) and asks for a port, not for HOST:PORT."""
+    with pytest.raises(UsageError) as caught:
+        serving.metrics_endpoint(given)
+    assert str(caught.value) == (
+        f"--metrics-port {given!r}: write a port number from 0 to 65535, or HOST:PORT"
+    )
+
+
 def test_without_prometheus_client_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serving.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UsageError) as caught:

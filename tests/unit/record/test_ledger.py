@@ -222,3 +222,25 @@ def test_the_lost_seconds_for_counters_never_fall_back() -> None:
         "restarting": 2.0 + 2.0,
     }
     assert ledger.seconds_by_cause()["starting"] == 2.0  # the full view: the same, settled
+
+
+@pytest.mark.parametrize("preempted_at", [None, 18.0])
+def test_the_lost_seconds_do_not_fall_when_the_runs_end_rewrites_its_last_failure(
+    preempted_at: float | None,
+) -> None:
+    """At the run's end a failure no attempt followed turns from ``restarting`` into ``stopping``, and a
+    preemption warning takes the time after it: a scrape between the failure and the end saw that time
+    under its first cause, and a counter that fell would read as a reset (``increase()`` would count it
+    all again)."""
+    clock = Clock(0.0)
+    ledger = Ledger(0.0, clock=clock)
+    ledger.attempt_began(1.0)
+    ledger.first_step(2.0)
+    ledger.attempt_ended(incident("failed", 16.0, 16.5, 20.0), 20.0)
+    clock.now = 21.0
+    before = ledger.lost_seconds()
+    assert before["restarting"] == 5.0
+    ledger.finish(22.0, preempted_at=preempted_at)
+    after = ledger.lost_seconds()
+    assert all(after[c] >= before[c] for c in before), (before, after)
+    assert ledger.seconds_by_cause()["restarting"] == 0.0  # run.json keeps the exact story
