@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from multigpu.observe.watched import Watched
+from multigpu.observe.watched import Attempt, Watched
 from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.states import Worker, WorkerState
 
@@ -80,23 +80,59 @@ def _late(progress: ProgressBook, running: Sequence[int], now: float) -> list[tu
     return [(now - ranks[first].last_progress, -first, ceiling)]
 
 
+class Health:
+    """``GET /healthz``'s answers over a run: a 503 stays until the next attempt shows it trains.
+
+    The verdict alone turns 503 only while the launcher acts on a failure (stopping the ranks, less
+    than a second) and 200 again as soon as the next attempt's ranks start: a probe every few seconds
+    would never see the failure. So the reason is kept, and answered, until an attempt after the one
+    it came from shows progress: a rank that reports steps made one (or, where none reports steps, all
+    its ranks run). Read from the server's threads; the lock is this object's own, never the loop's."""
+
+    def __init__(self, watched: Watched) -> None:
+        self.watched = watched
+        self._lock = threading.Lock()
+        self._kept: tuple[str, Attempt] | None = None
+
+    def answer(self) -> tuple[int, str]:
+        """(status, one line) for ``GET /healthz``."""
+        attempt = self.watched.attempt
+        if attempt is None:
+            return 200, "ok: no rank started yet"
+        why = verdict(list(attempt.workers), attempt.progress, self.watched.clock())
+        with self._lock:
+            if why is not None:
+                self._kept = (why, attempt)
+                return 503, why
+            if self._kept is not None and (self._kept[1] is attempt or not _trains(attempt, self._kept[1])):
+                return 503, f"{self._kept[0]}; the next attempt has not trained yet"
+            self._kept = None
+        return 200, "ok"
+
+
+def _trains(attempt: Attempt, failed: Attempt) -> bool:
+    """Whether an attempt after the ``failed`` one shows it trains: a step reported by one of its
+    ranks where the failed attempt's ranks reported steps; else (a script that reports none) every
+    rank running."""
+    if any(p.reports_steps for p in list(failed.progress.ranks.values())):
+        return any(p.reports_steps for p in list(attempt.progress.ranks.values()))
+    workers = list(attempt.workers)
+    return bool(workers) and all(w.state is WorkerState.RUNNING for w in workers)
+
+
 def answer(watched: Watched) -> tuple[int, str]:
-    """(status, one line) for ``GET /healthz``."""
-    attempt = watched.attempt
-    if attempt is None:
-        return 200, "ok: no rank started yet"
-    why = verdict(list(attempt.workers), attempt.progress, watched.clock())
-    return (200, "ok") if why is None else (503, why)
+    """(status, one line) for one ``GET /healthz`` with no memory of earlier answers (``Health``)."""
+    return Health(watched).answer()
 
 
 class _Handler(BaseHTTPRequestHandler):
-    watched: Watched
+    health: Health
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] != "/healthz":
             code, text = 404, "not found: GET /healthz"
         else:
-            code, text = answer(self.watched)
+            code, text = self.health.answer()
         body = (text + "\n").encode()
         self.send_response(code)
         self.send_header("Content-Type", "text/plain; charset=utf-8")
@@ -112,7 +148,7 @@ class _Handler(BaseHTTPRequestHandler):
 def serving(watched: Watched, host: str, port: int) -> Iterator[int]:
     """The health server on ``host:port`` for the ``with`` block (the port bound is yielded);
     afterwards its socket is closed and its thread joined."""
-    handler = type("HealthHandler", (_Handler,), {"watched": watched})
+    handler = type("HealthHandler", (_Handler,), {"health": Health(watched)})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="multigpu-health", daemon=True)

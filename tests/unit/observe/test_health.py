@@ -132,3 +132,22 @@ def test_the_guides_kubernetes_probe_reaches_the_loopback_server() -> None:
         assert subprocess.run(run, capture_output=True, timeout=30).returncode == 0
         workers[1].to(WorkerState.FAILED)
         assert subprocess.run(run, capture_output=True, timeout=30).returncode != 0
+
+
+def test_a_failure_is_answered_until_the_next_attempt_steps() -> None:
+    """A probe every few seconds must see a failure the launcher restarted from in under a second:
+    the 503 stays through the restart until the next attempt's ranks report a step."""
+    workers, book, clock = ranks(2)
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    probe = health.Health(seen)
+    steps(book, clock, 3, 0.5, (0, 1))
+    assert probe.answer() == (200, "ok")
+    workers[1].to(WorkerState.FAILED)
+    workers[1].returncode = 3
+    assert probe.answer() == (503, "rank 1 failed (exit 3)")
+    again, fresh, _ = ranks(2)
+    seen.attach(again, fresh)  # the restart: its ranks run, none has stepped yet
+    assert probe.answer() == (503, "rank 1 failed (exit 3); the next attempt has not trained yet")
+    steps(fresh, clock, 1, 0.5, (0,))
+    assert probe.answer() == (200, "ok")
