@@ -4,7 +4,9 @@ effective training time it projects, beside the 1,000-node detection figure of `
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 from campaign_stats import (
@@ -132,6 +134,27 @@ def overall_rows(res: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def at_scale(path: Path = Path(__file__).parent / "results" / "fate_scale.json") -> str:
+    """The detection part at 1,000 nodes, quoted from ``fate_scale.py``'s committed results (its
+    simulation: one store, 1,000 simulated nodes; not re-run here)."""
+    if not path.exists():
+        return "The 1,000-node detection figure: results/fate_scale.json is missing."
+    found = json.loads(path.read_text())
+    rows = [c for c in found["cases"] if c["nodes"] == 1000 and c["protocol"] == "new"]
+    if not rows:
+        return "The 1,000-node detection figure: no 1000-node row in results/fate_scale.json."
+    c, when = rows[0], found.get("machine_1000", {}).get("date", "?")
+    return (
+        f"Detection at 1,000 nodes (quoted from [fate_scale.md](fate_scale.md), {when}, not re-run: one "
+        f"store, 1,000 simulated nodes on this machine): every node knew of a node's death in "
+        f"{c['death']['median_s']:.2f} s (median; max {c['death']['max_s']:.2f} s) and of a published "
+        f"failure (a rank's exception) in {c['published']['median_s']:.2f} s (max "
+        f"{c['published']['max_s']:.2f} s); {c['aborted_healthy']} of 1000 healthy nodes aborted; store "
+        f"p99 round trip {c['p99_rtt_ms']} ms: compare the detection column of the host and network "
+        "rows above."
+    )
+
+
 def markdown(res: dict[str, Any]) -> str:
     user = res["summary"]["user_restart_s"]
     lines = [
@@ -158,6 +181,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"training at one interruption per {LLAMA_MTBI_S / 3600:.1f} h:",
         "",
         *table(OVERALL, overall_rows(res)),
+        "",
+        at_scale(),
         "",
         "Aims (issue 41), multigpu:",
         "",

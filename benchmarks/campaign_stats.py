@@ -81,24 +81,30 @@ class Lost:
         return None if self.back_t is None else self.back_t - self.stall_t
 
 
-def stall_start(steps: Sequence[Step], fault_t: float, gap: float = STALL_GAP_S) -> float:
+def stall_start(
+    steps: Sequence[Step], fault_t: float, now: float | None = None, gap: float = STALL_GAP_S
+) -> float:
     """When training stopped after ``fault_t``: the last step line before the first pause of ``gap``
-    (the fault's time if the pause began at once, or if there was none: training went on)."""
+    (the fault's time if the pause began at once, or if there was none: training went on). Read at
+    ``now`` (the harness's clock), a silence since the last line that already lasts ``gap`` is that
+    pause too."""
     times = sorted(s.t for s in steps)
     prev = max((t for t in times if t <= fault_t), default=fault_t)
     for t in (t for t in times if t > fault_t):
         if t - max(prev, fault_t) > gap:
             return max(prev, fault_t)
         prev = t
+    if now is not None and now - max(prev, fault_t) > gap:
+        return max(prev, fault_t)
     return fault_t
 
 
-def lost_after(steps: Sequence[Step], fault_t: float) -> Lost:
-    """From the step logs: the stall the fault caused (``stall_start``) and the highest step any rank
-    logged before it; the first step past it that every rank of its round logged after it (a round of W
-    ranks: W hosts logged it), and the time the last of them did; steps rolled back = that highest
-    step, plus one, minus the lowest step logged after the stall (0 when training went straight on)."""
-    stall = stall_start(steps, fault_t)
+def lost_after(steps: Sequence[Step], fault_t: float, now: float | None = None) -> Lost:
+    """From the step logs (read at ``now``): the stall the fault caused (``stall_start``) and the
+    highest step any rank logged before it; when every rank of a round was past that step again
+    (``all_past``); steps rolled back = that highest step, plus one, minus the lowest step logged
+    after the stall (0 when training went straight on)."""
+    stall = stall_start(steps, fault_t, now)
     last = max((s.step for s in steps if s.t <= stall), default=-1)
     after = [s for s in steps if s.t > stall]
     rolled = max(0, last + 1 - min((s.step for s in after), default=last + 1))

@@ -76,7 +76,7 @@ def steady(job: Job, since: float) -> bool:
 def recovered(job: Job, fault_t: float) -> bool:
     """Every rank past its lost step, and no new stall since (a faulted node's rank may train on a
     little before the job stalls)."""
-    back = lost_after(job.steps(), fault_t).back_t
+    back = lost_after(job.steps(), fault_t, time.time()).back_t
     return back is not None and time.time() - back > STALL_GAP_S
 
 
@@ -126,7 +126,7 @@ def observe(job: Job, kind: str, target: str, rec: dict[str, Any]) -> None:
     ok = wait_for(lambda: recovered(job, rec["t"]), max(1.0, BOUND_S - (time.time() - rec["t"])))
     if kind == "hang" and alive(rec["rank_pid"]):
         os.kill(rec["rank_pid"], signal.SIGCONT)  # torchrun: never seen; let the job go on
-    lost = lost_after(job.steps(), rec["t"])
+    lost = lost_after(job.steps(), rec["t"], time.time())
     rec.update(lost_s=lost.lost_s if ok else None, rolled_back=lost.rolled_back)
     rec["stall_after_s"] = lost.stall_t - rec["t"]
     rec["last_step"] = lost.last_step
@@ -184,7 +184,8 @@ def one_fault(job: Job, kind: str, target: str) -> dict[str, Any]:
     observe(job, kind, target, rec)
     if rec["lost_s"] is not None and kind in ("host", "network"):
         rejoin(job, target, rec)
-    if rec["lost_s"] is None:
+    resumed = kind == "hang" and wait_for(lambda: recovered(job, rec["t"]), 10)  # after its SIGCONT
+    if rec["lost_s"] is None and not resumed:
         rec["reset"] = reset(job)
     return rec
 
@@ -276,7 +277,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=41, help="the draw's seed (default 41)")
     parser.add_argument("--launchers", default="multigpu,torchrun")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: a scratch one)")
+    parser.add_argument("--render", type=Path, default=None, help="only write the .md of this .json again")
     args = parser.parse_args()
+    if args.render is not None:
+        found = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(found))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cluster is removed on the way out
     why = available()
     if why is not None:

@@ -94,3 +94,13 @@ def test_the_projection_at_two_and_a_half_hours() -> None:
     assert effective_share(0.0) == 1.0
     assert effective_share(9.0) == pytest.approx(9000 / 9009)
     assert effective_share(30.0, mtbi_s=30.0) == 0.5
+
+
+def test_a_stall_still_going_on_counts_from_its_last_step() -> None:
+    """Read 3 s after a fault (the harness waits that long after a launcher's kill -9 or a store cut)
+    while the faulted node's rank took one more step just after it: the silence since that step is the
+    stall, not a recovery (once read as one, a 6.3 s outage came out as 0.02 s lost)."""
+    log = steps(0, 10, 0.0)
+    lost = lost_after(log, 0.95, now=4.0)
+    assert lost.stall_t == pytest.approx(1.003) and lost.last_step == 10 and lost.back_t is None
+    assert lost_after(log, 0.95, now=1.5).back_t is not None  # too soon to call it a stall
