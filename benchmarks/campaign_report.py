@@ -191,4 +191,7 @@ def markdown(res: dict[str, Any]) -> str:
         "Injections: " + "; ".join(f"{c}: {INJECTION[c]}" for c in MIX) + ".",
         "",
     ]
+    if res.get("notes"):
+        lines += ["Notes (from this run's logs, added to the json after it):", ""]
+        lines += [f"- {n}" for n in res["notes"]] + [""]
     return "\n".join(lines) + "\n"
