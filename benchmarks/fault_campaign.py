@@ -267,6 +267,13 @@ def user_restart_cost(root: Path, runs: int = 3) -> list[float]:
     return out
 
 
+def on_term(*_: object) -> None:
+    """SIGTERM (``timeout``, a CI's cancel): exit through the ``finally`` that removes the cluster, and
+    let no second SIGTERM cut that removal short (``timeout`` signals the process and its group)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(143)
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -283,7 +290,7 @@ def main() -> int:
         found = json.loads(args.render.read_text())
         args.render.with_suffix(".md").write_text(markdown(found))
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cluster is removed on the way out
+    signal.signal(signal.SIGTERM, on_term)
     why = available()
     if why is not None:
         parser.exit(2, f"fault_campaign.py: {why}\n")
