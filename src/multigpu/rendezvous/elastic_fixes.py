@@ -24,6 +24,36 @@ EVICT_AFTER_S = 3.0
 """A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
 CLOSE_WAIT_S = 5.0
 """The longest a launcher waits for torch to close the job's rendezvous on its way out."""
+SYNC_POLL_S = 0.1
+"""How often a node waiting in torch's rendezvous reads the round's state, at most (torch: every 1 s)."""
+POLLS_PER_S = 1000.0
+"""The rendezvous reads the whole job may make of its store per second while nodes wait."""
+
+
+def pace_polls(max_nodes: int) -> float:
+    """Make torch's rendezvous poll its state every ``SYNC_POLL_S`` instead of every second, slower for
+    a bigger job so that its nodes together read at most ``POLLS_PER_S`` times a second (1 s at 1,000
+    nodes, torch's own pace); the poll in seconds, which the handler's state cache must not outlast.
+
+    torch waits for the other nodes of a round by reading the state, which it reuses for 1 s
+    (``cache_duration``), and sleeping 1 s (``_delay(seconds=1)``): each step of a round cost up to a
+    second, 2.0-2.3 s from a rank's death to the next round on three nodes here, the largest share of
+    a restart (issue 41's campaign); with 0.1 s, 0.4-0.5 s. Runs in the launcher, before each round;
+    torch's other delays (the first round's skew) are kept, and a torch without ``_delay`` keeps 1 s."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    torch_rdzv: Any = dynamic_rendezvous  # its private names, as torch 2.1-2.13 have them
+    original = getattr(torch_rdzv, "_multigpu_torch_delay", None) or getattr(torch_rdzv, "_delay", None)
+    if original is None:
+        return 1.0
+    poll = min(1.0, max(SYNC_POLL_S, max_nodes / POLLS_PER_S))
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        original(poll if seconds == 1 else seconds)
+
+    torch_rdzv._multigpu_torch_delay = original
+    torch_rdzv._delay = delay
+    return poll
 
 
 def close_rendezvous(handler: Any) -> None:
@@ -68,6 +98,9 @@ def handler_class() -> Any:
         worker_store: Any = None
 
         def next_rendezvous(self) -> Any:
+            # torch reuses a state read for 1 s (``cache_duration``): as long as a poll, no longer
+            holder: Any = self._state_holder
+            holder._cache_duration = pace_polls(self._settings.max_nodes)
             self._bootstrap_store_info = None
             self._shared_tcp_store_server = None
             self.worker_store = None

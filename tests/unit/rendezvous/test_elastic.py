@@ -114,3 +114,29 @@ def test_closing_the_rendezvous_is_bounded_in_time_and_skipped_when_the_store_fa
     failed = _rendezvous(store_failed=True)
     failed.shutdown(close=True)
     assert failed.handler.closing == 0, "a node whose store failed leaves the rendezvous open"
+
+
+PACE = """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from multigpu.rendezvous.elastic_fixes import pace_polls
+
+    asked = []
+    dr._delay = asked.append  # torch's own delay, as pace_polls finds it
+    assert pace_polls(4) == 0.1
+    dr._delay(1)  # the poll of a node waiting for its round
+    dr._delay((0, 0.3))  # the first round's skew: kept
+    assert pace_polls(5000) == 1.0  # a big job: never faster than torch's own pace
+    dr._delay(1)
+    print(asked)
+"""
+
+
+def test_a_waiting_node_polls_torchs_state_at_a_pace_scaled_by_the_job() -> None:
+    """torch reads a round's state once a second: a restart cost 2 s of polls on three nodes. The
+    poll is 0.1 s for a small job, and no faster than torch's for 1,000 nodes and more."""
+    out = subprocess.run(
+        [PYTHON, "-c", textwrap.dedent(PACE)], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[0.1, (0, 0.3), 1.0]", out.stdout
