@@ -132,7 +132,7 @@ def test_a_rank_slowed_in_bursts_by_a_default_period_quota_is_named(tmp_path: Pa
     out = tmp_path / "out"
     with cpu_group(shares=16384) as fast, cpu_group(cfs_period_us=100000, cfs_quota_us=80000) as slow:
         res = run_cli(
-            ["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), "500"],
+            ["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job), "300"],
             cwd=tmp_path,
             timeout=100,
             env={"TEST_CPU_GROUP_0": str(fast), "TEST_CPU_GROUP_1": str(slow)},
