@@ -22,6 +22,8 @@ bounded there: ``failure_sharing.FateMonitor._timed`` and its deadman); never in
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 import math
@@ -72,7 +74,9 @@ class NodeTimes:
     """Its wall clock less its monotonic clock, when it published (``stamped_offset``)."""
 
     def dumps(self) -> str:
-        return json.dumps([self.node, self.addr, sorted(self.arrivals.items()), self.calls, self.wall])
+        arrivals = [[k, round(t, 6)] for k, t in sorted(self.arrivals.items())]
+        calls = [[n, round(a, 6), round(b, 6)] for n, a, b in self.calls]
+        return json.dumps([self.node, self.addr, arrivals, calls, self.wall])
 
     @classmethod
     def loads(cls, text: str) -> NodeTimes:
@@ -100,10 +104,20 @@ def node_arrivals(entries: Mapping[int, Mapping[int, float]], keep: int = ARRIVA
 def clock_offset(ref: list[ClockCall], other: list[ClockCall]) -> tuple[float, float] | None:
     """(the other clock less the reference's, its uncertainty either way) from both nodes' calls on
     one counter: a call the store answered first began before the later one ended. None until both
-    bounds are known (each node's call has come first at least once)."""
-    upper = min((b1 - a0 for n, a0, _ in ref for m, _, b1 in other if n < m), default=None)
-    lower = max((b0 - a1 for n, _, a1 in ref for m, b0, _ in other if m < n), default=None)
-    if upper is None or lower is None or lower > upper:
+    bounds are known (each node's call has come first at least once). O(n log n): the watcher runs
+    it for every node, every second."""
+    mine = sorted(ref)
+    orders = [n for n, _, _ in mine]
+    began = list(itertools.accumulate((a0 for _, a0, _ in mine), max))  # latest start of calls <= i
+    ended = list(itertools.accumulate((a1 for _, _, a1 in reversed(mine)), min))[::-1]  # earliest end >= i
+    upper, lower = math.inf, -math.inf
+    for m, b0, b1 in other:
+        i = bisect.bisect_left(orders, m)
+        if i > 0:  # ref's calls before this one: it ended after they began
+            upper = min(upper, b1 - began[i - 1])
+        if i < len(mine):  # ref's calls after it: it began before they ended
+            lower = max(lower, b0 - ended[i])
+    if math.isinf(upper) or math.isinf(lower) or lower > upper:
         return None
     return (upper + lower) / 2, (upper - lower) / 2
 
@@ -248,7 +262,12 @@ class JobTiming(JobProgress):
         self._at = began
         try:
             self._publish()
-        except (ValueError, TypeError, KeyError) as exc:  # a record we cannot read: no verdict, no harm
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            ArithmeticError,
+        ) as exc:  # a record we cannot read: no verdict, no harm
             logger.debug(f"node lateness: {exc!r}")
 
     def _publish(self) -> None:

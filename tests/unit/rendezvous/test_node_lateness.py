@@ -156,9 +156,22 @@ def test_a_node_arrives_when_the_median_of_its_ranks_does() -> None:
     assert node_arrivals({}) == {}
 
 
-def test_a_record_reads_back_as_written() -> None:
+def test_a_record_reads_back_as_written_to_the_microsecond() -> None:
     record = job(healthy, nodes=2, count=60)[1]
-    assert NodeTimes.loads(record.dumps()) == record
+    back = NodeTimes.loads(record.dumps())
+    assert (back.node, back.addr, back.wall) == (record.node, record.addr, record.wall)
+    assert back.arrivals == pytest.approx(record.arrivals, abs=1e-6)
+    assert [c[0] for c in back.calls] == [c[0] for c in record.calls]
+    assert [c[1:] for c in back.calls] == [pytest.approx(c[1:], abs=1e-6) for c in record.calls]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_offset_bounds_are_those_of_every_pair_of_calls(seed: int) -> None:
+    """``clock_offset`` sorts once; the bounds are those of the definition, pair by pair."""
+    ref, other = (r.calls for r in job(healthy, nodes=2, count=200, seed=seed))
+    upper = min(b1 - a0 for n, a0, _ in ref for m, _, b1 in other if n < m)
+    lower = max(b0 - a1 for n, _, a1 in ref for m, b0, _ in other if m < n)
+    assert clock_offset(ref, other) == pytest.approx(((upper + lower) / 2, (upper - lower) / 2))
 
 
 # ---- two nodes through a real store ------------------------------------------------------------------
