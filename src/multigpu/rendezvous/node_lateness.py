@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from multigpu.config.run import RendezvousConfig
 from multigpu.rendezvous.elastic import local_address
+from multigpu.rendezvous.failure_sharing import lost_the_store
 from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.hangs.lateness import Lateness, lateness
@@ -52,6 +54,10 @@ CALLS = 64
 LINK_GAP_S, LINK_RATIO = 0.02, 5.0
 """A link is slow when its node's round trips to the store take this much longer than the other
 nodes' (median) and this many times as long: a loaded machine's jitter is neither."""
+MIN_CALLS = 5
+"""A node's round trips are compared once it has made this many clock calls (its first are slower)."""
+STOP_WAIT_S = 1.0
+"""How long the attempt's end waits for a call of ours in flight (a slow link's round trip or two)."""
 MAX_NODES = 64
 """The watcher compares at most this many nodes (its reads grow with the job)."""
 STAMPED_ERROR_S = 0.002
@@ -186,7 +192,7 @@ def _slow_line(record: NodeTimes, judged: Lateness, late: float) -> str:
 
 def _links(records: list[NodeTimes], link_gap: float) -> list[Finding]:
     """The nodes whose round trips to the store are far above the other nodes' (median)."""
-    rtts = {r.node: rtt for r in records if (rtt := r.rtt()) is not None}
+    rtts = {r.node: rtt for r in records if len(r.calls) >= MIN_CALLS and (rtt := r.rtt()) is not None}
     found = []
     for r in records:
         others = [t for n, t in rtts.items() if n != r.node]
@@ -197,7 +203,7 @@ def _links(records: list[NodeTimes], link_gap: float) -> list[Finding]:
         if mine - usual >= link_gap and mine >= LINK_RATIO * usual:
             line = (
                 f"node {r.node} ({r.addr}) has a slow link: its round trips to the job's store take "
-                f"{mine * 1e3:.0f} ms against {usual * 1e3:.1f} ms on the other nodes (median of the "
+                f"{mine * 1e3:.0f} ms against {usual * 1e3:.2g} ms on the other nodes (median of the "
                 f"last {len(r.calls)}); the collectives wait for its data"
             )
             found.append(Finding(r.node, r.addr, "link", line))
@@ -244,49 +250,57 @@ class JobTiming(JobProgress):
         self.calls: deque[ClockCall] = deque(maxlen=CALLS)
         self.slow = SlowNodes(book.policy.straggler_threshold)
         self._at = -math.inf
-        self._said = self._seq = 0
+        self._said = 0
         self._seen: set[int] = set()
-        self._members: list[int] = []
+        self._stopped = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def stop(self) -> None:
+        """The attempt ends: no more calls of ours on the beat thread, and the one in flight (over a
+        slow link, a round trip or two) answered first, bounded: a daemon thread still inside torch's
+        store client when the launcher exits aborts it. Runs on the launcher's main thread."""
+        self._stopped = True
+        if not lost_the_store(self.job):  # a call over a dead link is not waited for
+            self._idle.wait(STOP_WAIT_S)
 
     def share(self, add: Callable[[int], int]) -> None:
         """Called once per fate beat (``FateMonitor._share_progress``): progress, a clock call, and
         every ``PUBLISH_S`` the record out and the verdict in."""
         super().share(add)
-        if self.slow.threshold <= 0:
+        if self.slow.threshold <= 0 or self._stopped:
             return
-        began = self.clock()
-        order = int(self.job.store.add(self.job.key("clock"), 1))
-        self.calls.append((order, began, self.clock()))
-        if began - self._at < PUBLISH_S:
-            return
-        self._at = began
+        self._idle.clear()
         try:
-            self._publish()
-        except (
-            ValueError,
-            TypeError,
-            KeyError,
-            ArithmeticError,
-        ) as exc:  # a record we cannot read: no verdict, no harm
-            logger.debug(f"node lateness: {exc!r}")
+            began = self.clock()
+            order = int(self.job.store.add(self.job.key("clock"), 1))
+            self.calls.append((order, began, self.clock()))
+            if began - self._at >= PUBLISH_S and not self._stopped:
+                self._at = began
+                self._publish()
+        except (ValueError, TypeError, KeyError, ArithmeticError) as exc:  # a record we cannot read
+            logger.debug(f"node lateness: {exc!r}")  # no verdict, no harm
+        finally:
+            self._idle.set()
 
     def _publish(self) -> None:
         entries = self.book.stragglers.lateness.entries
         wall = self.wall() - self.clock()
         own = NodeTimes(self.job.node, self.addr, node_arrivals(entries), list(self.calls), wall)
         self.job.store.set(self.job.key("timing", own.node), own.dumps())
+        if self._stopped:
+            return
         if self.job.is_watcher:
             line = self.slow.judge([own, *self._others(own.node)], own.node)
             if line is not None:
-                self._seq += 1
-                self.job.store.set(self.job.key("slow"), json.dumps([self._seq, line]))
-        self._hear()
+                self.job.store.set(self.job.key("slow"), line)
+                self.job.store.add(self.job.key("slow_seq"), 1)
+        if not self._stopped:
+            self._hear()
 
     def _others(self, me: int) -> list[NodeTimes]:
         """The other nodes' latest records (those that have published one; a read never waits)."""
-        if not self._members:  # the attempt's membership: read once every node has joined
-            self._members = sorted(set(self.job.members().values()) - {me})[:MAX_NODES]
-        nodes = self._members
+        nodes = sorted(set(self.job.members().values()) - {me})[:MAX_NODES]  # a slow node joins late
         for node in nodes:
             if node not in self._seen and self.job.store.check([self.job.key("timing", node)]):
                 self._seen.add(node)
@@ -297,14 +311,12 @@ class JobTiming(JobProgress):
         return [NodeTimes.loads(bytes(v).decode()) for v in values]
 
     def _hear(self) -> None:
-        """The watcher's latest verdict, logged once on this node."""
-        key = self.job.key("slow")
-        if not self.job.store.check([key]):
-            return
-        seq, line = json.loads(bytes(self.job.store.get(key)).decode())
-        if int(seq) > self._said:
-            self._said = int(seq)
-            logger.info(str(line))
+        """The watcher's latest verdict, logged once on this node: one call (its count, which never
+        waits) unless there is a new one."""
+        seq = int(self.job.store.add(self.job.key("slow_seq"), 0))
+        if seq > self._said:
+            self._said = seq
+            logger.info(bytes(self.job.store.get(self.job.key("slow"))).decode())
 
 
 def node_address(config: RendezvousConfig) -> str:

@@ -249,7 +249,8 @@ def _fate_monitor(
     if job is None:
         return None
     monitor = FateMonitor(job, _on_remote(supervisor, job))
-    monitor.progress = JobTiming(supervisor.progress, job, node_address(config.rdzv))
+    monitor.progress = timing = JobTiming(supervisor.progress, job, node_address(config.rdzv))
     monitor.start()
     stack.callback(monitor.stop)
+    stack.callback(timing.stop)  # first: no more of its calls while the monitor stops
     return monitor
