@@ -30,7 +30,7 @@ def said(job: Job, name: str, text: str) -> list[str]:
 
 
 def test_a_slow_link_is_named_on_every_node_while_the_job_runs(slow_b: Job) -> None:
-    slow_b.train("ABC", steps=120)
+    slow_b.train("ABC", steps=100)
     began = time.monotonic()
     deadline = began + 150
     while time.monotonic() < deadline:
