@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-run() { "$py" -m pytest tests -m matrix -p no:cacheprovider -q "$@"; }
+run() { "$py" -m pytest tests -m matrix -p no:cacheprovider -q --durations=12 "$@"; }
 # The quiet half: three at once (its cells wait on their steps and rendezvous as much as they compute);
 # the loaded half: two at once, beside the two hogs.
 run -n 3 -k "not load" "$@"; quiet=$?

@@ -122,11 +122,15 @@ def _check_endpoint(endpoint: Endpoint | None, world_size: int, nproc: int) -> N
 
 def apply_layout(config: RunConfig, values: LayoutOptions, env: Mapping[str, str]) -> RunConfig:
     """Fill base rank, world size, node rank, endpoint and run id; explicit options always win."""
-    if config.rdzv.backend == "c10d":
+    if config.rdzv.backend in ("c10d", "etcd-v2"):
         elastic = _elastic_layout(config, values)
         if elastic is not None:
             return elastic
         values = dataclasses.replace(values, nnodes=None, node_rank=None)
+        if config.rdzv.members:  # one node needs no etcd: it is an ordinary one-machine job
+            config = dataclasses.replace(
+                config, rdzv=dataclasses.replace(config.rdzv, endpoint=None, members=())
+            )
     base_rank = _opt_int(values.base_rank, "--base-rank", 0)
     world_size = _opt_int(values.world_size, "--world-size", 1)
     nnodes = _opt_int(values.nnodes, "--nnodes", 1)

@@ -169,6 +169,18 @@ class OurOptions:
         "live status view: auto (on a terminal), on, off",
         choices=("auto", "on", "off"),
     )
+    metrics_port: str | None = _text(
+        ("--metrics-port",),
+        "[HOST:]PORT",
+        "serve Prometheus metrics at /metrics on PORT of every node's launcher for the whole run, on "
+        "loopback unless HOST is given (0: a free port, printed); needs pip install 'multigpu[metrics]'",
+    )
+    steps: str | None = _text(
+        ("--steps",),
+        "N",
+        "the job's step count, as multigpu.heartbeat(step=...) counts: the live view and "
+        "'multigpu status' show its progress and ETA",
+    )
     # -- preemption and requeue
     preempt_signal: str | None = _text(
         ("--preempt-signal",),
@@ -208,7 +220,7 @@ class TorchrunOptions:
     nnodes: str | None = _text(
         ("--nnodes",),
         "N|MIN:MAX",
-        "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d)",
+        "node count, or an elastic range (MIN:MAX needs --rdzv-backend c10d or etcd-v2)",
         torchrun=True,
     )
     nproc_per_node: str | None = _text(
@@ -220,7 +232,10 @@ class TorchrunOptions:
         torchrun=True,
     )
     rdzv_backend: str | None = _text(
-        _both("rdzv-backend"), "NAME", "static (default) or c10d; etcd/etcd-v2 are refused", torchrun=True
+        _both("rdzv-backend"),
+        "NAME",
+        "static (default), c10d, or etcd-v2 (also 'etcd'; --rdzv-endpoint lists the etcd members)",
+        torchrun=True,
     )
     rdzv_endpoint: str | None = _text(
         _both("rdzv-endpoint"),

@@ -11,6 +11,7 @@ static file, no script and nothing fetched from a network, with a per-rank timel
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 
 from multigpu.cli.run_parser import Parser
 from multigpu.contract.errors import MultiGPUError, UsageError
+from multigpu.function.run_history import runs_root
 from multigpu.record.report_page import find_run, page, table
 from multigpu.record.run_json import LOST, read_fate
 
@@ -30,10 +32,14 @@ def read_runs(prog: str, description: str, argv: Sequence[str]) -> list[tuple[Pa
     mistake or a record that cannot be read is one line, never a traceback."""
     parser = Parser(prog=prog, description=description)
     parser.add_argument(
-        "run_dir", nargs="?", help="a run's output folder (default: the newest under ./multigpu_runs)"
+        "run_dir",
+        nargs="?",
+        help="a run's output folder (default: the newest under ./multigpu_runs, or among multigpu.launch's "
+        "runs in ~/.cache/multigpu/runs)",
     )
     runs = []
-    for path in find_run(parser.parse_args(argv).run_dir):
+    roots = (Path("multigpu_runs"), runs_root(os.environ))
+    for path in find_run(parser.parse_args(argv).run_dir, roots):
         try:
             data = json.loads(path.read_text())
         except OSError as exc:

@@ -46,6 +46,7 @@ from multigpu.contract.environment import Device, usable_cpu_count
 from multigpu.contract.errors import UsageError
 from multigpu.contract.names import DEBUG_SERVER_ENV, DEBUG_TOKEN_ENV
 from multigpu.contract.values import integer, module_names, number, seconds
+from multigpu.observe.serving import metrics_endpoint
 
 
 def _choose_devices(
@@ -218,9 +219,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
                 values.straggler_threshold, "--straggler-threshold", 0, " (a share of the step, 0: off)"
             ),
         ),
-        output=OutputConfig(
-            dir=Path(values.output) if values.output else None, run_id=values.run_id, status=status
-        ),
+        output=_output(values, status),
         start=StartConfig(run_mode=run_mode),
     )
     config = apply_torchrun_options(config, values)
@@ -230,8 +229,21 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     config = _apply_template(config, values)
     config = _apply_preflight(config, values)
     config = _apply_debug_server(config, values.debug_server, env)
+    if values.metrics_port is not None:
+        where = metrics_endpoint(values.metrics_port)
+        config = dataclasses.replace(config, output=dataclasses.replace(config.output, metrics=where))
     _check_target(script, module, run_mode)  # last: a wrong option is named before a missing file
     return config, note
+
+
+def _output(values: RunOptions, status: LiveView) -> OutputConfig:
+    """--output, --run-id, --status and --steps (the job's step count, for its ETA)."""
+    return OutputConfig(
+        dir=Path(values.output) if values.output else None,
+        run_id=values.run_id,
+        status=status,
+        steps=integer(values.steps, "--steps", 1) if values.steps else None,
+    )
 
 
 def _our_values(values: RunOptions) -> tuple[float, float | None, int, LiveView, float, float]:

@@ -19,6 +19,7 @@ from multigpu.config.run import RendezvousConfig, RunConfig, StartConfig
 from multigpu.config.streams import StdStreams
 from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer, seconds
+from multigpu.rendezvous import etcd
 from multigpu.rendezvous.elastic import settings_from
 
 
@@ -29,15 +30,21 @@ def _rdzv_conf(text: str | None) -> dict[str, str]:
 
 
 def _backend(values: RunOptions) -> str:
+    """The backend's name; torchrun's ``etcd`` and ``etcd-v2`` both run torch's etcd-v2 backend."""
     backend = (values.rdzv_backend or RendezvousConfig.backend).strip().lower()
-    if backend in ("etcd", "etcd-v2"):
-        raise UsageError(
-            f"--rdzv-backend {backend} is not supported; use --rdzv-backend c10d "
-            "(torch's TCP store, no etcd server needed)"
-        )
+    if backend in etcd.BACKENDS:
+        return "etcd-v2"
     if backend not in ("static", "c10d"):
-        raise UsageError(f"--rdzv-backend must be static or c10d, got {backend!r}")
+        raise UsageError(f"--rdzv-backend must be static, c10d or etcd-v2, got {backend!r}")
     return backend
+
+
+def _etcd_members(values: RunOptions, conf: dict[str, str]) -> tuple[Endpoint, ...]:
+    """``--rdzv-endpoint H1:P1,H2:P2,...``: the etcd members (torch's parser takes one)."""
+    if not values.rdzv_endpoint:
+        raise UsageError("--rdzv-backend etcd-v2 needs --rdzv-endpoint with the etcd members, HOST:PORT,...")
+    etcd.etcd_settings(conf)  # a bad protocol or certificate pair is a usage error now
+    return etcd.parse_members(values.rdzv_endpoint)
 
 
 def _endpoint(values: RunOptions, backend: str, max_nodes: int) -> Endpoint | None:
@@ -62,14 +69,16 @@ def rendezvous_settings(config: RunConfig, values: RunOptions) -> RunConfig:
     backend = _backend(values)
     min_nodes, max_nodes = options.parse_nnodes(values.nnodes) if values.nnodes else (None, None)
     conf = _rdzv_conf(values.rdzv_conf)
-    endpoint = _endpoint(values, backend, max_nodes or 1)
+    members = _etcd_members(values, conf) if backend == "etcd-v2" else ()
+    endpoint = members[0] if members else _endpoint(values, backend, max_nodes or 1)
     if values.standalone:
         if (max_nodes or 1) > 1:
             raise UsageError(f"--standalone is one node; drop --nnodes {values.nnodes}")
-        backend, endpoint, min_nodes, max_nodes = "c10d", None, 1, 1
+        backend, endpoint, members, min_nodes, max_nodes = "c10d", None, (), 1, 1
     if min_nodes != max_nodes and backend == "static":
         raise UsageError(f"--nnodes {values.nnodes} is an elastic range: it needs --rdzv-backend c10d")
-    timeout = values.rdzv_timeout or conf.get("join_timeout")
+    # torch's etcd backend names its join timeout ``timeout``
+    timeout = values.rdzv_timeout or conf.get("join_timeout") or (conf.get("timeout") if members else None)
     rdzv = dataclasses.replace(
         config.rdzv,
         backend=backend,
@@ -77,6 +86,7 @@ def rendezvous_settings(config: RunConfig, values: RunOptions) -> RunConfig:
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         endpoint=endpoint,
+        members=members,
         timeout=seconds(timeout, "--rdzv-timeout", positive=True) if timeout else RendezvousConfig.timeout,
         allow_mismatch=bool(values.allow_mismatch),
     )

@@ -38,7 +38,9 @@ class RendezvousConfig:
     """Where and how the nodes of the job meet (torchrun's ``--rdzv-*`` options)."""
 
     endpoint: Endpoint | None = None
-    """None: a store on 127.0.0.1, port chosen by the kernel."""
+    """None: a store on 127.0.0.1, port chosen by the kernel. With etcd: its first member."""
+    members: tuple[Endpoint, ...] = ()
+    """The etcd cluster's members (``--rdzv-backend etcd-v2``), as ``--rdzv-endpoint`` lists them."""
     timeout: float = 600.0
     """How long nodes wait for each other (``--rdzv-timeout``; function mode's ``rdzv_timeout``)."""
     backend: str = "static"
@@ -88,6 +90,9 @@ class OutputConfig:
     log_ranks: frozenset[int] | None = None
     """Global ranks shown on the console (``--log-ranks``); None: all."""
     status: LiveView = "auto"
+    steps: int | None = None
+    """``--steps``: the job's step count (as ``multigpu.heartbeat(step=N)`` counts), for its progress
+    and ETA in the live view, ``multigpu status`` and the run's ledger; None: the step alone."""
     log_dir: Path | None = None
     """torchrun's ``--log-dir``: its per-local-rank files are written there too."""
     redirects: StdStreams = field(default_factory=StdStreams)
@@ -96,6 +101,8 @@ class OutputConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     logs_specs: str | None = None
+    metrics: Endpoint | None = None
+    """``--metrics-port``: where this node's launcher serves Prometheus's ``/metrics``; None: off."""
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,19 @@ class Warm(Generic[T]):
 
     def get_or_start(self, start: Callable[[], T], usable: Callable[[T], bool] = _always) -> T:
         """The one held if ``usable``; else that one (if any) is ended, and ``start()``'s is held and
-        returned. An error of ``start`` reaches the caller and leaves the slot empty."""
+        returned. An error of ``start`` reaches the caller and leaves the slot empty; one held whose
+        ``usable`` raises is ended, not dropped (a process no one holds would run on)."""
         with self._lock:
             held, self._held = self._held, None
-            if held is not None and usable(held):
-                self._held = held
-                return held
             if held is not None:
+                try:
+                    keep = usable(held)
+                except BaseException:
+                    self._end(held)
+                    raise
+                if keep:
+                    self._held = held
+                    return held
                 self._end(held)
             self._held = start()
             return self._held

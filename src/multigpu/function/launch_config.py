@@ -28,6 +28,7 @@ from multigpu.contract.environment import Device
 from multigpu.contract.errors import UsageError
 from multigpu.contract.values import integer, module_names, number, seconds
 from multigpu.function.run_history import default_output
+from multigpu.observe.serving import metrics_endpoint
 from multigpu.record.folder import check_run_id, resolve_output
 
 OPTIONS: dict[str, tuple[str, str]] = {
@@ -41,6 +42,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "output": ("output", "dir"),
     "run_id": ("output", "run_id"),
     "log_ranks": ("output", "log_ranks"),
+    "metrics_port": ("output", "metrics"),
+    "steps": ("output", "steps"),
 }
 """Each option's Python name and the (section, field) of ``RunConfig`` that holds it."""
 
@@ -94,6 +97,8 @@ _PARSE: dict[str, Callable[[Any, str], Any]] = {
     "output": _output,
     "run_id": lambda v, name: check_run_id(_text(v, name), name),
     "log_ranks": _ranks,
+    "metrics_port": lambda v, name: metrics_endpoint(_text(v, name), name),
+    "steps": lambda v, name: integer(_text(v, name), name, 1),
 }
 """Each option checked by the parser ``multigpu run`` checks its flag with (``contract/values``, the run
 id's ``record/folder.check_run_id``), so a wrong value is one ``UsageError`` in the caller before

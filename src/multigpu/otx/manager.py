@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -46,6 +47,8 @@ from multigpu.rendezvous.failure_sharing import finish_job, mark_done, serve_unt
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on
 from multigpu.runner.specs import AttemptContext, build_specs
 from multigpu.runner.static_join import rendezvous
+
+logger = logging.getLogger(__name__)
 
 dist_timeout_s = fm.dist_timeout_s
 TIMEOUT_ENV = fm.TIMEOUT_ENV
@@ -272,7 +275,7 @@ class MultiGPUManager:
             self._children.stop()  # rank 0 itself failed: stop the children now
         error = self._delivery.error
         if error is not None and not isinstance(exc, WorkerFailedError):
-            print(f"multigpu: root cause: {error}", file=sys.stderr, flush=True)
+            logger.error("root cause: %s", error)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Stop the children, then chain to whatever handler was there before."""

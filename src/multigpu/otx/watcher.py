@@ -10,9 +10,9 @@ exits; a peer that died of a signal first is the likelier root cause and is name
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -25,6 +25,8 @@ from multigpu.rendezvous.job import JobStore
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 class ChildWatcher:
@@ -97,11 +99,7 @@ class ChildWatcher:
             self._watch_children()
         except BaseException as exc:  # kept: finalize() must not read this as success
             self.crash = exc
-            print(
-                f"multigpu: the supervisor thread crashed: {exc!r}; finalize() will raise",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.error("the supervisor thread crashed: %r; finalize() will raise", exc)
 
     def _watch_children(self) -> None:
         supervisor = self.supervisor
@@ -116,7 +114,7 @@ class ChildWatcher:
         root = result.root_cause
         assert root is not None
         self.delivery.deliver(WorkerFailedError(root, result.failures[1:]))  # unless announced already
-        print(f"multigpu: {root.describe()}; stopping the other ranks", file=sys.stderr, flush=True)
+        logger.error("%s; stopping the other ranks", root.describe())
         supervisor.close(dump_stacks=True)
 
 

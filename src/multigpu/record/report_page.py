@@ -9,12 +9,13 @@ rank was a straggler.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from multigpu.contract.errors import UsageError
 from multigpu.record.incidents import PHASES, phase_seconds
+from multigpu.record.ledger import ledger_line
 
 COLOURS = {
     "succeeded": "#2e7d32",
@@ -35,20 +36,22 @@ def run_records(folder: Path) -> list[Path]:
     return sorted(folder.glob("run_node*.json"), key=lambda p: (len(p.name), p.name))
 
 
-def find_run(arg: str | None) -> list[Path]:
-    """The records of the run folder asked for, or of the newest under ./multigpu_runs; a UsageError
-    naming what is missing."""
+def find_run(arg: str | None, roots: Sequence[Path] = (Path("multigpu_runs"),)) -> list[Path]:
+    """The records of the run folder asked for, or of the newest run under any of ``roots`` (``multigpu
+    run``'s ./multigpu_runs, and the cache folder where ``multigpu.launch`` keeps its runs); a
+    UsageError naming what is missing."""
     if arg is not None:
         records = run_records(Path(arg))
         if not records:
             raise UsageError(f"{arg}: no run.json there; give a run's output folder")
         return records
     runs = sorted(
-        (p for p in Path("multigpu_runs").glob("*/run*.json") if run_records(p.parent)),
+        (p for root in roots for p in root.glob("*/run*.json") if run_records(p.parent)),
         key=lambda p: p.stat().st_mtime,
     )
     if not runs:
-        raise UsageError("no run under ./multigpu_runs; give a run's output folder")
+        where = " or ".join(str(root) if root.is_absolute() else f"./{root}" for root in roots)
+        raise UsageError(f"no run under {where}; give a run's output folder")
     return run_records(runs[-1].parent)
 
 
@@ -62,14 +65,16 @@ def table(data: dict[str, Any]) -> list[str]:
         f"run {data['run_id']}: {data['status']}, {len(data['attempts'])} attempt(s), "
         f"{len(items)} incident(s)"
     ]
-    if not items:
-        return lines
-    head = ["attempt", *(name for _, _, name in PHASES), "what"]
-    rows = [[str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"]] for i in items]
-    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
-    for row in [head, *rows]:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
-    return lines
+    if items:
+        head = ["attempt", *(name for _, _, name in PHASES), "what"]
+        rows = [[str(i["attempt"]), *map(seconds_text, phase_seconds(i)), i["what"]] for i in items]
+        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head) - 1)]
+        for row in [head, *rows]:
+            lines.append(
+                "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+            )
+    spent = ledger_line(data.get("ledger") or {})  # where the time went, after the incidents
+    return lines if spent is None else [*lines, spent]
 
 
 def timeline_svg(data: dict[str, Any]) -> str:
@@ -150,6 +155,24 @@ def _straggling(
     return bands
 
 
+def ledger_html(data: dict[str, Any]) -> str:
+    """Where the time went: effective training time as a percentage, then every cause that took any."""
+    ledger = data.get("ledger") or {}
+    seconds, wall = ledger.get("seconds"), ledger.get("wall_seconds")
+    if not isinstance(seconds, dict) or not isinstance(wall, (int, float)) or wall <= 0:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(cause)}</td><td>{value:.1f}s</td><td>{100 * value / wall:.1f}%</td></tr>"
+        for cause, value in sorted(seconds.items(), key=lambda item: -item[1])
+        if value > 0
+    )
+    return (
+        f"<h2>where the time went</h2><p class='goodput'>effective training time: "
+        f"{ledger.get('effective_training_percent')}% of {wall:.1f}s</p>"
+        f"<table><tr><th>cause</th><th>time</th><th>share</th></tr>{rows}</table>"
+    )
+
+
 def page(data: dict[str, Any]) -> str:
     head = "".join(f"<th>{name}</th>" for name in ("attempt", *(n for _, _, n in PHASES), "what"))
     rows = "".join(
@@ -166,5 +189,5 @@ def page(data: dict[str, Any]) -> str:
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>multigpu run {run}</title>"
         f"<style>{style}</style></head><body><h1>run {run}: {html.escape(data['status'])}</h1>"
-        f"{timeline_svg(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n"
+        f"{timeline_svg(data)}{ledger_html(data)}<h2>incidents</h2><table><tr>{head}</tr>{rows}</table></body></html>\n"
     )

@@ -28,6 +28,7 @@ from multigpu.contract.files import open_existing, temporary_beside
 from multigpu.contract.signals import signal_name
 from multigpu.record import incidents
 from multigpu.record.failure_report import rank_reason
+from multigpu.record.ledger import Ledger
 from multigpu.supervisor.states import RunResult, RunStatus, Worker
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class RunRecord:
             "incidents": [],
             "launcher": launcher_identity(),
         }
+        self.ledger = Ledger(self.data["start_time"], total_steps=config.output.steps)
+        """Where the run's time went (``ledger.py``), kept in run.json as ``ledger``."""
         self._write_error: str | None = None
         self._created = False
         self.stop_signal: int | None = None
@@ -156,7 +159,9 @@ class RunRecord:
             ) from None
 
     def begin_attempt(self, attempt: int, master_addr: str, master_port: int) -> None:
-        incidents.next_attempt_began(self.data["incidents"], time.time())
+        now = time.time()
+        incidents.next_attempt_began(self.data["incidents"], now)
+        self.ledger.attempt_began(now)
         self.data["status"] = "running"
         self.data["config"]["rdzv"]["endpoint"] = f"{master_addr}:{master_port}"  # the port bound
         self.data["attempts"].append(
@@ -206,6 +211,9 @@ class RunRecord:
         if self.data["attempts"]:
             self.data["attempts"][-1]["progress"] = progress
             incidents.progress_seen(self.data["incidents"], progress)
+            firsts = [t for p in progress.values() if (t := p.get("first_step_time")) is not None]
+            if firsts:
+                self.ledger.first_step(min(firsts))
             self.write()
 
     def end_attempt(self, result: RunResult) -> None:
@@ -216,9 +224,11 @@ class RunRecord:
             attempt["signal"] = signal_name(result.signal) if result.signal else None
         attempt["failures"] = [f.to_dict() for f in result.failures]
         attempt["root_cause"] = result.root_cause.to_dict() if result.root_cause else None
-        found = incidents.incident(attempt["attempt"], result, time.time())
+        now = time.time()
+        found = incidents.incident(attempt["attempt"], result, now)
         if found is not None:
             self.data["incidents"].append(found)
+        self.ledger.attempt_ended(found, now)
         self.write()
 
     def note_preflight(self, entry: dict[str, Any]) -> None:
@@ -238,11 +248,13 @@ class RunRecord:
             if attempts[-1]["status"] == "running":
                 attempts[-1]["status"] = status
         self.data.update(status=status, exit_code=exit_code, end_time=time.time())
+        self.ledger.finish(self.data["end_time"], (self.data.get("preemption") or {}).get("time"))
         if self.stop_signal is not None:
             self.data["signal"] = signal_name(self.stop_signal)
         self.write()
 
     def write(self) -> None:
+        self.data["ledger"] = self.ledger.summary()
         try:
             atomic_write_json(self.path, with_utc_times(self.data))
         except OSError as exc:

@@ -26,6 +26,7 @@ from multigpu.config.run import RendezvousConfig, RunConfig
 from multigpu.contract.errors import Interrupted, RendezvousError, UsageError
 from multigpu.contract.values import integer, seconds
 from multigpu.rendezvous.elastic_fixes import Liveness, close_rendezvous, handler_class
+from multigpu.rendezvous.etcd import describe, rendezvous_backend
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
 from multigpu.rendezvous.round_wait import RoundWait
@@ -38,7 +39,7 @@ WATCHER_KEY = "multigpu/watcher"
 
 
 def is_elastic(config: RunConfig) -> bool:
-    return config.rdzv.backend == "c10d" and (config.rdzv.max_nodes or 0) > 1
+    return config.rdzv.backend in ("c10d", "etcd-v2") and (config.rdzv.max_nodes or 0) > 1
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,10 @@ class ElasticRendezvous:
         self.store_failed = False
         """A rendezvous call failed on the store: this node lost the job, the others may not have."""
         self.addr = local_address(rdzv.endpoint)
-        self.backend = C10dRendezvousBackend(store, run_id)
+        # etcd's store carries its client: torch's etcd-v2 backend keeps the state beside it
+        self.backend = (
+            rendezvous_backend(store, run_id) if rdzv.members else C10dRendezvousBackend(store, run_id)
+        )
         timeout = RendezvousTimeout(
             join=timedelta(seconds=settings.join_timeout),
             last_call=timedelta(seconds=settings.last_call_timeout),
@@ -219,7 +223,7 @@ class ElasticRendezvous:
         # The launcher that serves the store evicts; with the store elsewhere (``multigpu store``,
         # ``is_host=false``) no launcher serves it, and every one evicts (aging a silent node's
         # keep-alive is the same act whoever does it): else a lost node held the next round 15 s.
-        evicts = hosted or settings.is_host is False
+        evicts = hosted or settings.is_host is False or bool(rdzv.members)  # etcd: nobody serves it
         self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=evicts)
         self.liveness.start()
 
@@ -237,7 +241,7 @@ class ElasticRendezvous:
     def _next_rendezvous(self) -> Any:
         from torch.distributed.elastic.rendezvous import api
 
-        where = self.config.rdzv.endpoint
+        where = describe(self.config.rdzv.members) if self.config.rdzv.members else self.config.rdzv.endpoint
         lost_s = self.settings.keep_alive_interval * self.settings.keep_alive_max_attempt  # torch's rule
         wait = RoundWait(self.backend, self.config, self.settings.join_timeout, (self.liveness, lost_s))
         try:

@@ -77,6 +77,15 @@ def handler_class() -> Any:
             self.worker_store = serve_store_on(bind_store_socket(Endpoint(master_addr, 0)), master_addr)
             return self.worker_store
 
+        def _wrap_store(self, store: Any) -> Any:
+            """The round's keys: a store of ours that has its own prefix view (etcd's) gives it, the
+            same keys as torch's ``PrefixStore`` but every call in Python."""
+            if hasattr(store, "prefixed"):
+                return store.prefixed(
+                    f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
+                )
+            return super()._wrap_store(store)
+
     return ElasticHandler
 
 

@@ -170,11 +170,11 @@ class FateMonitor:
         return self.verdict
 
     def _lost_store(self, exc: BaseException) -> None:
-        """A store call failed: the store's host is gone (``StoreLostError``); anything else a store
-        call raises is noted in the node's log and taken as the same loss (the job cannot go on)."""
+        """A store call failed: the store's host is gone (``StoreLostError``; etcd's says why); anything
+        else a store call raises is noted in the node's log and taken as the same loss."""
         if not isinstance(exc, StoreLostError):
             STORE_NOTES.note("call", exc)
-        self._fire(store_lost(host=self.job.store_host))
+        self._fire(store_lost(getattr(exc, "why", None), host=self.job.store_host))
 
     def _deadman(self) -> None:
         """A store call over a cut link blocks without a time-out; notice that from outside the call.

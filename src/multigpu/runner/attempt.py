@@ -19,6 +19,7 @@ from multigpu.console.ranks import PrefixedConsole
 from multigpu.console.writer import Console
 from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
+from multigpu.observe.watched import Watched
 from multigpu.record.failure_report import plain_summary
 from multigpu.record.run_json import RunRecord, complete_error_files
 from multigpu.rendezvous.failure_sharing import (
@@ -68,6 +69,8 @@ class Run:
     console: Console = field(default_factory=Console)
     """The run's console (``launch``'s writer): the ranks' lines, the live view and the summary go
     through it; without a writer they go straight to stderr."""
+    watched: Watched | None = None
+    """What ``/metrics`` and ``/healthz`` read (``observe/``), when the run serves either."""
 
 
 def exit_code(result: RunResult) -> int:
@@ -201,8 +204,11 @@ def run_attempt(
             progress=progress_book(config, run.record.path.parent, specs),
         )
         stack.callback(supervisor.close)
+        run.record.ledger.watch(supervisor.progress)
+        if run.watched is not None:
+            run.watched.attach(supervisor.workers, supervisor.progress)
         if live is not None:
-            live.workers = supervisor.workers
+            live.workers, live.book = supervisor.workers, supervisor.progress
             stack.enter_context(live)
         preempt = run.watch
         stack.enter_context(

@@ -28,8 +28,10 @@ from multigpu.contract.exitcodes import EXIT_CRASH_LOOP
 from multigpu.contract.failure import FailureKind
 from multigpu.contract.names import DEBUG_SOCKETS_ENV, PREVIOUS_OUTPUT_ENV, RESUMED_ENV
 from multigpu.contract.prctl import set_child_subreaper
+from multigpu.observe.serving import observed
 from multigpu.record.failure_report import format_report
 from multigpu.record.folder import check_run_id, claim_output, raise_open_file_limit, resolve_output
+from multigpu.record.ledger import ledger_line
 from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import serve_until_all_done
@@ -152,14 +154,17 @@ def run_attempts(run: Run) -> int:
         auto=config.rdzv.preflight == "auto",
     )
     try:
-        while True:
-            meeting = run.members.meet()
-            if preflight.due(meeting) and not preflight.check(meeting, run.members.spawner):
-                continue  # a slow node left the elastic round: the others meet again without it
-            result, workers = _attempt(run, meeting)
-            code = _verdict(run, meeting, result, workers, policy)
-            if code is not None:
-                return code
+        lost = record.ledger.lost_seconds
+        with observed(config, run.base_env, record.data, run.members.run_id, lost) as run.watched:
+            while True:
+                meeting = _meet(run, preflight)
+                if meeting is None:
+                    continue  # a slow node left the elastic round: the others meet again without it
+                result, workers = _attempt(run, meeting)
+                code = _verdict(run, meeting, result, workers, policy)
+                if code is not None:
+                    _say_ledger(record)
+                    return code
     except BaseException as exc:  # whatever ended it, run.json does not stay "running"
         code = exc.launcher_exit if isinstance(exc, MultiGPUError) else 1
         record.finish(*(("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("failed", code)))
@@ -172,6 +177,19 @@ def run_attempts(run: Run) -> int:
     finally:
         if run.watch is not None:
             run.watch.close()
+
+
+def _meet(run: Run, preflight: Preflight) -> Meeting | None:
+    """The next attempt's meeting, its nodes checked where due; None when a slow node left the elastic
+    round. The ledger counts both waits (``waiting_for_nodes``, ``preflight``)."""
+    ledger = run.record.ledger
+    with ledger.phase("waiting_for_nodes"):
+        meeting = run.members.meet()
+    if preflight.due(meeting):
+        with ledger.phase("preflight"):
+            if not preflight.check(meeting, run.members.spawner):
+                return None
+    return meeting
 
 
 def _resume(run: Run) -> None:
@@ -245,6 +263,13 @@ def _verdict(
         return _finish(run, EXIT_CRASH_LOOP)
     logger.info(members.restart(meeting))
     return None
+
+
+def _say_ledger(record: RunRecord) -> None:
+    """The run's last line, after a run that lost time to an incident: where its time went."""
+    line = ledger_line(record.data.get("ledger") or {})
+    if record.data["incidents"] and line is not None:
+        logger.info(line)
 
 
 def _finish(run: Run, code: int, *, over: bool = True) -> int:

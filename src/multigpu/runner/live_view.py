@@ -7,6 +7,8 @@ from typing import Any
 
 from multigpu.console.ranks import PrefixedConsole
 from multigpu.console.writer import ConsoleWriter, WriterFile
+from multigpu.supervisor.eta import estimate, progress_text
+from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.output import display_text
 from multigpu.supervisor.states import RankProgress, Worker, WorkerState
 
@@ -119,6 +121,8 @@ class LiveStatus:
         from rich.live import Live
 
         self.workers: list[Worker] = []
+        self.book: ProgressBook | None = None
+        """The attempt's progress book: the job's step and ETA in the title (``supervisor/eta.py``)."""
         self.title = title
         self._prefixed = console
         self.bars: dict[int, str] = {}
@@ -140,7 +144,15 @@ class LiveStatus:
         self._live.stop()
 
     def refresh(self) -> None:
-        self._live.update(status_table(self.workers, self.title, bars=self.bars), refresh=True)
+        self._live.update(status_table(self.workers, self.heading(), bars=self.bars), refresh=True)
+
+    def heading(self) -> str:
+        """The title, and the job's progress once a rank reported a step (``step 120/1000 (12%)``)."""
+        book = self.book
+        if book is None:
+            return self.title
+        progress = progress_text(*estimate(list(book.ranks.values()), book.total_steps))
+        return f"{self.title}: {progress}" if progress else self.title
 
     def write_partial(self, worker: Worker, stream: str, text: bytes) -> None:
         if self._prefixed.shows(worker.rank):

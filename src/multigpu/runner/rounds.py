@@ -27,6 +27,7 @@ from multigpu.rendezvous.elastic import (
     settings_from,
     settle_run_id,
 )
+from multigpu.rendezvous.etcd import describe, open_etcd_store
 from multigpu.rendezvous.failure_sharing import finish_job, lost_the_store
 from multigpu.rendezvous.job import JobStore
 from multigpu.runner.crash_loop import FailureMemory, StoreFailures
@@ -48,7 +49,10 @@ class ElasticMembership:
         self.config = config
         # --rdzv-timeout (or join_timeout in --rdzv-conf: the CLI resolved both into one) bounds the join.
         settings = dataclasses.replace(settings_from(config.rdzv.conf), join_timeout=config.rdzv.timeout)
-        store, hosted = open_store(config.rdzv.endpoint, settings)
+        if config.rdzv.members:  # etcd: no launcher serves the job's state, the cluster keeps it
+            store, hosted = open_etcd_store(config.rdzv.members, config.rdzv.conf), False
+        else:
+            store, hosted = open_store(config.rdzv.endpoint, settings)
         self.run_id = settle_run_id(store, config.output.run_id, new_run_id())
         check_run_id(self.run_id, "the run id agreed at rendezvous")
         self.rdzv = ElasticRendezvous(config, store, self.run_id, settings, hosted=hosted)
@@ -72,10 +76,11 @@ class ElasticMembership:
     def opening(self, output_dir: Path) -> list[str]:
         config = self.config
         role = "serves" if self.serves_store else "joins"
+        where = describe(config.rdzv.members) if config.rdzv.members else str(config.rdzv.endpoint)
         return [
             f"run {self.run_id}: elastic job of {config.rdzv.min_nodes}:{config.rdzv.max_nodes} node(s), "
             f"{config.nproc} worker(s) here; this launcher {role} the rendezvous at "
-            f"{config.rdzv.endpoint}; output in {output_dir}",
+            f"{where}; output in {output_dir}",
             *debug_server_lines(config, rank0_here=None),
         ]
 
@@ -120,10 +125,11 @@ class ElasticMembership:
         them: a refusal reads as itself on every node, not as a lost store. A node that leaves a job
         going on (SIGTERM, Ctrl-C) does not wait for nodes that go on without it."""
         if lost_the_store(self.last_round):
+            members = self.config.rdzv.members
+            where = describe(members) if members else f"the rendezvous store at {self.config.rdzv.endpoint}"
             logger.warning(
-                f"this node lost the job: the rendezvous store at {self.config.rdzv.endpoint} stopped "
-                "answering it (its link, or the store, is down); the nodes that still reach it go on "
-                "without this one"
+                f"this node lost the job: {where} stopped answering it (its link, or the store, is "
+                "down); the nodes that still reach it go on without this one"
             )
         elif over and self.last_round is not None:
             finish_job(self.last_round, hosts_store=self.serves_store)

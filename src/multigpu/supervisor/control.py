@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from multigpu.contract.files import user_name
 from multigpu.contract.frames import fold_own_threads
+from multigpu.supervisor.eta import estimate, progress_text
 from multigpu.supervisor.hangs.book import ProgressBook
 from multigpu.supervisor.states import Worker
 
@@ -113,7 +114,7 @@ def answer(
                 or "no rank is running\n"
             )
         else:
-            text = "".join(status_line(w, progress, now) + "\n" for w in workers)
+            text = "".join(status_line(w, progress, now) + "\n" for w in workers) + job_line(progress)
         with contextlib.suppress(OSError):
             conn.sendall(text.encode())
 
@@ -129,6 +130,12 @@ def status_line(worker: Worker, book: ProgressBook, now: float) -> str:
     step = f"step {progress.step}" if progress is not None and progress.step is not None else "no step"
     quiet = f", last progress {now - progress.last_progress:.1f}s ago" if progress is not None else ""
     return f"rank {worker.rank} pid {worker.pid} {worker.state.value}, {step}{quiet}"
+
+
+def job_line(book: ProgressBook) -> str:
+    """``job: step 120/1000 (12%), ETA 3m20s`` once a rank reported a step; "" before."""
+    progress = progress_text(*estimate(list(book.ranks.values()), book.total_steps))
+    return f"job: {progress}\n" if progress else ""
 
 
 def ask(name: str, request: str, owner: int, timeout: float = 30.0) -> str:

@@ -27,6 +27,12 @@ class Outcome:
         """When the earliest failure of known time happened."""
         return min((f.time for f in self.failures if f.time is not None), default=None)
 
+    def learned(self, at: float) -> None:
+        """The launcher learned the outcome at ``at``, before its failures are made: a hang is called,
+        then every rank's stacks are collected (the incident's detection is the call)."""
+        if self._detected is None:
+            self._detected = at
+
     def result(self, stop: int | None, workers: Sequence[Worker]) -> RunResult | None:
         """The result once the run has one: ``stop``, the stop signal handled; a failure; every rank
         succeeded. When the launcher first learned it (wall clock) is kept for the incident timeline."""

@@ -6,6 +6,7 @@ installed (``.ci/run`` installs it)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -172,7 +173,8 @@ def test_stacks_and_status_from_another_shell_leave_the_job_running(tmp_path: Pa
 
     job = write_script(tmp_path, "job.py", LONG)
     out = tmp_path / "out"
-    proc = start_cli(["run", "--cpu", "2", "--status", "off", "--output", str(out), str(job)], cwd=tmp_path)
+    args = ["run", "--cpu", "2", "--status", "off", "--steps", "100000", "--output", str(out), str(job)]
+    proc = start_cli(args, cwd=tmp_path)
     try:
         ready = [tmp_path / "ready_0", tmp_path / "ready_1"]
         deadline = time.monotonic() + 60
@@ -181,9 +183,10 @@ def test_stacks_and_status_from_another_shell_leave_the_job_running(tmp_path: Pa
             time.sleep(0.05)
         status = run_cli(["status", str(out)], cwd=tmp_path)
         assert status.returncode == 0, status.stderr
-        lines = status.stdout.splitlines()
+        *lines, job_line = status.stdout.splitlines()
         assert [line.split()[:2] for line in lines] == [["rank", "0"], ["rank", "1"]]
         assert all(" running, step " in line for line in lines), lines
+        assert re.fullmatch(r"job: step \d+/100000 \(\d+%\), ETA \d+m\d\ds", job_line), job_line
         stacks = run_cli(["stacks", str(out)], cwd=tmp_path)
         assert stacks.returncode == 0, stacks.stderr
         assert stacks.stdout.count('job.py", line') == 2 and "rank 1 (pid" in stacks.stdout

@@ -302,7 +302,10 @@ EP = ["--rdzv-endpoint", "127.0.0.1:29400"]
         (["--nnodes", "3:1", "--rdzv-backend", "c10d"], "need 0 < MIN <= MAX"),
         (["--nnodes", "1:2"], "needs --rdzv-backend c10d"),
         (["--nnodes", "1:2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
-        (["--nnodes", "1:2", "--rdzv-backend", "etcd", *EP], "use --rdzv-backend c10d"),
+        (
+            ["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:2379,,h2"],
+            "HOST:PORT,HOST:PORT",
+        ),
         (["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "junk"], "--rdzv-conf"),
         (
             ["--nnodes", "1:2", "--rdzv-backend", "c10d", *EP, "--rdzv-conf", "join_timeout=soon"],

@@ -1,6 +1,6 @@
 """A run is its user's alone, tried as a real second local user would (issue 36).
 
-One user, ``multigpu-auditor``, for the whole test session (``conftest.py``'s ``auditor``), all in one
+One second user (``mgpu-aud<PID>``) for the whole test session (``conftest.py``'s ``auditor``), all in one
 xdist group so that /etc/passwd is never edited by two workers at once.
 """
 
@@ -21,8 +21,6 @@ import pytest
 from helpers import PYTHON, assert_gone, clean_env, pids_in, run_cli, start_cli, write_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120), pytest.mark.xdist_group("second_user")]
-
-AUDITOR = "multigpu-auditor"
 
 
 def as_user(user: pwd.struct_passwd, *argv: str) -> None:

@@ -38,6 +38,15 @@ def test_straggler_threshold_is_a_share_of_the_step_0_for_off(script: str) -> No
     assert parse(["--cpu", "2", "--straggler-threshold", "0", script]).hang.straggler_threshold == 0
 
 
+def test_steps_is_the_jobs_step_count_for_its_eta(script: str) -> None:
+    assert parse(["--cpu", "2", script]).output.steps is None
+    assert parse(["--cpu", "2", "--steps", "1000", script]).output.steps == 1000
+    assert parse(["--cpu", "2", script], {"MULTIGPU_STEPS": "7"}).output.steps == 7
+    for bad, said in (("0", "--steps must be at least 1, got 0"), ("ten", "--steps must be an integer")):
+        with pytest.raises(UsageError, match=said):
+            parse(["--cpu", "2", "--steps", bad, script])
+
+
 def test_preflight_is_on_off_or_strict_and_no_preflight_turns_it_off(script: str) -> None:
     assert parse(["--cpu", "2", script]).rdzv.preflight == "auto"
     assert parse(["--cpu", "2", "--preflight", "strict", script]).rdzv.preflight == "strict"
@@ -338,3 +347,19 @@ def test_resolved_options_are_typed() -> None:
     assert (values.run_id, values.rdzv_id, values.gpus, values.no_requeue) == ("job", "job", None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         values.cpu = "3"  # type: ignore[misc]
+
+
+def test_the_metrics_port_is_on_loopback_unless_a_host_is_given(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse(["--cpu", "2", "--metrics-port", "9400", script]).output.metrics == Endpoint(
+        "127.0.0.1", 9400
+    )
+    assert parse(["--metrics-port", "0.0.0.0:0", script]).output.metrics == Endpoint("0.0.0.0", 0)
+    assert parse([script], {"MULTIGPU_METRICS_PORT": "0"}).output.metrics == Endpoint("127.0.0.1", 0)
+    assert parse([script]).output.metrics is None
+    from multigpu.observe import serving
+
+    monkeypatch.setattr(serving.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UsageError, match=r"^--metrics-port needs prometheus_client: pip install"):
+        parse(["--metrics-port", "0", script])

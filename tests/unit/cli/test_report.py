@@ -5,6 +5,7 @@ one line, never a traceback (``cli/report.py``)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,34 @@ def test_a_report_that_cannot_be_written_still_prints_its_table(
     captured = capsys.readouterr()
     assert "run r: succeeded" in captured.out
     assert captured.err.startswith("multigpu: cannot write ") and captured.err.count("\n") == 1
+
+
+def test_with_no_folder_the_newest_run_is_found_among_function_launches_too(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A notebook user who ran ``multigpu.launch`` types ``multigpu report``: its record is under the
+    cache folder, not ./multigpu_runs; the newest of both is the one reported."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder / "cache"))
+    older = folder / "multigpu_runs" / "by-hand"
+    newer = folder / "cache" / "multigpu" / "runs" / "from-a-notebook"
+    for path, run_id in ((older, "by-hand"), (newer, "launched")):
+        path.mkdir(parents=True)
+        (path / "run.json").write_text(json.dumps(record(run_id)))
+    os.utime(older / "run.json", (1_000, 1_000))
+    assert main(["report"]) == 0
+    assert "run launched: succeeded" in capsys.readouterr().out
+    assert (newer / "report.html").is_file()
+
+
+def test_with_no_run_anywhere_the_line_names_both_places(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder / "nothing"))
+    assert main(["report"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        f"multigpu report: error: no run under ./multigpu_runs or {folder}/nothing/multigpu/runs; "
+        "give a run's output folder"
+    ), err

@@ -191,9 +191,9 @@ def test_c10d_on_one_node_and_refusals(script: str) -> None:
     ipv6 = parse(["--rdzv_backend=c10d", "--rdzv_endpoint=[::1]", script])
     assert ipv6.rdzv.endpoint == Endpoint("::1", 29400)
     assert "no port" in usage_error(["--rdzv_endpoint=localhost", script])  # static needs one
-    assert "c10d" in usage_error(["--rdzv-backend", "etcd-v2", script])
-    assert "c10d" in usage_error(["--rdzv-backend", "etcd", script])
-    assert "static or c10d" in usage_error(["--rdzv-backend", "zk", script])
+    assert "needs --rdzv-endpoint" in usage_error(["--rdzv-backend", "etcd-v2", script])
+    assert "needs --rdzv-endpoint" in usage_error(["--rdzv-backend", "etcd", script])
+    assert "static, c10d or etcd-v2" in usage_error(["--rdzv-backend", "zk", script])
     assert "--rdzv-backend c10d" in usage_error(["--nnodes", "1:2", script])
 
 
@@ -386,3 +386,56 @@ def test_help_lists_both_sets_and_says_what_has_no_effect(capsys: pytest.Capture
     assert main(["run", "--nnodes", "3:1", "x.py"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert "--nnodes 3:1" in err[0] and len(err) == 2
+
+
+def test_an_etcd_member_list_as_torchrun_writes_it_and_one_member(script: str) -> None:
+    """torchrun refuses a list ("must be a dot-separated list of labels"): each member is ours to give
+    python-etcd; ``etcd`` and ``etcd-v2`` both name torch's etcd-v2 backend."""
+    members = "127.0.0.11:2379,127.0.0.12:2380,[::1]:2381"
+    for name in ("etcd", "etcd-v2", "ETCD-V2"):
+        config = parse(["--nnodes", "2:3", "--rdzv-backend", name, "--rdzv-endpoint", members, script])
+        assert config.rdzv.backend == "etcd-v2"
+        assert config.rdzv.members == (
+            Endpoint("127.0.0.11", 2379),
+            Endpoint("127.0.0.12", 2380),
+            Endpoint("::1", 2381),
+        )
+        assert config.rdzv.endpoint == Endpoint("127.0.0.11", 2379)
+        assert (config.rdzv.min_nodes, config.rdzv.max_nodes) == (2, 3)
+    one = parse(["--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "etcd-host", script])
+    assert one.rdzv.members == (Endpoint("etcd-host", 2379),)  # etcd's port, as torch defaults it
+    conf = "protocol=https,cacert=/ca.pem,cert=/c.pem,key=/k.pem,timeout=30"
+    tls = parse(
+        [
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "etcd-v2",
+            "--rdzv-endpoint",
+            members,
+            "--rdzv-conf",
+            conf,
+            script,
+        ]
+    )
+    assert tls.rdzv.conf["protocol"] == "https" and tls.rdzv.timeout == 30.0  # etcd's join timeout
+    alone = parse(["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", members, script])
+    assert alone.rdzv.members == () and alone.rdzv.endpoint is None  # one node needs no etcd
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "conf", "message"),
+    [
+        ("h1:2379,,h3:2379", "", "HOST:PORT,HOST:PORT"),
+        ("h1:2379,h1:2379", "", "names a member twice"),
+        ("h1:0", "", "needs its client port"),
+        ("h1:99999", "", "from 0 to 65535"),
+        ("::1:2379", "", "in brackets"),
+        ("h1:2379", "protocol=ftp", "http or https"),
+        ("h1:2379", "key=/k.pem", "needs cert too"),
+        ("h1:2379", "read_timeout=-1", "read_timeout"),
+    ],
+)
+def test_etcd_usage_mistakes_are_one_line(script: str, endpoint: str, conf: str, message: str) -> None:
+    argv = ["--nnodes", "2:3", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint]
+    assert message in usage_error([*argv, *(["--rdzv-conf", conf] if conf else []), script])

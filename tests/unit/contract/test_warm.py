@@ -30,6 +30,21 @@ def test_one_no_longer_usable_is_ended_and_replaced() -> None:
     assert second is not first and ended == [first] and slot.held() is second
 
 
+def test_one_whose_check_raises_is_ended_not_dropped() -> None:
+    """A held helper process whose ``usable`` check fails (a broken pipe, say) must still be ended:
+    dropped from the slot, it would run on with no one to end it."""
+
+    def check(_: Thing) -> bool:
+        raise BrokenPipeError
+
+    ended: list[Thing] = []
+    slot: Warm[Thing] = Warm(ended.append)
+    first = slot.get_or_start(Thing)
+    with pytest.raises(BrokenPipeError):
+        slot.get_or_start(Thing, check)
+    assert ended == [first] and slot.held() is None
+
+
 def test_a_start_that_fails_leaves_the_slot_empty() -> None:
     def broken() -> Thing:
         raise OSError("no")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from multigpu.cluster.devices import GPUInfo
+from multigpu.config.endpoint import Endpoint
 from multigpu.config.run import RunConfig
 from multigpu.contract.errors import UsageError
 from multigpu.function.launch_config import OPTIONS, launch_config, resolve_devices
@@ -58,6 +59,7 @@ def test_options_land_in_their_one_field(tmp_path: Path) -> None:
             "output": tmp_path / "out",
             "log_ranks": [0],
             "preload": ["json"],
+            "metrics_port": 0,
         },
         {},
     )
@@ -66,6 +68,11 @@ def test_options_land_in_their_one_field(tmp_path: Path) -> None:
     assert config.supervision.grace_period == 1.5 and config.supervision.preload == ("json",)
     assert config.output.dir == (tmp_path / "out").resolve() and config.output.log_ranks == frozenset({0})
     assert config.output.status == "off" and config.output.run_id
+    assert config.output.metrics == Endpoint("127.0.0.1", 0)
+    assert config.output.steps is None
+    assert launch_config(1, "cpu", {"steps": 500}, {}).output.steps == 500
+    with pytest.raises(UsageError, match="launch: steps must be at least 1, got 0"):
+        launch_config(1, "cpu", {"steps": 0}, {})
 
 
 def test_default_output_is_the_users_cache_folder_not_the_working_folder(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from multigpu.record.report_page import timeline_svg
+from multigpu.record.report_page import page, table, timeline_svg
 
 
 def run(progress: dict[str, Any]) -> dict[str, Any]:
@@ -48,3 +48,18 @@ def test_a_straggling_span_is_a_band_on_its_rank_with_the_line() -> None:
 def test_no_band_without_a_straggler() -> None:
     assert 'class="straggler"' not in timeline_svg(run({"0": {"step": 3}}))
     assert 'class="straggler"' not in timeline_svg(run({}))
+
+
+def test_the_report_says_where_the_time_went_with_effective_training_first() -> None:
+    data = run({})
+    data["ledger"] = {
+        "seconds": {"starting": 2.0, "training": 6.0, "hang_undetected": 2.0, "preflight": 0.0},
+        "wall_seconds": 10.0,
+        "effective_training_percent": 60.0,
+    }
+    assert table(data)[1] == "effective training 60.0% of 10.0s; lost: starting 2.0s, hang_undetected 2.0s"
+    html = page(data)
+    assert "effective training time: 60.0% of 10.0s" in html
+    assert "<td>training</td><td>6.0s</td><td>60.0%</td>" in html and "<td>preflight</td>" not in html
+    del data["ledger"]  # a record an older multigpu wrote: no such part
+    assert len(table(data)) == 1 and "where the time went" not in page(data)

@@ -98,6 +98,8 @@ class ProgressBook:
         self.stragglers = StragglerWatch(
             policy.straggler_threshold, policy.straggler_window, policy.straggler_ratio
         )
+        self.total_steps: int | None = None
+        """``--steps``: the job's step count, for its ETA (``supervisor/eta.py``)."""
 
     # ---- feeding -----------------------------------------------------------------------------------
 
@@ -309,4 +311,6 @@ def progress_book(
         floor=config.hang.floor,
         straggler_threshold=config.hang.straggler_threshold,
     )
-    return ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE)
+    book = ProgressBook(policy, (s.rank for s in specs), store=output_dir / LEARNED_FILE)
+    book.total_steps = config.output.steps
+    return book

@@ -238,9 +238,10 @@ class HangWatch:
             self.declared = True
             self.exchange.declare(hang.notice)
         elif hang is not None:
+            called = time.time()  # the verdict: the stacks' collection that follows is its handling
             since = self._collect_stacks(workers, outcome, hang.notice)
             flight = flight_record(running, {w.rank for w in workers}, since - 1.0)
-            outcome.failures.extend(hang_failures(hang, running, flight, time.time()))
+            outcome.failures.extend(hang_failures(hang, running, flight, called))
 
     def job_hangs(self, notice: WorkerFailure, workers: Sequence[Worker], outcome: Outcome) -> bool:
         """The job hangs (a node said so through the store): dump this node's ranks, then judge with
@@ -257,5 +258,6 @@ class HangWatch:
         """Say what is known, then dump every live rank's stacks; when the request went out."""
         logger.warning(f"hang: {notice}; collecting every rank's stacks")
         outcome.hung = True  # before dumping: dumping runs the loop, which must not come back here
+        outcome.learned(time.time())
         request = self._dump([w for w in workers if w.alive])
         return request.wall_start if request is not None else time.time()

@@ -19,10 +19,12 @@ from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.rank import progress
 from multigpu.rendezvous.hang_store import Exchange, StoreHangs
 from multigpu.rendezvous.job import JobStore
+from multigpu.supervisor.hangs import verdict
 from multigpu.supervisor.hangs.book import HangPolicy, ProgressBook
-from multigpu.supervisor.hangs.verdict import JobProgress, RankState, decide, job_failures
+from multigpu.supervisor.hangs.verdict import HangWatch, JobProgress, RankState, Turns, decide, job_failures
 from multigpu.supervisor.loop import Supervisor
-from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec
+from multigpu.supervisor.outcome import Outcome
+from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec, WorkerState
 
 WAIT_S = 10.0  # a bound on a thread's work: reached only when the behaviour is broken
 
@@ -336,3 +338,31 @@ def test_the_supervisor_declares_once_dumps_its_ranks_and_takes_the_jobs_verdict
     assert "waiting_here" in (tmp_path / "rank_0.log").read_text()
     assert pid is not None
     assert_gone([pid])
+
+
+def test_the_verdict_is_the_detection_and_the_stacks_collection_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hang's incident is detected when the hang is called, and its failures' time is the last
+    progress, however long the stacks' collection that follows takes: the goodput ledger counts that
+    collection as ``hang_handling``, not as the hang going unnoticed."""
+    wall = {"now": 5000.0}
+    monkeypatch.setattr(verdict, "time", types.SimpleNamespace(time=lambda: wall["now"]))
+    clock = {"now": 100.0}
+    book = ProgressBook(HangPolicy(ceiling=3.0), [0, 1], clock=lambda: clock["now"], wall=lambda: 4900.0)
+    workers = []
+    for r in (0, 1):
+        worker = Worker(WorkerSpec(rank=r, local_rank=r, argv=[], env={}))
+        worker.state = WorkerState.RUNNING
+        workers.append(worker)
+    book.ranks[0].last_progress = book.ranks[1].last_progress = 96.5  # 3.5 s quiet at 100
+
+    def dump(targets: list[Worker]) -> None:
+        wall["now"] += 10.0  # the stacks take 10 s to come back
+
+    outcome = Outcome()
+    HangWatch(book, None, dump, Turns(lambda _: None, lambda: clock["now"])).check(workers, outcome)
+    result = outcome.result(None, workers)
+    assert result is not None and result.status is RunStatus.HUNG
+    assert result.detected_time == 5000.0  # called at 5000, before the collection
+    assert result.root_cause is not None and result.root_cause.time == pytest.approx(5000.0 - 3.5)
