@@ -53,8 +53,9 @@ COLLECTIVES_EVERY_S = 0.25
 ENTRY_POLL_S = 0.005
 """How often the world group's count is read: the resolution of a collective's entry time."""
 SAMPLE_EVERY_S, SAMPLE_FOR_S = 3.0, 1.0
-"""Entry times are taken in the first second of every 3 of the node's monotonic clock, the same
-seconds on every rank of the node: a third of the looks (a 5 ms look costs ~40 us of a core)."""
+"""Entry times are taken in the first second of every 3 of the wall clock, the same seconds on every
+rank of the node and on every node NTP keeps in step (``rendezvous/node_lateness.py`` compares the
+nodes): a third of the looks (a 5 ms look costs ~40 us of a core). The times are monotonic."""
 ENTRIES_PER_BEAT = 40
 """Entry times sent with one beat at most (the latest): one write stays far under ``PIPE_BUF``."""
 
@@ -121,7 +122,7 @@ def _watch_collectives(every_s: float, poll_s: float) -> None:
     looked_at = beat_at = time.monotonic()
     entries: list[str] = []
     while heartbeat_fd() is not None:
-        time.sleep(_pause(time.monotonic(), every_s, poll_s))
+        time.sleep(_pause(time.time(), every_s, poll_s))  # the wall clock's seconds: every node's
         now = time.monotonic()
         world = world_entered()
         if world is not None and world != seen:
@@ -143,8 +144,8 @@ def _watch_collectives(every_s: float, poll_s: float) -> None:
 
 
 def _pause(now: float, every_s: float, poll_s: float) -> float:
-    """``poll_s`` inside a sampling second (``SAMPLE_FOR_S`` of every ``SAMPLE_EVERY_S`` of the node's
-    monotonic clock: every rank of the node samples the same collectives), else to the next beat or
+    """``poll_s`` inside a sampling second (``SAMPLE_FOR_S`` of every ``SAMPLE_EVERY_S`` of the wall
+    clock ``now``: every rank of every node samples the same collectives), else to the next beat or
     sampling second."""
     phase = now % SAMPLE_EVERY_S
     return poll_s if phase < SAMPLE_FOR_S else min(every_s, SAMPLE_EVERY_S - phase)

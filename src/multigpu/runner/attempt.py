@@ -31,13 +31,13 @@ from multigpu.rendezvous.failure_sharing import (
 )
 from multigpu.rendezvous.hang_store import StoreHangs
 from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.node_lateness import JobTiming, node_address
 from multigpu.runner.membership import Meeting, Membership
 from multigpu.runner.preempt_watch import PreemptWatch
 from multigpu.runner.sentinel_handle import node_sentinel
 from multigpu.supervisor.control import ControlSocket, socket_name
 from multigpu.supervisor.file_timer import TimerKills
 from multigpu.supervisor.hangs.book import progress_book
-from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.loop import Supervisor
 from multigpu.supervisor.settings import Hooks, SupervisorOptions
 from multigpu.supervisor.states import RunResult, RunStatus, Worker, WorkerSpec
@@ -217,7 +217,7 @@ def run_attempt(
             )
         )
         supervisor.start()
-        monitor = _fate_monitor(supervisor, meeting.job, stack)
+        monitor = _fate_monitor(supervisor, meeting.job, stack, run.config)
         result = supervisor.wait()
         assert result is not None
         result = _end(supervisor, result, run, meeting, monitor)
@@ -247,13 +247,16 @@ def _hooks(
     )
 
 
-def _fate_monitor(supervisor: Supervisor, job: JobStore | None, stack: ExitStack) -> FateMonitor | None:
-    """A job of several nodes: the thread that shares this attempt's fate with theirs, until ``stack``
-    closes."""
+def _fate_monitor(
+    supervisor: Supervisor, job: JobStore | None, stack: ExitStack, config: RunConfig
+) -> FateMonitor | None:
+    """A job of several nodes: the thread that shares this attempt's fate with theirs, and its
+    timing (``node_lateness``: slow nodes and links named), until ``stack`` closes."""
     if job is None:
         return None
     monitor = FateMonitor(job, _on_remote(supervisor, job))
-    monitor.progress = JobProgress(supervisor.progress)
+    monitor.progress = timing = JobTiming(supervisor.progress, job, node_address(config.rdzv))
     monitor.start()
     stack.callback(monitor.stop)
+    stack.callback(timing.stop)  # first: no more of its calls while the monitor stops
     return monitor

@@ -134,3 +134,24 @@ def test_entry_times_are_taken_in_the_same_second_of_three_on_every_rank() -> No
     assert progress._pause(3000.5, 0.25, 0.005) == 0.005
     assert progress._pause(3001.5, 0.25, 0.005) == 0.25
     assert progress._pause(3002.9, 0.25, 0.005) == pytest.approx(0.1)
+
+
+def test_the_sampling_seconds_are_the_wall_clocks_so_every_node_samples_the_same(
+    pipe: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nodes are compared too (``rendezvous/node_lateness.py``): their monotonic clocks start at boot,
+    so seconds picked on them would be different collectives on every node; the wall clock's are
+    the same wherever NTP runs. The entry times themselves stay monotonic."""
+    import time
+
+    seen: list[float] = []
+    real = progress._pause
+
+    def spy(now: float, every_s: float, poll_s: float) -> float:
+        seen.append(now)
+        return real(now, every_s, poll_s)
+
+    monkeypatch.setattr(progress, "_pause", spy)
+    progress.watch_collectives(every_s=0.05, poll_s=0.002)
+    time.sleep(0.1)
+    assert seen and all(abs(now - time.time()) < 1.0 for now in seen), seen[:3]

@@ -11,7 +11,11 @@ the world group counts on its two ranks only): the others cannot enter the next 
 last rank entered this one, so lateness of a whole step (``ALIGNED``), or lateness that drifts by a
 step from the window's first half to its second, says so, and nothing is judged. The median keeps
 out what happens in a few steps only (a rank-0-only log line, a checkpoint one rank writes while the
-others wait); a pause on every rank moves no rank against the others.
+others wait); a pause on every rank moves no rank against the others. A rank slowed in bursts (a cgroup
+CPU quota: it runs 80 ms, then waits 20 ms, whatever its steps) is late in one collective of several:
+its median stays small while the job loses a quarter of its time to it. So the time lost counts too:
+the mean lateness, each collective's clipped at ``CLIP_S`` or a step, whichever is longer, so that one
+rank's checkpoint or evaluation (seconds, once in many steps) counts as a step at most.
 
 Lateness is set against the others' own step: the job's step (the median step interval where the
 script reports steps, else measured from the entry times) less the lateness, the time they wait.
@@ -48,13 +52,21 @@ KEEP = 4 * WINDOW
 """Entry times kept per rank."""
 PAUSE = 10.0
 """A gap this many times the usual step is a pause (a checkpoint, an evaluation): not part of a step."""
+CLIP_S = 0.1
+"""The time lost counts one collective's lateness up to a step or this, whichever is longer: a CPU
+quota's burst (the default period is 100 ms) counts whole, a one-off of seconds does not."""
 
 
 def step_from_entries(times: list[float]) -> float | None:
     """The job's step from the times (in order) at which collectives were entered: the span over the
     number of step-sized gaps (at least half the 90th percentile), so that several collectives in
     one step (DDP's buckets) count once, and pauses left out."""
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return step_from_gaps([b - a for a, b in itertools.pairwise(times)])
+
+
+def step_from_gaps(gaps: list[float]) -> float | None:
+    """``step_from_entries`` from the gaps between collectives that follow each other (the ranks
+    sample one second in three: a gap across the seconds not sampled is no step)."""
     if not gaps:
         return None
     high = sorted(gaps)[int(0.9 * (len(gaps) - 1))]
@@ -69,16 +81,27 @@ def step_from_entries(times: list[float]) -> float | None:
 @dataclass(frozen=True)
 class Lateness:
     """One judgement: every rank's median lateness (seconds), the step it is set against, over how
-    many collectives."""
+    many collectives; ``lost``: every rank's mean lateness, clipped (``CLIP_S``), the time the job
+    loses to it a collective."""
 
     late: dict[int, float]
     step: float
     count: int
+    lost: dict[int, float] = field(default_factory=dict)
 
     def share(self, rank: int) -> float:
         """The rank's lateness against the others' own step (their step less their wait)."""
-        own = self.step - self.late[rank]
-        return self.late[rank] / own if own > 0 else float("inf")
+        return self.share_of(self.late[rank])
+
+    def share_of(self, late: float) -> float:
+        own = self.step - late
+        return late / own if own > 0 else float("inf")
+
+    def bursts(self, rank: int, threshold: float) -> bool:
+        """Whether the rank is named for the time lost to it where its median lateness is not: late in
+        some collectives only, by enough in all (``threshold``, ``STRAGGLER_MIN_GAP_S``)."""
+        lost = self.lost.get(rank, 0.0)
+        return lost >= STRAGGLER_MIN_GAP_S and self.share_of(lost) > threshold
 
 
 def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = None) -> Lateness | None:
@@ -106,10 +129,27 @@ def lateness(entries: Mapping[int, Mapping[int, float]], step: float | None = No
             statistics.median(diffs[: len(diffs) // 2]) - statistics.median(diffs[len(diffs) // 2 :])
         )
     if step is None:
-        step = step_from_entries(medians)
+        step = step_from_gaps(_near_gaps(window, medians))
     if step is None or max(halves.values()) > step or max(map(abs, late.values())) > ALIGNED * step:
         return None  # the ranks' indices do not name the same collectives
-    return Lateness(late, step, len(window))
+    return Lateness(late, step, len(window), {r: time_lost(d, step) for r, d in each.items()})
+
+
+def time_lost(diffs: list[float], step: float) -> float:
+    """The mean of a rank's lateness in each collective, each clipped at ``CLIP_S`` or ``step``
+    (whichever is longer) either way: the time the job loses to it a collective, whatever its rhythm."""
+    clip = max(CLIP_S, step)
+    return sum(min(clip, max(-clip, d)) for d in diffs) / len(diffs)
+
+
+def _near_gaps(indices: list[int], times: list[float]) -> list[float]:
+    """The gaps between collectives judged one after the other, but for those across a jump of more
+    than twice the usual number of indices: the seconds the ranks did not sample."""
+    pairs = list(itertools.pairwise(zip(indices, times, strict=True)))
+    if not pairs:
+        return []
+    usual = statistics.median(k - j for (j, _), (k, _) in pairs)
+    return [b - a for (j, a), (k, b) in pairs if k - j <= 2 * usual]
 
 
 def _median_without(column: list[float], value: float) -> float:
@@ -177,34 +217,46 @@ class LatenessWatch:
         if found is None:
             return []
         lines = []
-        for r, late in found.late.items():
-            ranks[r].late_s, share = late, found.share(r)
-            open_span = self.straggling(r)
-            if open_span is None and late >= STRAGGLER_MIN_GAP_S and share > self.threshold:
-                self.straggles.setdefault(r, []).append(Straggle(wall, late, share, found.count))
-                ranks[r].straggling = True
-                lines.append(
-                    (
-                        r,
-                        f"{_who(ranks[r])} is a straggler: it enters collectives {_ms(late)} "
-                        f"({share:.0%}) after the others, over the last {found.count}; the job runs "
-                        f"at the pace of its slowest rank",
-                    )
-                )
-            elif open_span is not None and (late < STRAGGLER_MIN_GAP_S / 2 or share < self.threshold / 2):
-                open_span.end = wall
-                ranks[r].straggling = False
-                lines.append(
-                    (
-                        r,
-                        f"{_who(ranks[r])} is no longer a straggler: it enters collectives "
-                        f"{_ms(late)} ({share:.0%}) after the others, over the last {found.count} "
-                        f"(it was one for {wall - open_span.start:.0f}s)",
-                    )
-                )
-            elif open_span is not None:
-                open_span.late_s, open_span.share = max(open_span.late_s, late), max(open_span.share, share)
+        for r in found.late:
+            ranks[r].late_s = found.late[r]
+            line = self._judge(ranks[r], found, wall)
+            if line is not None:
+                lines.append((r, line))
         return lines
+
+    def _judge(self, p: RankProgress, found: Lateness, wall: float) -> str | None:
+        """One rank's judgement: the line when it becomes a straggler or stops being one."""
+        r, late, share = p.rank, found.late[p.rank], found.share(p.rank)
+        by_median = late >= STRAGGLER_MIN_GAP_S and share > self.threshold
+        worst = max(late, found.lost.get(r, late))
+        worst_share = found.share_of(worst)
+        open_span = self.straggling(r)
+        if open_span is None and (by_median or found.bursts(r, self.threshold)):
+            self.straggles.setdefault(r, []).append(Straggle(wall, worst, worst_share, found.count))
+            p.straggling = True
+            if by_median:
+                return (
+                    f"{_who(p)} is a straggler: it enters collectives {_ms(late)} "
+                    f"({share:.0%}) after the others, over the last {found.count}; the job runs "
+                    f"at the pace of its slowest rank"
+                )
+            return (
+                f"{_who(p)} is a straggler: the job waits {_ms(worst)} ({worst_share:.0%}) a "
+                f"collective for it on average, in bursts, over the last {found.count}; the job runs "
+                f"at the pace of its slowest rank"
+            )
+        if open_span is not None and (worst < STRAGGLER_MIN_GAP_S / 2 or worst_share < self.threshold / 2):
+            open_span.end = wall
+            p.straggling = False
+            return (
+                f"{_who(p)} is no longer a straggler: it enters collectives "
+                f"{_ms(late)} ({share:.0%}) after the others, over the last {found.count} "
+                f"(it was one for {wall - open_span.start:.0f}s)"
+            )
+        if open_span is not None:
+            open_span.late_s = max(open_span.late_s, worst)
+            open_span.share = max(open_span.share, worst_share)
+        return None
 
     def straggling(self, rank: int) -> Straggle | None:
         spans = self.straggles.get(rank)

@@ -45,10 +45,14 @@ def entries(work: Work, ranks: int, count: int, seed: int = 0, start: float = 10
 
 
 def feed_and_check(
-    caplog: pytest.LogCaptureFixture, seen: list[list[float]], threshold: float = 0.2, every: int = 20
+    caplog: pytest.LogCaptureFixture,
+    seen: list[list[float]],
+    threshold: float = 0.2,
+    every: int = 20,
+    indices: list[int] | None = None,
 ) -> tuple[ProgressBook, list[str]]:
     """The book fed every rank's beats as they would come, judged once a second of the job; the lines
-    it logged meanwhile."""
+    it logged meanwhile (``indices``: each entry's collective index, where not 1, 2, 3...)."""
     caplog.clear()
     clock = [seen[0][0]]
     b = ProgressBook(
@@ -61,7 +65,8 @@ def feed_and_check(
         b.started(r, clock[0], pid=40 + r, node=0)
     for k in range(len(seen[0])):
         for r, times in enumerate(seen):
-            b.feed(r, [Beat("entered", value=times[k], index=k + 1)], times[k])
+            index = k + 1 if indices is None else indices[k]
+            b.feed(r, [Beat("entered", value=times[k], index=index)], times[k])
         clock[0] = max(t[k] for t in seen)
         if k % every == every - 1:
             b.check(list(range(len(seen))), clock[0] + 1.0)
@@ -276,3 +281,56 @@ def test_nothing_new_is_not_judged_again(monkeypatch: pytest.MonkeyPatch) -> Non
     watch.note(0, 2, 2.0)
     watch.check({}, [], 2.0)
     assert len(calls) == 2
+
+
+def test_a_rank_slowed_in_bursts_is_named_by_the_time_the_job_loses_to_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cgroup CPU quota's rhythm (issue 41): rank 1 runs 80 ms of every 100, so one collective in
+    four waits 20 ms for it and the others none; the job runs 25% slower. Its median lateness is 0."""
+
+    def bursts(r: int, k: int, rng: random.Random) -> float:
+        return max(0.001, rng.gauss(0.02, 0.002)) + (0.02 if r == 1 and k % 4 == 3 else 0.0)
+
+    seen = entries(bursts, 3, 600)
+    found = lateness({r: dict(enumerate(times, 1)) for r, times in enumerate(seen)})
+    assert found is not None and found.late[1] < 0.005 and found.lost[1] > 0.004
+    b, notes = feed_and_check(caplog, seen)
+    assert len(notes) == 1, notes
+    assert re.fullmatch(
+        r"rank 1 \(node 0, pid 41\) is a straggler: the job waits (\d) ms \((\d+)%\) a collective for "
+        r"it on average, in bursts, over the last \d+; the job runs at the pace of its slowest rank",
+        notes[0],
+    ), notes[0]
+    assert b.ranks[1].straggling and "straggling" in b.snapshot()["1"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_noisy_job_whose_ranks_all_stall_in_bursts_is_not_named(
+    seed: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank stalls now and then (a shared machine, CPU hogs): none costs the job more than
+    the others do."""
+
+    def stalls(r: int, k: int, rng: random.Random) -> float:
+        return max(0.001, rng.gauss(0.02, 0.004)) + (0.02 if rng.random() < 0.25 else 0.0)
+
+    _, notes = feed_and_check(caplog, entries(stalls, 3, 800, seed=seed))
+    assert notes == []
+
+
+def test_the_step_is_not_taken_across_the_seconds_not_sampled(caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks stamp entries one second in three (``rank/progress.py``): with 100 ms steps, a tenth of
+    the gaps between the stamped collectives span the 2 s not sampled; those are no step. Before,
+    the step came out ~1.5 s and a rank 40 ms late a step (67%) went unnamed."""
+
+    def slow_rank(r: int, k: int, rng: random.Random) -> float:
+        return max(0.001, rng.gauss(0.06, 0.005)) + (0.04 if r == 1 else 0.0)
+
+    seen = entries(slow_rank, 2, 1500)
+    kept = [k for k, t in enumerate(seen[0]) if t % 3.0 < 1.0]
+    found = lateness({r: {k + 1: times[k] for k in kept} for r, times in enumerate(seen)})
+    assert found is not None and 0.09 < found.step < 0.11, found
+    sampled = [[times[k] for k in kept] for times in seen]
+    _, notes = feed_and_check(caplog, sampled, indices=[k + 1 for k in kept])
+    assert len(notes) == 1 and notes[0].startswith("rank 1 (node 0, pid 41) is a straggler"), notes
