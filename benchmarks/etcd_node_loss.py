@@ -11,10 +11,11 @@ world= restart= step= at=<time>`` per step: 100 steps in round 1, 20 in a later 
 took 5 steps at world 3, the case strikes: ``healthy`` nothing; ``leader`` the etcd leader ``kill -9``;
 ``launcher`` node 0's launcher ``kill -9`` (node 0: whose rank printed group=0); ``node`` node 0 whole
 (the launcher and all its descendants at once); ``leader+node`` both. Measured up to ``--bound`` after
-the strike: until both survivors' ranks stepped at world 2, exit codes and times, the survivors'
-launchers' own lines and tracebacks, and at the bound the launchers still running and ranks whose
-launcher is gone. The harness (a child subreaper) then ends all by PID and stops the cluster. Results:
-``--out`` (default a scratch folder) ``etcd_node_loss.md``/``.json``; a launcher not run keeps its runs.
+the strike: until both survivors' new ranks started, and stepped at world 2; exit codes and times; the
+survivors' launchers' own lines and tracebacks; ranks left without their launcher (2 s after, and at the
+bound) and launchers still running. The harness (a child subreaper) then ends all by PID and stops the
+cluster. Results: ``--out`` (default a scratch folder) ``etcd_node_loss.md``/``.json``, where a
+launcher not run keeps its runs.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from multigpu.cli.etcd_cluster import LocalEtcd, find_etcd, members
 
 CASES = ("healthy", "leader", "launcher", "node", "leader+node")
 NODES = 3
-ORPHAN_AT_S = 2.0
-"""After the strike, when ranks whose launcher is gone are counted (again at the bound)."""
-FORM_BOUND_S = 120.0
-"""From the first start to every rank at step 5 in the round of 3 (three torch imports on 2 cores)."""
+ORPHAN_AT_S = 2.0  # after the strike, when ranks whose launcher is gone are counted (again at the bound)
+FORM_BOUND_S = 120.0  # from the start to every rank at step 5 in the round of 3 (3 torch imports, 2 cores)
 WORKER = """
     import os, time, torch, torch.distributed as dist
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"start pid={os.getpid()} restart={restart} at={time.time():.3f}", flush=True)
     dist.init_process_group("gloo")
-    world, restart = dist.get_world_size(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    world = dist.get_world_size()
     tag = f"pid={os.getpid()} group={os.environ['GROUP_RANK']} world={world} restart={restart}"
     t = torch.ones(1)
     for step in range(100 if restart == "0" else 20):
@@ -60,6 +61,7 @@ WORKER = """
     print(f"done {tag}", flush=True)
     dist.destroy_process_group()
 """
+STARTED = re.compile(r"start pid=\d+ restart=([1-9]\d*) at=([\d.]+)")
 STEP = re.compile(r"pid=(\d+) group=(\d+) world=(\d+) restart=(\d+) step=(\d+) at=([\d.]+)")
 
 
@@ -129,6 +131,12 @@ def strike(case: str, nodes: list[Job], cluster: LocalEtcd) -> dict[str, Any]:
     return {"node0": zero, "leader": leader.name if leader is not None else None, "killed_pids": tree}
 
 
+def both_at(nodes: list[Job], survivors: list[int], stamps: Callable[[Job], list[float]], at: float) -> Any:
+    """Seconds from ``at`` to the later of the survivors' first stamps after it; None if one has none."""
+    firsts = [min((t for t in stamps(nodes[i]) if t >= at), default=None) for i in survivors]
+    return max(f for f in firsts if f is not None) - at if None not in firsts else None
+
+
 def watch(nodes: list[Job], survivors: list[int], at: float, bound: float) -> dict[str, Any]:
     """Up to ``bound`` from ``at``: the survivors' exits, and when both trained in a round of 2."""
     exits: dict[int, float] = {}
@@ -140,13 +148,12 @@ def watch(nodes: list[Job], survivors: list[int], at: float, bound: float) -> di
         return len(exits) == len(survivors)
 
     common.wait_until(exited, bound, 0.05)
-    firsts = [
-        min((s[5] for s in steps(nodes[i]) if s[2] == 2 and s[5] >= at), default=None) for i in survivors
-    ]
-    round_s = max(f for f in firsts if f is not None) - at if None not in firsts else None
     codes = [nodes[i].popen.poll() for i in range(NODES)]
     return {
-        "round2_s": round_s,
+        "round2_s": both_at(nodes, survivors, lambda n: [s[5] for s in steps(n) if s[2] == 2], at),
+        "restart_s": both_at(
+            nodes, survivors, lambda n: [float(a) for _, a in STARTED.findall(n.output())], at
+        ),
         "exit_codes": codes,
         "exit_after_s": [exits.get(i) for i in range(NODES)],
         "done_s": max(exits.values()) if exited() and all(codes[i] == 0 for i in survivors) else None,
@@ -155,7 +162,8 @@ def watch(nodes: list[Job], survivors: list[int], at: float, bound: float) -> di
 
 def own_lines(job: Job) -> list[str]:
     """A node's output but its ranks' step and done lines: its launcher's own lines and tracebacks."""
-    return [x for x in job.output().splitlines() if x.strip() and not STEP.search(x) and "done pid=" not in x]
+    ours = (STEP, STARTED, re.compile(r"(start|done) pid="))
+    return [x for x in job.output().splitlines() if x.strip() and not any(r.search(x) for r in ours)]
 
 
 def printed(nodes: list[Job], survivors: list[int]) -> dict[str, Any]:
@@ -182,8 +190,7 @@ def end_run(nodes: list[Job], cluster: LocalEtcd) -> list[int]:
     """End every launcher and every other descendant but the members by PID, stop the cluster, reap."""
     for node in nodes:
         node.finish()
-    members_pids = {p.pid for p in cluster.procs.values()}
-    left = list(descendants(members_pids).values())
+    left = list(descendants(set(cluster.pids().values())).values())
     for proc in left:
         with contextlib.suppress(psutil.Error):
             proc.kill()
@@ -219,10 +226,10 @@ def one_run(root: Path, launcher: str, case: str, script: Path, args: argparse.N
         lost = [res["node0"]] if case in ("launcher", "node", "leader+node") else []
         survivors, res["lost"] = [i for i in range(NODES) if i not in lost], lost
         time.sleep(ORPHAN_AT_S)  # the moment the orphans are counted, not an ordering
-        res["orphans_at_2s"] = left_running(nodes, {p.pid for p in cluster.procs.values()})["orphans"]
+        res["orphans_at_2s"] = left_running(nodes, set(cluster.pids().values()))["orphans"]
         res.update(watch(nodes, survivors, at, args.bound))
         res.update(printed(nodes, survivors))
-        res.update(left_running(nodes, {p.pid for p in cluster.procs.values()}))
+        res.update(left_running(nodes, set(cluster.pids().values())))
         res["note"] = note(res, args.bound)
         return res
     finally:
@@ -232,8 +239,9 @@ def one_run(root: Path, launcher: str, case: str, script: Path, args: argparse.N
 
 
 def note(r: dict[str, Any], bound: float) -> str:
-    formed = (
-        f"a round of 2 trained {r['round2_s']:.2f} s after" if r["round2_s"] is not None else "no round of 2"
+    started = f"new ranks {r['restart_s']:.2f} s, " if r["restart_s"] is not None else ""
+    formed = started + (
+        f"training at world 2 {r['round2_s']:.2f} s" if r["round2_s"] is not None else "no round of 2"
     )
     ends = ", ".join(
         "lost" if i in r["lost"] else f"{s:.1f} s" if s is not None else "running"
@@ -286,6 +294,7 @@ def per_run(runs: list[dict[str, Any]], *keys: str) -> str:
 
 
 ROWS: tuple[tuple[str, Callable[[list[dict[str, Any]]], str]], ...] = (
+    ("strike to a new round's ranks started", lambda v: cell([r.get("restart_s") for r in v], "s")),
     ("strike to a round of 2 training", lambda v: cell([r.get("round2_s") for r in v], "s")),
     ("strike to the survivors' exit, all rc 0", lambda v: cell([r.get("done_s") for r in v], "s")),
     ("exit codes by start order; node 0's index (per run)", lambda v: per_run(v, "exit_codes", "node0")),
@@ -298,7 +307,7 @@ ROWS: tuple[tuple[str, Callable[[list[dict[str, Any]]], str]], ...] = (
 
 def case_rows(raw: dict[str, dict[str, list[dict[str, Any]]]], case: str) -> list[list[str]]:
     """The case's rows; no round of 2 is looked for where no node is lost."""
-    rows = ROWS if case not in ("healthy", "leader") else ROWS[1:]
+    rows = ROWS if case not in ("healthy", "leader") else ROWS[2:]
     return [
         [f"{case}: {label}", *(fn(raw.get(k, {}).get(case, [])) for k in LAUNCHERS)] for label, fn in rows
     ]
@@ -306,12 +315,7 @@ def case_rows(raw: dict[str, dict[str, list[dict[str, Any]]]], case: str) -> lis
 
 def markdown(res: dict[str, Any]) -> str:
     raw, listed = res["raw"], res.get("torchrun_list")
-    rows = [
-        row
-        for case in CASES
-        if any(case in raw.get(k, {}) for k in LAUNCHERS)
-        for row in case_rows(raw, case)
-    ]
+    rows = [row for c in CASES if any(c in raw.get(k, {}) for k in LAUNCHERS) for row in case_rows(raw, c)]
     when = "; ".join(
         f"{k}: {m['when']}, {m['runs']} run(s) a case, load {m['load']}" for k, m in res["meta"].items()
     )
@@ -325,11 +329,8 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         *table(["measure", "multigpu (the three members)", "torchrun (one member)"], rows),
         "",
-        *(
-            [f"torchrun given the three members (`--rdzv-endpoint H1:P1,H2:P2,H3:P3`): {listed}", ""]
-            if listed
-            else []
-        ),
+        f"torchrun given the three members (`--rdzv-endpoint H1:P1,H2:P2,H3:P3`): {listed or 'not run'}",
+        "",
         "Runs:",
         "",
     ]
@@ -372,13 +373,11 @@ def main() -> int:
         rdzv_conf=args.rdzv_conf,
         bound=args.bound,
     )
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    for k in launchers:
-        res["meta"][k] = {
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "runs": args.runs,
-            "load": load,
-        }
+    when, load = (
+        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    )
+    res["meta"].update({k: {"when": when, "runs": args.runs, "load": load} for k in launchers})
     root = Path(tempfile.mkdtemp(prefix="etcd-node-loss-"))
     try:
         got = measure(args, launchers, root)

@@ -90,7 +90,7 @@ class EtcdCluster:
         return self.local.members
 
     def pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self.local.procs.items()}
+        return self.local.pids()
 
     def start(self) -> None:
         """Start the members and wait until all three are healthy (a leader elected)."""

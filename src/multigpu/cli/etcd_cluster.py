@@ -163,6 +163,9 @@ class LocalEtcd:
                     preexec_fn=set_pdeathsig,  # no thread runs in a process that starts members
                 )
 
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items()}
+
     def ended(self) -> dict[str, int]:
         """The members that have ended, with their exit codes."""
         return {name: code for name, proc in self.procs.items() if (code := proc.poll()) is not None}
@@ -315,10 +318,10 @@ def cmd_etcd(argv: Sequence[str]) -> int:
         if problem is not None:
             say(f"{problem}; stopping")
         elif not got:
-            pids = ", ".join(str(p.pid) for p in cluster.procs.values())
+            pids = ", ".join(map(str, cluster.pids().values()))
             say(
-                f"3 members (pids {pids}) serve --rdzv-endpoint {cluster.endpoint} (jobs: --rdzv-backend "
-                f"etcd-v2 --rdzv-endpoint {cluster.endpoint}); data in {cluster.root}; Ctrl-C ends them"
+                f"3 members serve (pids {pids}); jobs: --rdzv-backend etcd-v2 --rdzv-endpoint "
+                f"{cluster.endpoint}; data in {cluster.root}; Ctrl-C ends them"
             )
             code = serve(cluster, got)
     finally:

@@ -22,8 +22,8 @@ from multigpu.cli.etcd_cluster import get_json
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 SERVING = re.compile(
-    r"multigpu: etcd: 3 members \(pids (\d+), (\d+), (\d+)\) serve --rdzv-endpoint (\S+) \(jobs: "
-    r"--rdzv-backend etcd-v2 --rdzv-endpoint \4\); data in (\S+); Ctrl-C ends them\n"
+    r"multigpu: etcd: 3 members serve \(pids (\d+), (\d+), (\d+)\); jobs: --rdzv-backend etcd-v2 "
+    r"--rdzv-endpoint (\S+); data in (\S+); Ctrl-C ends them\n"
 )
 
 
