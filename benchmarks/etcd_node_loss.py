@@ -61,7 +61,7 @@ WORKER = """
     print(f"done {tag}", flush=True)
     dist.destroy_process_group()
 """
-STARTED = re.compile(r"start pid=\d+ restart=([1-9]\d*) at=([\d.]+)")
+STARTED = re.compile(r"start pid=\d+ restart=(\d+) at=([\d.]+)")  # a survivor's new rank may say restart=0
 STEP = re.compile(r"pid=(\d+) group=(\d+) world=(\d+) restart=(\d+) step=(\d+) at=([\d.]+)")
 
 
@@ -221,7 +221,7 @@ def one_run(root: Path, launcher: str, case: str, script: Path, args: argparse.N
             res["note"] = f"the round of 3 never trained; exit codes {res['exit_codes']}"
             res.update(printed(nodes, list(range(NODES))))
             return res
-        res["form_s"], at = formed - nodes[0].started, time.time()
+        res.update(form_s=formed - nodes[0].started, strike_at=(at := time.time()))
         res.update(strike(case, nodes, cluster))
         lost = [res["node0"]] if case in ("launcher", "node", "leader+node") else []
         survivors, res["lost"] = [i for i in range(NODES) if i not in lost], lost
@@ -234,15 +234,16 @@ def one_run(root: Path, launcher: str, case: str, script: Path, args: argparse.N
         return res
     finally:
         res["swept"] = end_run(nodes, cluster)
-        res["logs"] = {n.log_path.name: "\n".join(own_lines(n))[-4000:] for n in nodes}
+        keep = [
+            [x for x in n.output().splitlines() if not STEP.search(x) and "frame #" not in x] for n in nodes
+        ]
+        res["logs"] = {n.log_path.name: "\n".join(k)[-5000:] for n, k in zip(nodes, keep, strict=True)}
         (bench_dir / "result.json").write_text(json.dumps(res, indent=1))
 
 
 def note(r: dict[str, Any], bound: float) -> str:
-    started = f"new ranks {r['restart_s']:.2f} s, " if r["restart_s"] is not None else ""
-    formed = started + (
-        f"training at world 2 {r['round2_s']:.2f} s" if r["round2_s"] is not None else "no round of 2"
-    )
+    new, trains = (f"{r[k]:.2f} s" if r[k] is not None else "never" for k in ("restart_s", "round2_s"))
+    formed = f"new ranks {new}, training at world 2 {trains}" if r["lost"] else "no node lost"
     ends = ", ".join(
         "lost" if i in r["lost"] else f"{s:.1f} s" if s is not None else "running"
         for i, s in enumerate(r["exit_after_s"])
@@ -317,7 +318,8 @@ def markdown(res: dict[str, Any]) -> str:
     raw, listed = res["raw"], res.get("torchrun_list")
     rows = [row for c in CASES if any(c in raw.get(k, {}) for k in LAUNCHERS) for row in case_rows(raw, c)]
     when = "; ".join(
-        f"{k}: {m['when']}, {m['runs']} run(s) a case, load {m['load']}" for k, m in res["meta"].items()
+        f"{k}: {m['when']}, load {m['load']}, runs " + ", ".join(f"{c} {len(v)}" for c, v in raw[k].items())
+        for k, m in res["meta"].items()
     )
     lines = [
         "# Any one process lost: an elastic job on a 3-member etcd (etcd-v2 rendezvous)",
@@ -377,13 +379,14 @@ def main() -> int:
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         " ".join(f"{x:.2f}" for x in os.getloadavg()),
     )
-    res["meta"].update({k: {"when": when, "runs": args.runs, "load": load} for k in launchers})
+    res["meta"].update({k: {"when": when, "load": load} for k in launchers})
     root = Path(tempfile.mkdtemp(prefix="etcd-node-loss-"))
     try:
         got = measure(args, launchers, root)
     finally:
         common.rmtree_quiet(root)
-    res["raw"].update(got.pop("raw"))
+    for k, cases in got.pop("raw").items():  # a case run again replaces its runs; the others stay
+        res["raw"].setdefault(k, {}).update(cases)
     res.update(got)
     out.mkdir(parents=True, exist_ok=True)
     old.write_text(json.dumps(res, indent=1) + "\n")
