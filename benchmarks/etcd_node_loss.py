@@ -44,8 +44,7 @@ from multigpu.cli.etcd_cluster import LocalEtcd, find_etcd, members
 
 CASES = ("healthy", "leader", "launcher", "node", "leader+node")
 NODES = 3
-ORPHAN_AT_S = 2.0  # after the strike, when ranks whose launcher is gone are counted (again at the bound)
-FORM_BOUND_S = 120.0  # from the start to every rank at step 5 in the round of 3 (3 torch imports, 2 cores)
+ORPHAN_AT_S, FORM_BOUND_S = 2.0, 120.0  # orphans counted then after the strike; the round of 3's bound
 WORKER = """
     import os, time, torch, torch.distributed as dist
     restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
@@ -83,10 +82,7 @@ def new_cluster() -> LocalEtcd:
     while len(ports) < 2 * NODES:
         if (port := common.free_port()) not in ports:
             ports.append(port)
-    etcd = find_etcd()
-    if etcd is None:
-        raise SystemExit("etcd_node_loss: no etcd binary (apt-get install etcd-server)")
-    cluster = LocalEtcd(etcd, members(ports[:NODES], ports[NODES:]))
+    cluster = LocalEtcd(find_etcd() or "etcd", members(ports[:NODES], ports[NODES:]))  # main checked it
     cluster.start()
     problem = cluster.wait_ready(lambda: False)
     if problem is not None:
@@ -295,6 +291,7 @@ def per_run(runs: list[dict[str, Any]], *keys: str) -> str:
 
 
 ROWS: tuple[tuple[str, Callable[[list[dict[str, Any]]], str]], ...] = (
+    ("round of 3 never trained (runs)", lambda v: str(sum("form_s" not in r for r in v)) if v else "not run"),
     ("strike to a new round's ranks started", lambda v: cell([r.get("restart_s") for r in v], "s")),
     ("strike to a round of 2 training", lambda v: cell([r.get("round2_s") for r in v], "s")),
     ("strike to the survivors' exit, all rc 0", lambda v: cell([r.get("done_s") for r in v], "s")),
@@ -307,11 +304,11 @@ ROWS: tuple[tuple[str, Callable[[list[dict[str, Any]]], str]], ...] = (
 
 
 def case_rows(raw: dict[str, dict[str, list[dict[str, Any]]]], case: str) -> list[list[str]]:
-    """The case's rows; no round of 2 is looked for where no node is lost."""
-    rows = ROWS if case not in ("healthy", "leader") else ROWS[2:]
-    return [
-        [f"{case}: {label}", *(fn(raw.get(k, {}).get(case, [])) for k in LAUNCHERS)] for label, fn in rows
-    ]
+    """The case's rows, each over the runs that struck; no new round is looked for where no node is lost."""
+    rows = ROWS if case not in ("healthy", "leader") else ROWS[:1] + ROWS[3:]
+    runs = [raw.get(k, {}).get(case, []) for k in LAUNCHERS]
+    struck = [[r for r in v if "form_s" in r] for v in runs]
+    return [[f"{case}: {label}", *map(fn, runs if i == 0 else struck)] for i, (label, fn) in enumerate(rows)]
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -327,7 +324,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"{when}. {res['machine']}, torch {res['torch']}, {res['etcd']}, --rdzv-conf {res['rdzv_conf']}, "
         f"bound {res['bound']:.0f} s after the strike. Cells: median [min-max]; never: no number within the "
         "bound. Exit codes: None = still running at the bound (then ended by the harness), -9 = the case's "
-        "kill.",
+        "kill. A run whose round of 3 never trained is counted in its first row and left out of the others.",
         "",
         *table(["measure", "multigpu (the three members)", "torchrun (one member)"], rows),
         "",
@@ -361,6 +358,8 @@ def main() -> int:
     from multigpu.contract.prctl import set_child_subreaper
 
     args = parse()
+    if find_etcd() is None:
+        raise SystemExit("etcd_node_loss: no etcd binary (apt-get install etcd-server)")
     set_child_subreaper()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through every finally: all ended by PID
     launchers = list(LAUNCHERS) if args.launcher == "both" else [args.launcher]
