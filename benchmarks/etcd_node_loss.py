@@ -12,10 +12,10 @@ took 5 steps at world 3, the case strikes: ``healthy`` nothing; ``leader`` the e
 ``launcher`` node 0's launcher ``kill -9`` (node 0: whose rank printed group=0); ``node`` node 0 whole
 (the launcher and all its descendants at once); ``leader+node`` both. Measured up to ``--bound`` after
 the strike: until both survivors' new ranks started, and stepped at world 2; exit codes and times; the
-survivors' launchers' own lines and tracebacks; ranks left without their launcher (2 s after, and at the
-bound) and launchers still running. The harness (a child subreaper) then ends all by PID and stops the
-cluster. Results: ``--out`` (default a scratch folder) ``etcd_node_loss.md``/``.json``, where a
-launcher not run keeps its runs.
+survivors' console lines (steps aside) and tracebacks; ranks left without their launcher (2 s after,
+and at the bound); launchers still running. Then the harness (a child subreaper) ends all by PID and
+stops the cluster. Results in ``--out`` (default a scratch folder): ``etcd_node_loss.md``/``.json``,
+where a launcher not run keeps its runs.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ def own_lines(job: Job) -> list[str]:
 
 
 def printed(nodes: list[Job], survivors: list[int]) -> dict[str, Any]:
-    """The survivors' launchers' own lines, the tracebacks among them, and their ranks' last worlds."""
+    """The lines on the survivors' consoles but the ranks' steps (the launchers' and the ranks' stderr),
+    the tracebacks among them, and their ranks' last worlds."""
     own = [x for i in survivors for x in own_lines(nodes[i])]
     done = [
         int(w)
@@ -246,7 +247,7 @@ def note(r: dict[str, Any], bound: float) -> str:
     )
     return (
         f"{formed}; exits {ends} after the strike (bound {bound:.0f} s), rc={r['exit_codes']}; "
-        f"{r['lines']} launcher line(s), {r['tracebacks']} traceback(s); at the bound "
+        f"{r['lines']} console line(s), {r['tracebacks']} traceback(s); at the bound "
         f"{r['launchers_running']} launcher(s) running, {r['orphans']} orphaned rank(s) "
         f"({r['orphans_at_2s']} at 2 s); survivors' ranks finished at world {r['done_worlds']}"
     )
@@ -296,7 +297,7 @@ ROWS: tuple[tuple[str, Callable[[list[dict[str, Any]]], str]], ...] = (
     ("strike to a round of 2 training", lambda v: cell([r.get("round2_s") for r in v], "s")),
     ("strike to the survivors' exit, all rc 0", lambda v: cell([r.get("done_s") for r in v], "s")),
     ("exit codes by start order; node 0's index (per run)", lambda v: per_run(v, "exit_codes", "node0")),
-    ("launcher lines / tracebacks (per run)", lambda v: per_run(v, "lines", "tracebacks")),
+    ("console lines, steps aside / tracebacks (per run)", lambda v: per_run(v, "lines", "tracebacks")),
     ("ranks left without their launcher 2 s after the strike", lambda v: per_run(v, "orphans_at_2s")),
     ("at the bound: launchers running / orphans", lambda v: per_run(v, "launchers_running", "orphans")),
     ("the survivors' ranks' last round: world (per run)", lambda v: per_run(v, "done_worlds")),
