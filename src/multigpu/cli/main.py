@@ -1,6 +1,7 @@
 """``multigpu`` command line: the dispatch of ``run``, ``demo``, ``devices``, ``report``, ``stacks``,
-``status`` and ``store``, and how a command's failure ends the launcher. Runs in the launcher; imports no
-torch. ``run``'s parsing into RunConfig is ``run_args``'s; its parser and ``--help``, ``run_parser``'s.
+``status``, ``store`` and ``etcd``, and how a command's failure ends the launcher. Runs in the launcher;
+imports no torch. ``run``'s parsing into RunConfig is ``run_args``'s; its parser and ``--help``,
+``run_parser``'s.
 
 Every ``run`` option may also come from ``MULTIGPU_<OPTION>`` (``--grace-period`` from
 ``MULTIGPU_GRACE_PERIOD``); the command line wins. Usage mistakes exit 2 with one line, never a traceback.
@@ -91,6 +92,12 @@ def cmd_store(argv: Sequence[str]) -> int:
     return store(argv)
 
 
+def cmd_etcd(argv: Sequence[str]) -> int:
+    from multigpu.cli.etcd_cluster import cmd_etcd as etcd
+
+    return etcd(argv)
+
+
 COMMANDS = {
     "run": cmd_run,
     "demo": cmd_demo,
@@ -99,6 +106,7 @@ COMMANDS = {
     "stacks": cmd_stacks,
     "status": cmd_status,
     "store": cmd_store,
+    "etcd": cmd_etcd,
 }
 
 HELP = f"""usage: multigpu [--version] COMMAND [ARGS...]
@@ -113,6 +121,7 @@ commands:
   stacks    every live rank's Python stacks of a running job, without stopping it
   status    one line per rank of a running job
   store     serve elastic jobs' rendezvous store off the training nodes
+  etcd      a local 3-member etcd cluster, for trying --rdzv-backend etcd-v2
 
 'multigpu COMMAND --help' describes each command. Version {__version__}.
 """
