@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from multigpu.contract.errors import RendezvousError
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.rendezvous.store import guarded
 
 DONE = 1 << 50
@@ -199,6 +200,17 @@ class JobStore:
         if not others or self.store.check(keys):
             return []
         return [base for base, key in zip(others, keys, strict=True) if not self.store.check([key])]
+
+    def named_lost(self) -> list[int]:
+        """The base ranks of the node the abort record names as lost (its launcher fell silent), if any:
+        a killed launcher makes no last read, a slow one beats again."""
+        record = self.read_abort()
+        if record is None or "reason" in record:
+            return []
+        failure = WorkerFailure.from_dict(record)
+        if failure.kind is not FailureKind.NODE_LOST:
+            return []
+        return [base for base, node in sorted(self.members().items()) if node == failure.node]
 
     def all_done(self) -> bool:
         return all(count >= DONE for count in self.beat_counts(sorted(self.members())).values())
