@@ -83,6 +83,7 @@ class Job:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ended: dict[str, float] = field(default_factory=dict)
     began: float = 0.0
+    began_wall: float = 0.0
 
     def start(self, steps: int) -> None:
         script = self.folder / "train.py"
@@ -152,8 +153,8 @@ def inject(job: Job, case: str) -> float:
     if case in ("lossy", "slow"):
         job.wait_ended("ABC", time.monotonic() + 120)
         return job.began
-    if not job.wait_round(3, timeout=60):
-        return time.monotonic()  # no round of 3: recorded as such (steps at world 3: none)
+    if not job.wait_round(3, timeout=120):
+        return time.monotonic()  # no round of 3, no fault: recorded as such (round_of_3_s None)
     time.sleep(1)  # a few steps in a round of 3
     fault = time.monotonic()
     if case == "cut":
@@ -179,7 +180,7 @@ def one_run(case: str, launcher: str, folder: Path) -> dict[str, Any]:
     try:
         if case == "lossy":
             net.lose("C", 0.2)
-        job.began = time.monotonic()
+        job.began, job.began_wall = time.monotonic(), time.time()
         job.start(STEPS[case])
         fault = inject(job, case)
         wall_fault = time.time() - (time.monotonic() - fault)
@@ -207,7 +208,9 @@ def outcome(job: Job, fault: float, wall_fault: float, left: dict[str, list[int]
             "left": len(left.get(name, [])),
         }
     done = [nodes[n]["ended_s"] for n in "ABC"]
-    return {"nodes": nodes, "outcome_s": None if None in done else max(done)}
+    first = [t for t, w in job.steps("A") if w == 3][:1]
+    formed = round(first[0] - job.began_wall, 1) if first else None
+    return {"nodes": nodes, "outcome_s": None if None in done else max(done), "round_of_3_s": formed}
 
 
 def _pause(times: list[float], fault: float) -> float | None:
@@ -233,11 +236,13 @@ def markdown(res: dict[str, Any]) -> str:
         "the last launcher's end, never: a launcher was still running at the bound; longest pause: seconds "
         "between two steps of a node's rank across the fault (None: none after it); fault lines: the "
         "launcher's lines naming a loss, a slowness, a time-out or a closed connection (of them, Python "
-        "tracebacks or torch's C++ frames); left: processes in a node's namespace after its launcher ended.",
+        "tracebacks or torch's C++ frames); left: processes in a node's namespace after its launcher ended; "
+        "round of 3: seconds from the start to A's first step in a round of 3 (None: none within 120 s, and "
+        "then no fault was injected).",
         "",
-        "| case | launcher | run | exit codes | to the outcome | steps (after the fault) | longest pause "
-        "| fault lines (noise) | left |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | launcher | run | round of 3 | exit codes | to the outcome | steps (after the fault) | "
+        "longest pause | fault lines (noise) | left |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["results"]:
         run = row["result"]
@@ -249,7 +254,8 @@ def markdown(res: dict[str, Any]) -> str:
         )
         took = "never" if run["outcome_s"] is None else f"{run['outcome_s']} s"
         lines.append(
-            f"| {row['case']} | {row['launcher']} | {row['run']} | {_cell(run, 'rc')} | {took} | {steps} | "
+            f"| {row['case']} | {row['launcher']} | {row['run']} | {run['round_of_3_s']} s | "
+            f"{_cell(run, 'rc')} | {took} | {steps} | "
             f"{_cell(run, 'pause_s')} | {lines_} | {_cell(run, 'left')} |"
         )
     lines += ["", "First line naming the fault, per node:", ""]
