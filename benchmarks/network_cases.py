@@ -67,7 +67,8 @@ TRAIN = """
     dist.destroy_process_group()
 """
 FAULT = re.compile(
-    r"lost|slow|stopped|answer|timed? ?out|closed|reset|unreachable|refused|Traceback|Exception raised from",
+    r"\blost\b|\bslow\b|stopped (answering|beating)|timed out|closed|reset by peer|unreachable|refused|"
+    r"keep-alive|failed to recv|Traceback|Exception raised from|already ended",
     re.I,
 )
 NOISE = re.compile(r"Traceback|Exception raised from|\.cpp:|C\+\+")
@@ -193,8 +194,6 @@ def one_run(case: str, launcher: str, folder: Path) -> dict[str, Any]:
 def outcome(job: Job, fault: float, wall_fault: float, left: dict[str, list[int]]) -> dict[str, Any]:
     nodes: dict[str, Any] = {}
     for name in "ABC":
-        err = (job.folder / f"{name}.err").read_text(errors="replace")
-        named = [line.strip() for line in err.splitlines() if FAULT.search(line)]
         steps = job.steps(name)
         nodes[name] = {
             "rc": job.procs[name].poll(),
@@ -202,15 +201,35 @@ def outcome(job: Job, fault: float, wall_fault: float, left: dict[str, list[int]
             "steps": len(steps),
             "steps_after_fault": len([t for t, _ in steps if t > wall_fault]),
             "pause_s": _pause([t for t, _ in steps], wall_fault),
-            "fault_lines": len(named),
-            "noise_lines": len([line for line in named if NOISE.search(line)]),
-            "first_fault_line": named[0][:200] if named else None,
+            **fault_lines(job.folder / f"{name}.err"),
             "left": len(left.get(name, [])),
         }
     done = [nodes[n]["ended_s"] for n in "ABC"]
     first = [t for t, w in job.steps("A") if w == 3][:1]
     formed = round(first[0] - job.began_wall, 1) if first else None
     return {"nodes": nodes, "outcome_s": None if None in done else max(done), "round_of_3_s": formed}
+
+
+def fault_lines(err: Path) -> dict[str, Any]:
+    """How many of a launcher's lines name the fault, how many of them are tracebacks or C++ frames,
+    and the first."""
+    named = [line.strip() for line in err.read_text(errors="replace").splitlines() if FAULT.search(line)]
+    noise = len([line for line in named if NOISE.search(line)])
+    return {
+        "fault_lines": len(named),
+        "noise_lines": noise,
+        "first_fault_line": named[0][:200] if named else None,
+    }
+
+
+def rescore(out: Path, logs: Path) -> None:
+    """The fault lines counted again, from the runs' logs in ``logs``, into ``out``'s results."""
+    res = json.loads((out / "network_cases.json").read_text())
+    for row in res["results"]:
+        for name, node in row["result"]["nodes"].items():
+            node.update(fault_lines(logs / f"{row['case']}_{row['launcher']}_{row['run']}" / f"{name}.err"))
+    (out / "network_cases.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "network_cases.md").write_text(markdown(res))
 
 
 def _pause(times: list[float], fault: float) -> float | None:
@@ -237,8 +256,9 @@ def markdown(res: dict[str, Any]) -> str:
         "between two steps of a node's rank across the fault (None: none after it); fault lines: the "
         "launcher's lines naming a loss, a slowness, a time-out or a closed connection (of them, Python "
         "tracebacks or torch's C++ frames); left: processes in a node's namespace after its launcher ended; "
-        "round of 3: seconds from the start to A's first step in a round of 3 (None: none within 120 s, and "
-        "then no fault was injected).",
+        "round of 3: seconds from the start to A's first step in a round of 3 (none: not within 120 s; a "
+        "cut, "
+        "store or flap fault is then not injected).",
         "",
         "| case | launcher | run | round of 3 | exit codes | to the outcome | steps (after the fault) | "
         "longest pause | fault lines (noise) | left |",
@@ -253,8 +273,9 @@ def markdown(res: dict[str, Any]) -> str:
             f"{run['nodes'][n]['fault_lines']} ({run['nodes'][n]['noise_lines']})" for n in "ABC"
         )
         took = "never" if run["outcome_s"] is None else f"{run['outcome_s']} s"
+        formed = "none" if run["round_of_3_s"] is None else f"{run['round_of_3_s']} s"
         lines.append(
-            f"| {row['case']} | {row['launcher']} | {row['run']} | {run['round_of_3_s']} s | "
+            f"| {row['case']} | {row['launcher']} | {row['run']} | {formed} | "
             f"{_cell(run, 'rc')} | {took} | {steps} | "
             f"{_cell(run, 'pause_s')} | {lines_} | {_cell(run, 'left')} |"
         )
@@ -272,7 +293,11 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--rescore", type=Path, metavar="LOGS", help="count the fault lines again from LOGS")
     args = parser.parse_args()
+    if args.rescore is not None:
+        rescore(args.out, args.rescore)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the cluster's close runs (a finally)
     why = available()
     if why is not None:
