@@ -257,8 +257,7 @@ def markdown(res: dict[str, Any]) -> str:
         "launcher's lines naming a loss, a slowness, a time-out or a closed connection (of them, Python "
         "tracebacks or torch's C++ frames); left: processes in a node's namespace after its launcher ended; "
         "round of 3: seconds from the start to A's first step in a round of 3 (none: not within 120 s; a "
-        "cut, "
-        "store or flap fault is then not injected).",
+        "cut, store or flap fault is then not injected).",
         "",
         "| case | launcher | run | round of 3 | exit codes | to the outcome | steps (after the fault) | "
         "longest pause | fault lines (noise) | left |",
