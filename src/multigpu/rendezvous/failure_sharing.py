@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from multigpu.contract.errors import STORE_HOST_ENDED, STORE_SERVER_ENDED, StoreLostError
 from multigpu.contract.failure import LEARNED_FROM_SILENCE, NO_NODE, FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
-from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.job import JobStore, named_lost
 from multigpu.rendezvous.latency import STILL_LOST_S, BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
 from multigpu.supervisor.hangs.verdict import JobProgress
@@ -364,7 +364,7 @@ def outlive_readers(
     lost once its beat counter has stood still ``still_s`` more. Returns the base ranks that had not left."""
     began, pending = time.monotonic(), []
     with contextlib.suppress(Exception):  # our own store: only a bug of ours raises here
-        silent = job.beat_counts(job.named_lost())  # base rank -> its counter as this wait began
+        silent = job.beat_counts(named_lost(job))  # base rank -> its counter as this wait began
         while True:
             pending, waited = job.still_reading(), time.monotonic() - began
             if silent and waited >= still_s:  # a node named lost that beats again is waited for
