@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from multigpu.contract.errors import STORE_HOST_ENDED, STORE_SERVER_ENDED, StoreLostError
 from multigpu.contract.failure import LEARNED_FROM_SILENCE, NO_NODE, FailureKind, Subject, WorkerFailure
 from multigpu.contract.signals import signal_name
-from multigpu.rendezvous.job import JobStore
-from multigpu.rendezvous.latency import BeatWatch, Latency
+from multigpu.rendezvous.job import JobStore, named_lost
+from multigpu.rendezvous.latency import STILL_LOST_S, BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
 from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
@@ -118,14 +118,8 @@ class FateMonitor:
         self._watch = BeatWatch(clock)
         self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
         self._in_call: float | None = None  # when the store call in flight began
-        self._threads = [
-            threading.Thread(target=target, name=f"multigpu-fate-{name}", daemon=True)
-            for name, target in (
-                ("beat", self._beat_loop),
-                ("wait", self._wait_loop),
-                ("deadman", self._deadman),
-            )
-        ]
+        loops = (("beat", self._beat_loop), ("wait", self._wait_loop), ("deadman", self._deadman))
+        self._threads = [threading.Thread(target=t, name=f"multigpu-fate-{n}", daemon=True) for n, t in loops]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -361,16 +355,21 @@ def leave_job(job: JobStore) -> None:
     _bounded(lambda: job.leave())
 
 
-def outlive_readers(job: JobStore, timeout_s: float = READERS_WAIT_S, poll_s: float = 0.02) -> list[int]:
+def outlive_readers(
+    job: JobStore, timeout_s: float = READERS_WAIT_S, poll_s: float = 0.02, still_s: float = STILL_LOST_S
+) -> list[int]:
     """The store's host, about to exit (a refusal, a failure, the end): keep serving until every other
     joined node has left (``leave_job``), so none of them reads a verdict from a store that went away;
-    bounded, since a node killed meanwhile never leaves. Returns the base ranks that had not left."""
-    deadline = time.monotonic() + timeout_s
-    pending: list[int] = []
+    bounded, since a node killed meanwhile never leaves, and not waiting at all for a node the job named
+    lost once its beat counter has stood still ``still_s`` more. Returns the base ranks that had not left."""
+    began, pending = time.monotonic(), []
     with contextlib.suppress(Exception):  # our own store: only a bug of ours raises here
+        silent = job.beat_counts(named_lost(job))  # base rank -> its counter as this wait began
         while True:
-            pending = job.still_reading()
-            if not pending or time.monotonic() >= deadline:
+            pending, waited = job.still_reading(), time.monotonic() - began
+            if silent and waited >= still_s:  # a node named lost that beats again is waited for
+                silent = {b: n for b, n in job.beat_counts(sorted(silent)).items() if n == silent[b]}
+            if not pending or waited >= timeout_s or (waited >= still_s and set(pending) <= set(silent)):
                 break
             time.sleep(poll_s)
     return pending

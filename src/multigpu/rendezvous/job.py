@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from multigpu.contract.errors import RendezvousError
+from multigpu.contract.failure import FailureKind, WorkerFailure
 from multigpu.rendezvous.store import guarded
 
 DONE = 1 << 50
@@ -275,6 +276,18 @@ class JobStore:
         standing = _settle_abort(self.store, self.key("abort"), record)
         self.wake_all()
         return standing
+
+
+def named_lost(job: JobStore) -> list[int]:
+    """The base ranks of the node ``job``'s abort record names as lost (its launcher fell silent), if
+    any: a killed launcher makes no last read, a slow one beats again. Read by the store's host."""
+    record = job.read_abort()
+    if record is None or "reason" in record:
+        return []
+    failure = WorkerFailure.from_dict(record)
+    if failure.kind is not FailureKind.NODE_LOST:
+        return []
+    return [base for base, node in sorted(job.members().items()) if node == failure.node]
 
 
 def _settle_abort(store: Any, key: str, record: dict[str, Any]) -> dict[str, Any]:

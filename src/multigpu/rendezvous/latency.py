@@ -24,6 +24,10 @@ OUTAGE_S = 8.0
 """A store call in flight is late, not lost, for this long however fast the store was: a segment a
 lossy link dropped waits for TCP's retransmission (200 ms, then doubling: five tries take 6.2 s), and
 a store cut off for a few seconds (a link that flaps, a switch port that resets) is ridden out."""
+STILL_LOST_S = 1.0
+"""The store's host, on its way out, waits for the last read of a node named lost only while its beat
+counter moves within this: a killed launcher never reads, and waiting the whole bound for it kept the
+host of a two-node job 5 s past its rank's end (issue 41)."""
 FIRST_BEAT_GRACE_S = 10.0
 """A node that has not beaten yet may still be starting its workers: it gets this long at least. On a
 slow link it starts its attempt seconds after the others (every store call of the round's join is a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -610,6 +611,40 @@ def test_the_store_hosts_wait_is_bounded_when_a_node_never_leaves() -> None:
     leave_job(latecomer)  # writes nothing: base rank 2 is a live member's
     assert outlive_readers(host, timeout_s=0.3) == [2]
     assert outlive_readers(job_of(FakeStore(), 1)[0], timeout_s=WAIT_S) == []  # alone: nobody to wait for
+
+
+def test_the_store_host_does_not_wait_for_a_node_the_job_named_lost_while_it_stays_silent() -> None:
+    """Node 2's launcher was killed (named lost: its beats stopped): it will never leave, so the host
+    stops waiting for it once its beat counter has stood still a moment, not after the whole bound
+    (before: the store's host of a two-node job ended 5 s after its rank, issue 41)."""
+    store = FakeStore()
+    host, first, _killed = job_of(store, 3)
+    host.publish_abort(failure_record(node_lost(2, "its launcher stopped beating")))
+    first.leave()
+    began = time.monotonic()
+    assert outlive_readers(host, timeout_s=WAIT_S) == [2]
+    assert time.monotonic() - began < WAIT_S / 2
+
+
+def test_the_store_host_waits_for_a_node_named_lost_that_beats_again() -> None:
+    """A node named lost that was only slow beats again: it reads the verdict and leaves like any other,
+    so the host waits for it."""
+    store = FakeStore()
+    host, first, slow = job_of(store, 3)
+    host.publish_abort(failure_record(node_lost(2, "its launcher stopped beating")))
+    first.leave()
+    left = threading.Event()
+
+    def beat_then_leave() -> None:
+        for _ in range(8):  # beats for 0.4 s, past the host's still_s, then leaves
+            slow.store.add(slow.key("beat", slow.base_rank), 1)
+            time.sleep(0.05)
+        left.set()
+        leave_job(slow)
+
+    threading.Thread(target=beat_then_leave).start()
+    assert outlive_readers(host, timeout_s=WAIT_S, still_s=0.2) == []
+    assert left.is_set(), "returned before the slow node left"
 
 
 def test_leaving_a_store_that_is_gone_raises_nothing_and_notes_torchs_words(tmp_path: Any) -> None:
