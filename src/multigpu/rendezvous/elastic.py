@@ -29,6 +29,7 @@ from multigpu.rendezvous.elastic_fixes import Liveness, close_rendezvous, handle
 from multigpu.rendezvous.etcd import describe, rendezvous_backend
 from multigpu.rendezvous.fingerprint import fingerprint
 from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.round_hold import RoundHold
 from multigpu.rendezvous.round_wait import RoundWait
 from multigpu.rendezvous.store import bind_store_socket, connect_store, import_torch_quietly, serve_store_on
 
@@ -192,8 +193,7 @@ class ElasticRendezvous:
         rdzv = config.rdzv
         assert rdzv.min_nodes is not None and rdzv.max_nodes is not None and rdzv.endpoint
         self.config, self.store, self.run_id, self.settings = config, store, run_id, settings
-        self.hosted = hosted
-        """Whether this launcher serves the job's store: then it leaves last."""
+        self.hosted = hosted  # this launcher serves the job's store: then it leaves last
         self.store_failed = False
         """A rendezvous call failed on the store: this node lost the job, the others may not have."""
         self.addr = local_address(rdzv.endpoint)
@@ -226,6 +226,7 @@ class ElasticRendezvous:
         evicts = hosted or settings.is_host is False or bool(rdzv.members)  # etcd: nobody serves it
         self.liveness = Liveness(store, self.backend, run_id, self.handler._this_node, evicts=evicts)
         self.liveness.start()
+        self.handler.hold = RoundHold(self.liveness)
 
     def next_round(self) -> Round:
         """Join the next round (torch's rules) and agree on ranks, master and restart count."""

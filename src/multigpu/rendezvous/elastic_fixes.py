@@ -18,6 +18,7 @@ from typing import Any
 
 from multigpu.config.endpoint import Endpoint
 from multigpu.rendezvous.failure_sharing import BEAT_S
+from multigpu.rendezvous.round_hold import RoundHold
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on
 
 EVICT_AFTER_S = 3.0
@@ -54,6 +55,24 @@ def pace_polls(max_nodes: int) -> float:
     torch_rdzv._multigpu_torch_delay = original
     torch_rdzv._delay = delay
     return poll
+
+
+def hold_completion(executor: Any, hold: RoundHold, poll: float) -> None:
+    """torch's executor, made to complete a round only once ``hold`` lets it (``round_hold``): while
+    it holds, the executor polls again instead (torch asks to complete at every poll past the last
+    call). Installed once per executor."""
+    if getattr(executor, "_multigpu_hold", None) is hold:
+        return
+    complete = executor._mark_rendezvous_complete
+
+    def mark_complete() -> None:
+        if hold.holds(executor._state.participants):
+            time.sleep(poll)
+            return
+        complete()
+
+    executor._mark_rendezvous_complete = mark_complete
+    executor._multigpu_hold = hold
 
 
 def close_rendezvous(handler: Any) -> None:
@@ -96,11 +115,16 @@ def handler_class() -> Any:
         """
 
         worker_store: Any = None
+        hold: RoundHold | None = None
+        """Set by ``elastic.ElasticRendezvous``: the round waits for live nodes of the last one."""
 
         def next_rendezvous(self) -> Any:
             # torch reuses a state read for 1 s (``cache_duration``): as long as a poll, no longer
             holder: Any = self._state_holder
-            holder._cache_duration = pace_polls(self._settings.max_nodes)
+            holder._cache_duration = poll = pace_polls(self._settings.max_nodes)
+            if self.hold is not None:
+                self.hold.begin(list(holder.state.participants))
+                hold_completion(self._op_executor, self.hold, poll)
             self._bootstrap_store_info = None
             self._shared_tcp_store_server = None
             self.worker_store = None
@@ -181,6 +205,10 @@ class Liveness:
                     self._seen.clear()  # the store was out of our reach: the others' silence is ours
                 if self.evicts:
                     self.evict_silent()
+
+    def counts(self, nodes: list[Any]) -> dict[Any, int]:
+        """The beat counters of those of ``nodes`` that beat (``round_hold`` reads them)."""
+        return self._counts(nodes)
 
     def _counts(self, nodes: list[Any]) -> dict[Any, int]:
         """The beat counters of the nodes that have one (a key seen once stays), in one read."""
