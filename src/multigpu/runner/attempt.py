@@ -111,6 +111,14 @@ def _lost_node_first(result: RunResult, monitor: FateMonitor | None) -> RunResul
     return RunResult(result.status, [verdict, *result.failures], result.signal, result.detected_time)
 
 
+def _another_nodes(root: WorkerFailure | None, node: int) -> bool:
+    """The root cause is another node's (that node lost, stopped, or its rank failed first) or the
+    store's: our ranks that only saw a peer's connection close say nothing new on the console."""
+    if root is None or root.subject is Subject.JOB:
+        return False
+    return root.subject is Subject.STORE or root.node != node
+
+
 def _end(
     supervisor: Supervisor, result: RunResult, run: Run, meeting: Meeting, monitor: FateMonitor | None
 ) -> RunResult:
@@ -118,6 +126,7 @@ def _end(
     job = meeting.job
     if job is not None and result.status in (RunStatus.FAILED, RunStatus.HUNG):
         result = share_failure(job, _lost_node_first(result, monitor))
+    supervisor.settle_peer_losses(fold=_another_nodes(result.root_cause, meeting.config.group_rank))
     if result.status is RunStatus.INTERRUPTED:
         sig = result.signal or signal.SIGTERM
         told = monitor.verdict if monitor is not None else None
@@ -198,7 +207,7 @@ def run_attempt(
         supervisor = Supervisor(
             specs,
             sink=live or ranks,
-            options=SupervisorOptions(grace_period=config.supervision.grace_period, reap_orphans=run.reaper),
+            options=_options(run, meeting),
             hooks=_hooks(run, meeting.job, stack, live, timer),
             spawner=run.members.spawner,
             progress=progress_book(config, run.record.path.parent, specs),
@@ -228,6 +237,17 @@ def run_attempt(
     else:
         logger.info(plain_summary(supervisor.workers).removeprefix("multigpu: "))
     return result, supervisor.workers
+
+
+def _options(run: Run, meeting: Meeting) -> SupervisorOptions:
+    """The attempt's supervisor options. A job of several nodes: a rank's traceback that only says a
+    peer's connection closed waits off the console for the root cause its fate monitor settles
+    (``_end``)."""
+    return SupervisorOptions(
+        grace_period=meeting.config.supervision.grace_period,
+        reap_orphans=run.reaper,
+        hold_peer_losses=meeting.job is not None,
+    )
 
 
 def _hooks(

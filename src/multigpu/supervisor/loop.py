@@ -70,7 +70,7 @@ class Supervisor:
         self.progress = progress or ProgressBook(
             HangPolicy(ceiling=options.hang_timeout), (w.rank for w in self.workers), clock=self._clock
         )
-        self._output = WorkerOutput(sink, self._clock, hooks.console)
+        self._output = WorkerOutput(sink, self._clock, hooks.console, options.hold_peer_losses)
         self._events = Events()
         self._stops = StopRequests(self._clock, self._events.wake)
         self._external: deque[WorkerFailure] = deque()
@@ -135,6 +135,10 @@ class Supervisor:
                 )
             )
         return outcome
+
+    def settle_peer_losses(self, *, fold: bool) -> None:
+        """The root cause is known (``hold_peer_losses``): see ``WorkerOutput.settle_peer_losses``."""
+        self._output.settle_peer_losses(fold=fold)
 
     def final_result(self, result: RunResult) -> RunResult:
         """``result`` again after ``close()``: ranks that failed during teardown may have failed first."""

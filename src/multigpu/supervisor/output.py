@@ -19,17 +19,16 @@ unfinished line goes to the sink as a *partial* line at most every ``PARTIAL_INT
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Protocol
 
-from multigpu.console.folding import CppStacks, InterruptTracebacks
+from multigpu.console.folding import CppStacks, InterruptTracebacks, PeerLostTracebacks
 from multigpu.console.writer import Console
-from multigpu.contract.files import create_file
 from multigpu.supervisor.events import Events
+from multigpu.supervisor.log_file import LogFile
 
 if TYPE_CHECKING:
     from multigpu.supervisor.states import Worker
@@ -72,55 +71,6 @@ def display_text(line: bytes) -> bytes:
     return b""
 
 
-class LogFile:
-    """One log file that keeps working when the disk does not: a failed write is counted, not raised."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lost = 0
-        self.error: str | None = None
-        self._file: IO[bytes] | None = None
-        try:  # folders made without following another user's link; a planted link replaced, a FIFO refused
-            self._file = os.fdopen(create_file(path), "wb", buffering=0)
-        except OSError as exc:
-            self._fail(exc)
-
-    def write(self, data: bytes) -> None:
-        if self._file is not None and self.error is None:
-            try:
-                written = self._file.write(data) or 0
-            except OSError as exc:
-                written = 0
-                self._fail(exc)
-            if written == len(data):
-                return
-            data = data[written:]
-            if self.error is None:
-                self._fail(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
-        self.lost += len(data)
-
-    def _fail(self, exc: OSError) -> None:
-        self.error = exc.strerror or str(exc)
-        logger.warning(
-            f"cannot write {self.path}: {self.error}; the rest of its output is lost (the run goes on)"
-        )
-
-    def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError as exc:
-                if self.error is None:
-                    self._fail(exc)
-            self._file = None
-
-    def loss(self) -> str | None:
-        """One line for the run record, or None when the file is complete."""
-        if self.error is None:
-            return None
-        return f"{self.path}: {self.error}; {self.lost} byte(s) not written"
-
-
 class Stream:
     """One pipe of one worker: the unfinished line, the files that take its bytes, its progress bar."""
 
@@ -132,6 +82,7 @@ class Stream:
         "name",
         "partial_due",
         "partial_shown",
+        "peer_lost",
         "pending",
         "pipe",
         "worker",
@@ -146,6 +97,8 @@ class Stream:
         self.partial_due: float | None = None
         self.interrupts: InterruptTracebacks | None = None
         """Set once the user's Ctrl-C reached the ranks (``WorkerOutput.hide_interrupts``)."""
+        self.peer_lost: PeerLostTracebacks | None = None
+        """A job of several nodes: set from the start (``WorkerOutput.hold_peer_losses``)."""
         asked = os.environ.get(SHOW_CPP_STACKS_ENV, "0") not in ("", "0")
         self.cpp_stacks = None if asked else CppStacks()
         """None where the user asked torch for C++ stacks (``TORCH_SHOW_CPP_STACKTRACES=1``): shown whole."""
@@ -159,6 +112,7 @@ class WorkerOutput:
         sink: OutputSink | None,
         clock: Callable[[], float],
         console: Console | None = None,
+        hold_peer_losses: bool = False,
     ) -> None:
         self._sink = sink
         self._console = console or Console()
@@ -171,6 +125,16 @@ class WorkerOutput:
         """Pipes left unread while the console catches up (``hold``)."""
         self._split_ranks: set[int] = set()
         """Ranks already told their long lines are shown in pieces (``_split``)."""
+        self.peer_held: list[Stream] | None = [] if hold_peer_losses else None
+        """``hold_peer_losses`` (a job of several nodes): every pipe whose tracebacks that only say a
+        peer's connection closed wait aside until the attempt's root cause is known."""
+
+    def settle_peer_losses(self, *, fold: bool) -> None:
+        """The attempt's root cause is known: ``fold`` (another node's) leaves the tracebacks put aside
+        to the ranks' logs; otherwise they show now, and later ones as they come."""
+        for stream in self.peer_held or []:
+            assert stream.peer_lost is not None
+            self.show(stream, stream.peer_lost.settle(fold=fold))
 
     def hide_interrupts(self) -> None:
         """The user's Ctrl-C is about to reach the ranks: their ``KeyboardInterrupt`` tracebacks go to
@@ -197,6 +161,9 @@ class WorkerOutput:
             os.set_blocking(pipe.fileno(), False)
             extra = self._stream_files.get((worker.rank, name))
             stream = Stream(worker, name, pipe, [extra] if extra else [])
+            if self.peer_held is not None:
+                stream.peer_lost = PeerLostTracebacks()
+                self.peer_held.append(stream)
             self.streams[stream.fd] = stream
             streams.append(stream)
         return streams
@@ -305,9 +272,9 @@ class WorkerOutput:
             chunk = bytes(stream.pending)
             stream.pending.clear()
             self._emit(stream, chunk + b"\n", logged=chunk)
-        if stream.interrupts is not None and (held := stream.interrupts.flush()) and self._shows(stream):
-            assert self._sink is not None
-            self._sink.write_lines(stream.worker, stream.name, [display_text(line) for line in held])
+        for fold in (stream.interrupts, stream.peer_lost):
+            if fold is not None:
+                self.show(stream, fold.flush())
         self.streams.pop(stream.fd, None)
         stream.pipe.close()
 
@@ -355,13 +322,16 @@ class WorkerOutput:
         if worker.dumps.capture is not None:
             worker.dumps.capture.extend(line.decode(errors="replace") for line in lines)
         stream.partial_shown = b""
-        if stream.cpp_stacks is not None:
-            lines = stream.cpp_stacks.feed(lines)
-        if stream.interrupts is not None:
-            lines = stream.interrupts.feed(lines)
+        for fold in (stream.cpp_stacks, stream.interrupts, stream.peer_lost):
+            if fold is not None:
+                lines = fold.feed(lines)
+        self.show(stream, lines)
+
+    def show(self, stream: Stream, lines: list[bytes]) -> None:
+        """``lines`` of ``stream`` on the console, where it shows that stream (its log has them)."""
         if self._shows(stream) and lines:
             assert self._sink is not None
-            self._sink.write_lines(worker, stream.name, [display_text(line) for line in lines])
+            self._sink.write_lines(stream.worker, stream.name, [display_text(line) for line in lines])
 
     def losses(self) -> list[str]:
         files = [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]
@@ -374,6 +344,7 @@ class WorkerOutput:
             writer.on_room = None
         for stream in list(self.streams.values()):
             self.end(stream)
+        self.settle_peer_losses(fold=False)  # no root cause settled (a path that ends early): show them
         for f in [*self._logs.values(), *self._stream_files.values(), *self._shared.values()]:
             f.close()
 

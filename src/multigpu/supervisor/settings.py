@@ -33,6 +33,9 @@ class SupervisorOptions:
     clock: Callable[[], float] = time.monotonic
     reap_orphans: bool = False
     """The launcher is a child subreaper: end and reap descendants that left their group."""
+    hold_peer_losses: bool = False
+    """A job of several nodes: a rank's traceback that only says a peer's connection closed waits off
+    the console until the attempt's root cause is known (``Supervisor.settle_peer_losses``)."""
 
 
 @dataclass(frozen=True)

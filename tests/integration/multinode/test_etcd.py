@@ -204,8 +204,9 @@ def test_the_etcd_leader_killed_mid_training_the_job_finishes(tmp_path: Path, cl
 
 
 def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> float:
-    """Node 0's launcher (and the etcd leader) kill -9ed: the survivors' round of 2 trains and ends;
-    the seconds from the kill to that round's first rank."""
+    """Node 0's launcher (and the etcd leader) kill -9ed: the survivors' round of 2 trains and ends,
+    each naming node 0 in one line and no traceback, not even its rank's; the seconds from the kill to
+    that round's first rank."""
     procs = launchers(tmp_path, cluster, steps=25)
     zero = node_zero(tmp_path)
     kids = children(procs)
@@ -221,7 +222,8 @@ def _lose_node_zero(tmp_path: Path, cluster: Cluster, *, with_leader: bool) -> f
         assert code == 0, err
         assert "done world=2 restart=1" in out, out + err
         assert len(re.findall(r"node 0 was lost", err)) == 1, err
-        assert not launcher_noise(err), err
+        # nor a rank's: its gloo "Connection closed by peer" names no more than that line (its log has it)
+        assert not [line for line in (out + err).splitlines() if any(n in line for n in NOISE)], out + err
         starts += [float(at) for at in re.findall(r"world=2 restart=1 at=([\d.]+)", out)]
     assert_gone(ranks_of(results) + kids)
     print(f"from the kill to the round of 2's first rank: {min(starts) - killed:.1f} s")  # -s shows it

@@ -15,8 +15,9 @@ import pytest
 
 from helpers import PYTHON, assert_gone, clean_env, logged
 from multigpu.supervisor import reaping
+from multigpu.supervisor.log_file import LogFile
 from multigpu.supervisor.loop import Supervisor
-from multigpu.supervisor.output import LogFile, display_text
+from multigpu.supervisor.output import display_text
 from multigpu.supervisor.states import RunStatus, Worker, WorkerSpec, WorkerState
 
 
@@ -252,4 +253,37 @@ def test_a_line_past_the_cap_is_shown_in_pieces_said_once_per_rank_and_logged_wh
         " (its log file keeps every byte)"
         for r in (0, 1)
     ], logged(caplog)
+    assert_gone([w.pid for w in sup.workers if w.pid])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("hold", "fold", "shown"), [(True, True, False), (True, False, True), (False, True, True)]
+)
+def test_a_rank_that_only_saw_a_peer_die_is_folded_to_its_log_once_another_node_is_the_cause(
+    make: Callable[..., Supervisor], tmp_path: Path, hold: bool, fold: bool, shown: bool
+) -> None:
+    """Issue 44: the supervisor of a job of several nodes holds the traceback until the attempt says
+    whose the root cause is (``settle_peer_losses``); a job of one node shows it as it comes."""
+    argv = py("""
+        import sys
+        print("step 5", flush=True)
+        sys.stderr.write('Traceback (most recent call last):\\n  File "w.py", line 1, in <module>\\n'
+                         'RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:42722\\n')
+        sys.exit(1)
+    """)
+    sink = Sink()
+    log = tmp_path / "rank_0.log"
+    spec = WorkerSpec(rank=0, local_rank=0, argv=argv, env=clean_env(), log_path=log)
+    sup = make([spec], sink=sink, hold_peer_losses=hold)
+    sup.start()
+    result = sup.wait(timeout=20)
+    assert result is not None and result.status is RunStatus.FAILED
+    sup.settle_peer_losses(fold=fold)
+    sup.close()
+    console = b"\n".join(line for _, _, line in sink.lines)
+    assert b"step 5" in console
+    assert (b"Connection closed by peer" in console) is shown, console
+    assert (b"Traceback" in console) is shown, console
+    assert b"Connection closed by peer" in log.read_bytes()  # the log keeps every byte
     assert_gone([w.pid for w in sup.workers if w.pid])
