@@ -25,6 +25,7 @@ from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore, named_lost
 from multigpu.rendezvous.latency import STILL_LOST_S, BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
+from multigpu.rendezvous.store_threads import Stopped, store_thread
 from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -119,7 +120,7 @@ class FateMonitor:
         self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
         self._in_call: float | None = None  # when the store call in flight began
         loops = (("beat", self._beat_loop), ("wait", self._wait_loop), ("deadman", self._deadman))
-        self._threads = [threading.Thread(target=t, name=f"multigpu-fate-{n}", daemon=True) for n, t in loops]
+        self._threads = [store_thread(t, f"multigpu-fate-{n}") for n, t in loops]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -195,7 +196,9 @@ class FateMonitor:
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
         """A store call, watched by the deadman and (``measure``: one round trip) timed for the
         loss threshold; a call that waited past the threshold met an outage, not the store's latency,
-        and is not a sample (a 5 s outage would stretch every later verdict to the 30 s cap)."""
+        and is not a sample (a 5 s outage would stretch later verdicts to the cap); none after ``stop``."""
+        if self._stop.is_set():
+            raise Stopped
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
@@ -319,7 +322,7 @@ def _bounded(call: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None
         with contextlib.suppress(Exception):  # the store is gone too: what we know locally stands
             answer.append(call())
 
-    thread = threading.Thread(target=run, name="multigpu-store-call", daemon=True)
+    thread = store_thread(run, "multigpu-store-call")
     thread.start()
     thread.join(PUBLISH_TIMEOUT_S)
     return answer[0] if answer else None
