@@ -15,6 +15,7 @@ a call, leaves without finalizing (``leave``): its atexit handlers and buffered 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -34,6 +35,9 @@ class Stopped(Exception):
     """A store thread was asked to stop between two of its calls: it makes no more."""
 
 
+PUBLISH_TIMEOUT_S = 1.0
+"""The longest a launcher waits for one store call it cannot do without an answer (``bounded``)."""
+
 _THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
@@ -42,6 +46,21 @@ def store_thread(target: Callable[..., object], name: str, args: tuple[Any, ...]
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     _THREADS.add(thread)
     return thread
+
+
+def bounded(call: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A store call over a cut link blocks with no time-out, so it gets a thread and a bound; None
+    when it did not answer in time (or failed: the store is gone too, what we know locally stands)."""
+    answer: list[dict[str, Any] | None] = []
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            answer.append(call())
+
+    thread = store_thread(run, "multigpu-store-call")
+    thread.start()
+    thread.join(PUBLISH_TIMEOUT_S)
+    return answer[0] if answer else None
 
 
 def running() -> list[threading.Thread]:
