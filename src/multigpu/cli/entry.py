@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; as the program (``argv`` None), its way out too (``store_threads.leave``): a
+    thread of ours still inside a store call must not be there while the interpreter finalizes."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         from multigpu.console.writer import ensure_std_fds
@@ -24,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             from multigpu.cli.main import main as cli_main
 
-            return cli_main(args)
+            code = cli_main(args)
         finally:
             close_early()
     except KeyboardInterrupt as exc:  # a Ctrl-C while the launcher itself starts (its imports)
@@ -32,3 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         interrupted(exc, args[0] if args else None)
         return 130
+    return code if argv is not None else leave(code)
+
+
+def leave(code: int) -> int:
+    """``code``, or no return at all where a store thread of ours is still in a call (then the
+    process ends with ``code`` without finalizing). Nothing is imported for a command that made none."""
+    if "multigpu.rendezvous.store_threads" not in sys.modules:
+        return code
+    from multigpu.rendezvous.store_threads import leave as leave_safely
+
+    return leave_safely(code)

@@ -20,6 +20,7 @@ from multigpu.config.endpoint import Endpoint
 from multigpu.rendezvous.failure_sharing import BEAT_S
 from multigpu.rendezvous.round_hold import RoundHold
 from multigpu.rendezvous.store import bind_store_socket, serve_store_on
+from multigpu.rendezvous.store_threads import store_thread
 
 EVICT_AFTER_S = 3.0
 """A launcher silent this long is aged out of torch's state (torch alone would wait 15 s)."""
@@ -80,7 +81,7 @@ def close_rendezvous(handler: Any) -> None:
     time-out), on a daemon thread waited for ``CLOSE_WAIT_S`` at most: over a cut link it held the
     launcher until the link came back (22-24 s of TCP backoff), then closed the job for every node.
     Runs in the launcher, on its way out."""
-    done = threading.Thread(target=_close, args=(handler,), name="multigpu-rdzv-close", daemon=True)
+    done = store_thread(_close, "multigpu-rdzv-close", (handler,))
     done.start()
     done.join(CLOSE_WAIT_S)
 
@@ -183,7 +184,7 @@ class Liveness:
         self.beat_s, self.lost_after_s, self._clock = pace.beat_s, pace.lost_after_s, pace.clock
         self._seen: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="multigpu-elastic-liveness", daemon=True)
+        self._thread = store_thread(self._run, "multigpu-elastic-liveness")
 
     def key(self, node: Any) -> str:
         return f"multigpu/{self.run_id}/alive/{node.addr}|{node.pid}|{node.local_id}"
@@ -203,7 +204,7 @@ class Liveness:
                 self.store.add(self.key(self.me), 1)
                 if self._clock() - began > self.lost_after_s / 2:
                     self._seen.clear()  # the store was out of our reach: the others' silence is ours
-                if self.evicts:
+                if self.evicts and not self._stop.is_set():  # stopped: no more calls (store_threads)
                     self.evict_silent()
 
     def counts(self, nodes: list[Any]) -> dict[Any, int]:

@@ -25,6 +25,7 @@ from multigpu.contract.signals import signal_name
 from multigpu.rendezvous.job import JobStore, named_lost
 from multigpu.rendezvous.latency import STILL_LOST_S, BeatWatch, Latency
 from multigpu.rendezvous.store import STORE_NOTES
+from multigpu.rendezvous.store_threads import PUBLISH_TIMEOUT_S, Stopped, bounded, store_thread
 from multigpu.supervisor.hangs.verdict import JobProgress
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -69,7 +70,7 @@ def node_interrupted(node: int, signum: int) -> WorkerFailure:
 
 def share_interrupt(job: JobStore, signum: int) -> None:
     """Publish that this node was told to stop, before its ranks are (bounded: the store may be gone)."""
-    _bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
+    bounded(lambda: job.publish_abort(failure_record(node_interrupted(job.node, signum))))
 
 
 def store_lost(why: str | None = None, host: int | None = 0) -> WorkerFailure:
@@ -119,7 +120,7 @@ class FateMonitor:
         self._watched: dict[int, int] | None = None  # base rank -> node, read at the first beat
         self._in_call: float | None = None  # when the store call in flight began
         loops = (("beat", self._beat_loop), ("wait", self._wait_loop), ("deadman", self._deadman))
-        self._threads = [threading.Thread(target=t, name=f"multigpu-fate-{n}", daemon=True) for n, t in loops]
+        self._threads = [store_thread(t, f"multigpu-fate-{n}") for n, t in loops]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -127,14 +128,15 @@ class FateMonitor:
 
     def stop(self) -> None:
         """Stop beating and release the waiter. A thread stuck in a store call over a dead link is
-        left behind (daemon); nothing is asked of a store known to be gone."""
+        left behind (daemon; the launcher's exit does not wait for it: ``store_threads.leave``);
+        nothing is asked of a store known to be gone."""
         self._stop.set()
         waiter = self._threads[1]
         if waiter.is_alive() and waiter is not threading.current_thread() and not self._store_gone:
-            _bounded(self.job.wake_self)
+            bounded(self.job.wake_self)
             waiter.join(PUBLISH_TIMEOUT_S)
             if not waiter.is_alive():
-                _bounded(self.job.clear_wake)
+                bounded(self.job.clear_wake)
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(self._beat_s)
@@ -195,7 +197,11 @@ class FateMonitor:
     def _timed(self, call: Callable[[], T], *, measure: bool = True) -> T:
         """A store call, watched by the deadman and (``measure``: one round trip) timed for the
         loss threshold; a call that waited past the threshold met an outage, not the store's latency,
-        and is not a sample (a 5 s outage would stretch every later verdict to the 30 s cap)."""
+        and is not a sample (a 5 s outage would stretch every later verdict to the 30 s cap). None
+        after ``stop`` (``Stopped``): a beat makes several calls, and one begun after ``stop`` could
+        still be inside torch's store client when the launcher exits (``store_threads``)."""
+        if self._stop.is_set():
+            raise Stopped
         self._in_call = began = self._clock()
         answer = call()
         self._in_call = None
@@ -288,16 +294,13 @@ class FateMonitor:
         return True
 
 
-PUBLISH_TIMEOUT_S = 1.0
-
-
 def share_failure(job: JobStore, result: RunResult) -> RunResult:
     """Publish our first failure for the other nodes; whichever failure was first anywhere is the root."""
     root = result.root_cause
     assert root is not None
     if root.kind in LEARNED_FROM_SILENCE:
         return result  # learned from the store (or its silence): nothing new to tell it
-    return _with_root(result, _bounded(lambda: job.publish_abort(failure_record(root))))
+    return _with_root(result, bounded(lambda: job.publish_abort(failure_record(root))))
 
 
 def settle_root(job: JobStore, result: RunResult) -> RunResult:
@@ -308,21 +311,7 @@ def settle_root(job: JobStore, result: RunResult) -> RunResult:
         return result
     if root.kind in LEARNED_FROM_SILENCE:
         return result  # a lost node or store: asking the store again would only wait
-    return _with_root(result, _bounded(job.read_abort))
-
-
-def _bounded(call: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
-    """A store call over a cut link blocks with no time-out, so it gets a thread and a bound."""
-    answer: list[dict[str, Any] | None] = []
-
-    def run() -> None:
-        with contextlib.suppress(Exception):  # the store is gone too: what we know locally stands
-            answer.append(call())
-
-    thread = threading.Thread(target=run, name="multigpu-store-call", daemon=True)
-    thread.start()
-    thread.join(PUBLISH_TIMEOUT_S)
-    return answer[0] if answer else None
+    return _with_root(result, bounded(job.read_abort))
 
 
 def _with_root(result: RunResult, record: dict[str, Any] | None) -> RunResult:
@@ -352,7 +341,7 @@ READERS_WAIT_S = 5.0
 def leave_job(job: JobStore) -> None:
     """A node that does not serve the store says, as its very last store call, that it asks nothing
     more; a store that is gone (or a cut link) cannot miss it, so this never raises and is bounded."""
-    _bounded(lambda: job.leave())
+    bounded(lambda: job.leave())
 
 
 def outlive_readers(

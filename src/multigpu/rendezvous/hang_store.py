@@ -18,6 +18,7 @@ from typing import Any
 from multigpu.contract.failure import FailureKind, Subject, WorkerFailure
 from multigpu.rendezvous.failure_sharing import failure_record
 from multigpu.rendezvous.job import DONE, JobStore
+from multigpu.rendezvous.store_threads import store_thread
 from multigpu.supervisor.hangs.verdict import GATHER_S, RankState, decide
 
 POLL_S = 0.05
@@ -32,12 +33,7 @@ class StoreHangs:
     def declare(self, notice: str) -> None:
         failure = WorkerFailure.launcher_named(Subject.NODE, FailureKind.HANG, notice, node=self.job.node)
         record = failure_record(failure)
-        threading.Thread(
-            target=_quietly,
-            args=(lambda: self.job.publish_abort(record),),
-            name="multigpu-hang-notice",
-            daemon=True,
-        ).start()
+        store_thread(_quietly, "multigpu-hang-notice", (lambda: self.job.publish_abort(record),)).start()
 
     def exchange(self, mine: list[RankState], notice: WorkerFailure) -> Exchange:
         return Exchange(self.job, mine, notice)
@@ -57,7 +53,7 @@ class Exchange:
         self.job, self.mine, self.notice, self.gather_s = job, mine, notice, gather_s
         self._answer: tuple[list[RankState], dict[str, Any]] | None = None
         self._done = threading.Event()
-        threading.Thread(target=self._run, name="multigpu-hang-exchange", daemon=True).start()
+        store_thread(self._run, "multigpu-hang-exchange").start()
 
     def done(self) -> bool:
         return self._done.is_set()

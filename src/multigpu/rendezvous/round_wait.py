@@ -22,6 +22,7 @@ from typing import Any
 
 from multigpu.config.run import RunConfig
 from multigpu.contract.values import WAIT_LINE_EVERY_S, duration_text
+from multigpu.rendezvous.store_threads import store_thread
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class RoundWait:
         """Who had joined at the last look, for a Ctrl-C's line."""
         self._beats: dict[Any, int] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="multigpu-round-wait", daemon=True)
+        self._thread = store_thread(self._run, "multigpu-round-wait")
 
     def __enter__(self) -> RoundWait:
         self._deadline = time.monotonic() + self.timeout_s

@@ -32,6 +32,7 @@ from multigpu.record.run_json import RunRecord
 from multigpu.rendezvous.elastic import is_elastic
 from multigpu.rendezvous.failure_sharing import mark_done, serve_until_all_done
 from multigpu.rendezvous.job import JobStore
+from multigpu.rendezvous.store_threads import store_thread
 from multigpu.runner.membership import Meeting
 from multigpu.supervisor.states import RunResult, RunStatus
 
@@ -98,9 +99,7 @@ class PreemptWatch:
             target.request_signal(signum)
 
         self._closing = False
-        self._thread = threading.Thread(
-            target=self._run, args=(target,), name="multigpu-preempt", daemon=True
-        )
+        self._thread = store_thread(self._run, "multigpu-preempt", (target,))
         self._thread.start()
         stack.callback(self._stop_thread)
         if self.warned:  # warned between attempts: this attempt's ranks hear it too

@@ -667,3 +667,25 @@ def test_leaving_a_store_that_is_gone_raises_nothing_and_notes_torchs_words(tmp_
     assert str(lost.value) == "node 0, the store's host, ended (its launcher was killed?); stopping"
     notes = (tmp_path / "store_node1.log").read_text()
     assert "store.set failed: ConnectionResetError" in notes and "store.add failed" in notes
+
+
+def test_a_monitor_stopped_during_a_beat_makes_no_further_store_call_in_it() -> None:
+    """A beat makes several store calls; one begun after ``stop`` could still be inside torch's store
+    client when the launcher exits (issue 41's SIGABRT): the beat ends at the next call instead."""
+    from multigpu.rendezvous.store_threads import Stopped
+
+    store = FakeStore()
+    jobs = job_of(store, 3)
+    watcher = FateMonitor(jobs[0], lambda failure: None, latency=Latency(floor_s=1.0))
+    watcher.beat_once()  # the first beat reads the members
+    beat = jobs[0].beat
+
+    def beat_then_stopped() -> None:
+        beat()
+        watcher.stop()  # the launcher's main thread, while this beat's first call was in flight
+
+    jobs[0].beat = beat_then_stopped  # type: ignore[method-assign]
+    start = len(store.log)
+    with pytest.raises(Stopped):
+        watcher.beat_once()
+    assert calls(store, start) == ["add"], "the counters' read never began"
