@@ -156,7 +156,7 @@ def test_a_store_restarted_mid_job_is_named_as_the_store_not_a_killed_launcher(t
         store.communicate(timeout=10)
     for node, (_, err) in zip(nodes, results, strict=True):
         assert node.returncode != 0, err
-        lost = [line for line in err.splitlines() if "stopping" in line]
+        lost = [line for line in err.splitlines() if line.endswith("; stopping")]
         assert lost == [
             "multigpu: the rendezvous store went away (stopped or restarted? a restarted store has lost "
             "the job's state); stopping"
