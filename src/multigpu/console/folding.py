@@ -156,5 +156,11 @@ class PeerLostTracebacks(HeldTracebacks):
         return [] if fold else aside
 
 
+COLLECTIVE_ERROR = re.compile(rb"^\s*(?:\[rank\d+\]:\s*)?(?:RuntimeError|torch\.distributed\.|Dist\w*Error)")
+"""How a collective's error begins (gloo's through torch, behind torch's ``[rankN]:`` prefix if any):
+a rank's own ``ConnectionResetError`` (a data loader's HTTP or S3 call) says "Connection reset by
+peer" too, and is the user's to see."""
+
+
 def _peer_lost(exception_line: bytes) -> bool:
-    return any(marker in exception_line for marker in PEER_LOST)
+    return bool(COLLECTIVE_ERROR.match(exception_line)) and any(m in exception_line for m in PEER_LOST)

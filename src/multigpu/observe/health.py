@@ -81,18 +81,22 @@ def _late(progress: ProgressBook, running: Sequence[int], now: float) -> list[tu
 
 
 class Health:
-    """``GET /healthz``'s answers over a run: a 503 stays until the next attempt shows it trains.
+    """``GET /healthz``'s answers over a run: a failure stays 503 until the next attempt trains.
 
     The verdict alone turns 503 only while the launcher acts on a failure (stopping the ranks, less
     than a second) and 200 again as soon as the next attempt's ranks start: a probe every few seconds
-    would never see the failure. So the reason is kept, and answered, until an attempt after the one
-    it came from shows progress: a rank that reports steps made one (or, where none reports steps, all
-    its ranks run). Read from the server's threads; the lock is this object's own, never the loop's."""
+    would never see it. So when an answer finds a new attempt, the one before is judged too, and a
+    rank that failed in it is answered, as is any 503 a probe saw in it, until the new attempt shows
+    progress: a rank that reports steps made one (or, where none reports steps, all its ranks run).
+    Within one attempt the answer follows the verdict: a rank quiet past its timeout that steps again
+    is healthy again. One per run (``of``), shared by ``/healthz`` and ``multigpu_healthy``; read from
+    the servers' threads, under its own lock, never the loop's."""
 
     def __init__(self, watched: Watched) -> None:
         self.watched = watched
         self._lock = threading.Lock()
         self._kept: tuple[str, Attempt] | None = None
+        self._last: Attempt | None = None
 
     def answer(self) -> tuple[int, str]:
         """(status, one line) for ``GET /healthz``."""
@@ -101,13 +105,26 @@ class Health:
             return 200, "ok: no rank started yet"
         why = verdict(list(attempt.workers), attempt.progress, self.watched.clock())
         with self._lock:
+            last, self._last = self._last, attempt
+            failed = _failed(last) if last is not None and last is not attempt else None
+            if failed is not None:
+                self._kept = (failed, last)  # type: ignore[assignment]
             if why is not None:
                 self._kept = (why, attempt)
                 return 503, why
-            if self._kept is not None and (self._kept[1] is attempt or not _trains(attempt, self._kept[1])):
-                return 503, f"{self._kept[0]}; the next attempt has not trained yet"
+            kept = self._kept
+            if kept is not None and kept[1] is not attempt and not _trains(attempt, kept[1]):
+                return 503, f"{kept[0]}; the next attempt has not trained yet"
             self._kept = None
         return 200, "ok"
+
+
+def _failed(attempt: Attempt) -> str | None:
+    """The line of an ended attempt's failed rank (the lowest), if one failed."""
+    for w in sorted(list(attempt.workers), key=lambda w: w.rank):
+        if w.state is WorkerState.FAILED:
+            return f"rank {w.rank} failed ({w.exit_text})"
+    return None
 
 
 def _trains(attempt: Attempt, failed: Attempt) -> bool:
@@ -120,9 +137,21 @@ def _trains(attempt: Attempt, failed: Attempt) -> bool:
     return bool(workers) and all(w.state is WorkerState.RUNNING for w in workers)
 
 
+_MAKING = threading.Lock()
+
+
+def of(watched: Watched) -> Health:
+    """The run's one ``Health`` (kept on ``watched``): ``/healthz`` and the ``multigpu_healthy``
+    gauge answer alike."""
+    with _MAKING:
+        if not isinstance(watched.health, Health):
+            watched.health = Health(watched)
+        return watched.health
+
+
 def answer(watched: Watched) -> tuple[int, str]:
-    """(status, one line) for one ``GET /healthz`` with no memory of earlier answers (``Health``)."""
-    return Health(watched).answer()
+    """(status, one line) for one ``GET /healthz`` of the run (``of``)."""
+    return of(watched).answer()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -148,7 +177,7 @@ class _Handler(BaseHTTPRequestHandler):
 def serving(watched: Watched, host: str, port: int) -> Iterator[int]:
     """The health server on ``host:port`` for the ``with`` block (the port bound is yielded);
     afterwards its socket is closed and its thread joined."""
-    handler = type("HealthHandler", (_Handler,), {"health": Health(watched)})
+    handler = type("HealthHandler", (_Handler,), {"health": of(watched)})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="multigpu-health", daemon=True)

@@ -44,6 +44,8 @@ class Watched:
     """None: ``lost_from_incidents`` of the record (what the incidents already tell)."""
     attempt: Attempt | None = None
     clock: Callable[[], float] = field(default=time.monotonic)
+    health: object = field(default=None, repr=False, compare=False)
+    """The run's one ``health.Health``, made at its first answer (``health.of``)."""
 
     def attach(self, workers: Sequence[Worker], progress: ProgressBook) -> None:
         """The attempt that starts now (the launcher's main thread, before its ranks start)."""

@@ -61,16 +61,22 @@ def pace_polls(max_nodes: int) -> float:
 def hold_completion(executor: Any, hold: RoundHold, poll: float) -> None:
     """torch's executor, made to complete a round only once ``hold`` lets it (``round_hold``): while
     it holds, the executor polls again instead (torch asks to complete at every poll past the last
-    call). Installed once per executor."""
+    call), and keeps this node's keep-alive fresh, which torch would not refresh meanwhile (a hold
+    longer than its eviction limit would drop a live participant). Installed once per executor."""
     if getattr(executor, "_multigpu_hold", None) is hold:
         return
     complete = executor._mark_rendezvous_complete
+    settings = executor._settings
+    kept = [time.monotonic()]
 
     def mark_complete() -> None:
-        if hold.holds(executor._state.participants):
-            time.sleep(poll)
+        if not hold.holds(executor._state.participants, settings.max_nodes):
+            complete()
             return
-        complete()
+        if time.monotonic() - kept[0] >= settings.keep_alive_interval.total_seconds() / 2:
+            executor._keep_alive()  # written back by the executor's next sync (``mark_dirty``)
+            kept[0] = time.monotonic()
+        time.sleep(poll)
 
     executor._mark_rendezvous_complete = mark_complete
     executor._multigpu_hold = hold

@@ -51,12 +51,14 @@ class RoundHold:
         self._seen, self._first_hold, self.held_for = {}, None, []
         self._read(self._previous)
 
-    def holds(self, participants: Collection[Any]) -> bool:
+    def holds(self, participants: Collection[Any], max_nodes: int) -> bool:
         """True while a node of the last round is alive and not yet among ``participants``, for at most
-        ``HOLD_CAP_S`` from the first time it held."""
+        ``HOLD_CAP_S`` from the first time it held; never once the round is full (``max_nodes``): the
+        late node would make it one too many, and torch completes no round over its maximum."""
         missing = [node for node in self._previous if node not in participants]
         now = self._clock()
-        if not missing or (self._first_hold is not None and now - self._first_hold > HOLD_CAP_S):
+        full = len(participants) >= max_nodes
+        if full or not missing or (self._first_hold is not None and now - self._first_hold > HOLD_CAP_S):
             self.held_for = []
             return False
         self._read(missing)

@@ -89,6 +89,7 @@ def leave(code: int, timeout_s: float = EXIT_WAIT_S) -> int:
     from multigpu.rank.exiting import flush_open_files
 
     atexit.unregister(settle)  # waited for already
+    flush_open_files()  # first: an exit handler (``cli/main``'s gc.freeze) hides older files from gc
     try:
         atexit._run_exitfuncs()
     finally:

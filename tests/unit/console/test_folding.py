@@ -135,3 +135,12 @@ def test_any_other_traceback_shows_at_once_without_waiting_for_the_next_line() -
     filt = PeerLostTracebacks()
     assert peer_feed(filt, ["before", *FAILED], chunk=len(FAILED) + 1) == ["before", *FAILED]
     assert filt.settle(fold=True) == []
+
+
+def test_a_ranks_own_connection_reset_is_not_taken_for_a_lost_peer() -> None:
+    """A data loader's HTTP or S3 call says "Connection reset by peer" too: that error is the user's
+    own, shown at once, never folded as another node's consequence."""
+    own = [*PEER_LOST[:-1], "[rank1]: ConnectionResetError: [Errno 104] Connection reset by peer"]
+    filt = PeerLostTracebacks()
+    assert peer_feed(filt, ["before", *own], chunk=len(own) + 1) == ["before", *own]
+    assert filt.settle(fold=True) == []

@@ -151,3 +151,49 @@ def test_a_failure_is_answered_until_the_next_attempt_steps() -> None:
     assert probe.answer() == (503, "rank 1 failed (exit 3); the next attempt has not trained yet")
     steps(fresh, clock, 1, 0.5, (0,))
     assert probe.answer() == (200, "ok")
+
+
+def test_a_failure_no_probe_saw_is_answered_once_the_next_attempt_runs() -> None:
+    """A probe every 10 s misses a restart of under a second: the answer after it judges the attempt
+    that ended too."""
+    workers, book, clock = ranks(2)
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    probe = health.of(seen)
+    steps(book, clock, 3, 0.5, (0, 1))
+    assert probe.answer() == (200, "ok")
+    workers[1].to(WorkerState.FAILED)
+    workers[1].returncode = 3  # no probe meanwhile: the launcher restarts at once
+    again, fresh, _ = ranks(2)
+    seen.attach(again, fresh)
+    assert probe.answer() == (503, "rank 1 failed (exit 3); the next attempt has not trained yet")
+    steps(fresh, clock, 1, 0.5, (0,))
+    assert probe.answer() == (200, "ok")
+
+
+def test_within_one_attempt_the_answer_follows_the_verdict() -> None:
+    """A rank quiet past its learned timeout (a long evaluation outside a section) that steps again is
+    healthy again: a 503 kept for the rest of the attempt would have a liveness probe kill a healthy
+    job."""
+    workers, book, clock = ranks(2, ceiling=None)
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    probe = health.of(seen)
+    steps(book, clock, 30, 0.5, (0, 1))
+    clock.now += 100
+    assert probe.answer()[0] == 503
+    steps(book, clock, 2, 0.5, (0, 1))
+    assert probe.answer() == (200, "ok")
+
+
+def test_the_gauge_and_the_port_answer_alike() -> None:
+    workers, book, clock = ranks(2)
+    seen = watched(clock=clock)
+    seen.attach(workers, book)
+    assert health.of(seen) is health.of(seen)
+    steps(book, clock, 3, 0.5, (0, 1))
+    workers[1].to(WorkerState.FAILED)
+    workers[1].returncode = 3
+    assert health.answer(seen)[0] == 503
+    seen.attach(*ranks(2)[:2])
+    assert health.answer(seen)[0] == 503  # the memory is the run's, whoever asks

@@ -38,9 +38,9 @@ def test_a_live_node_of_the_last_round_holds_the_round_until_it_joins() -> None:
     hold = RoundHold(beats, clock)
     hold.begin(["A", "B", "C"])
     clock.now += 1.0  # the last call is over: A and B are in, C is still stopping its ranks
-    assert hold.holds({"A": 0, "B": 0}) and hold.held_for == ["C"]
+    assert hold.holds({"A": 0, "B": 0}, 4) and hold.held_for == ["C"]
     clock.now += 0.5
-    assert not hold.holds({"A": 0, "B": 0, "C": 0}) and hold.held_for == []
+    assert not hold.holds({"A": 0, "B": 0, "C": 0}, 4) and hold.held_for == []
 
 
 def test_a_dead_node_holds_nobody() -> None:
@@ -49,7 +49,7 @@ def test_a_dead_node_holds_nobody() -> None:
     hold = RoundHold(beats, clock)
     hold.begin(["A", "B", "C"])
     clock.now += ALIVE_WITHIN_S
-    assert not hold.holds({"A": 0, "B": 0})
+    assert not hold.holds({"A": 0, "B": 0}, 4)
 
 
 def test_a_node_that_never_beat_holds_nobody() -> None:
@@ -58,7 +58,7 @@ def test_a_node_that_never_beat_holds_nobody() -> None:
     hold = RoundHold(beats, clock)
     hold.begin(["A", "B"])
     clock.now += 1.0
-    assert not hold.holds({"A": 0})
+    assert not hold.holds({"A": 0}, 4)
 
 
 def test_a_live_node_that_never_joins_holds_the_round_no_longer_than_the_cap() -> None:
@@ -66,11 +66,11 @@ def test_a_live_node_that_never_joins_holds_the_round_no_longer_than_the_cap() -
     hold = RoundHold(beats, clock)
     hold.begin(["A", "C"])
     clock.now += 1.0
-    assert hold.holds({"A": 0})
+    assert hold.holds({"A": 0}, 4)
     clock.now += HOLD_CAP_S / 2
-    assert hold.holds({"A": 0})
+    assert hold.holds({"A": 0}, 4)
     clock.now += HOLD_CAP_S
-    assert not hold.holds({"A": 0})
+    assert not hold.holds({"A": 0}, 4)
 
 
 def test_a_store_that_fails_holds_nobody() -> None:
@@ -82,10 +82,21 @@ def test_a_store_that_fails_holds_nobody() -> None:
     hold = RoundHold(Broken(alive=set(), known=set()), clock)
     hold.begin(["A", "B"])
     clock.now += 1.0
-    assert not hold.holds({"A": 0})
+    assert not hold.holds({"A": 0}, 4)
 
 
 def test_the_first_round_holds_nobody() -> None:
     hold = RoundHold(Beats(alive={"B"}, known={"B"}), Clock())
     hold.begin([])
-    assert not hold.holds({})
+    assert not hold.holds({}, 4)
+
+
+def test_a_full_round_is_never_held() -> None:
+    """With the round at its maximum, a late node would make it one too many: torch completes no
+    round over ``max_nodes``, and every node would wait until ``join_timeout``."""
+    clock, beats = Clock(), Beats(alive={"C"}, known={"C"})
+    hold = RoundHold(beats, clock)
+    hold.begin(["A", "B", "C"])
+    clock.now += 1.0
+    assert hold.holds({"A": 0, "B": 0}, 3)  # room for C: held
+    assert not hold.holds({"A": 0, "B": 0, "D": 0}, 3)  # a spare node filled the round: not held
