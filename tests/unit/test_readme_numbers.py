@@ -111,14 +111,14 @@ def test_every_figure_the_readme_quotes_is_in_its_own_row_of_the_results() -> No
 def test_a_figure_from_another_row_or_section_is_caught() -> None:
     """The check can fail: a figure moved to another section, a ratio quoted as a time, a changed digit."""
     files = results_files()
-    assert missing("| SIGKILL | x | gone in 0.030 s [3] |", files) == []
-    assert missing("| SIGKILL | x | gone in 0.323 s [3] |", files) == ["0.323 s"]  # section 4's torchrun
+    assert missing("| SIGKILL | x | gone in 0.031 s [3] |", files) == []
+    assert missing("| SIGKILL | x | gone in 0.349 s [3] |", files) == ["0.349 s"]  # section 4's torchrun
     assert missing("| SIGKILL | x | gone in 0.036 s [3] |", files) == ["0.036 s"]
-    assert missing("| SIGTERM | x | all gone 0.09 s [4] |", files) == ["0.09 s"]  # that is the ratio, 0.09x
+    assert missing("| SIGTERM | x | all gone 0.10 s [4] |", files) == ["0.10 s"]  # that is the ratio, 0.10x
     assert missing("| bad input | x | 0.14x [5] |", files) == []
     assert missing("| bad input | x | 0.15x [5] |", files) == ["0.15x"]
-    assert missing("| idle | x | 0.277% [8] |", files) == []
-    assert missing("| idle | x | 0.277 MiB [8] |", files) == ["0.277 MiB"]
+    assert missing("| idle | x | 0.312% [8] |", files) == []
+    assert missing("| idle | x | 0.312 MiB [8] |", files) == ["0.312 MiB"]
 
 
 def test_the_notes_that_left_the_readme_quote_the_results_too() -> None:
