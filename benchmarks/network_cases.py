@@ -47,25 +47,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from netns_cluster import NetnsCluster, available
+from netns_cluster import TRAIN, NetnsCluster, available
 
 BIN = Path(sys.executable).parent
 PORT = 29500
 CASES = ("cut", "lossy", "slow", "store", "flap")
 STEPS = {"cut": 400, "lossy": 100, "slow": 100, "store": 300, "flap": 200}
-TRAIN = """
-    import os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    t = torch.ones(1)
-    with open(os.environ["STEPS_LOG"], "a") as log:
-        for step in range(int(os.environ["STEPS"])):
-            dist.all_reduce(t)
-            log.write(f"{time.time():.3f} world={dist.get_world_size()} "
-                      f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} step={step} pid={os.getpid()}\\n")
-            log.flush()
-            time.sleep(0.05)
-    dist.destroy_process_group()
-"""
 FAULT = re.compile(
     r"\blost\b|\bslow\b|stopped (answering|beating)|timed out|closed|reset by peer|unreachable|refused|"
     r"keep-alive|failed to recv|Traceback|Exception raised from|already ended",

@@ -235,3 +235,20 @@ def relay(near: str, far: str, delay: float) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["relay"]:
     relay(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+
+
+# The job every namespace case runs (tests/integration/multinode/test_network*.py and
+# benchmarks/network_cases.py): a gloo all_reduce loop logging each step with its world and restart.
+TRAIN = """
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    with open(os.environ["STEPS_LOG"], "a") as log:
+        for step in range(int(os.environ["STEPS"])):
+            dist.all_reduce(t)
+            log.write(f"{time.time():.3f} world={dist.get_world_size()} "
+                      f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} step={step} pid={os.getpid()}\\n")
+            log.flush()
+            time.sleep(0.05)
+    dist.destroy_process_group()
+"""

@@ -17,24 +17,11 @@ from pathlib import Path
 import pytest
 
 from helpers import MULTIGPU, clean_env, tier_cannot_run, write_script
-from netns_cluster import NetnsCluster, available
+from netns_cluster import TRAIN, NetnsCluster, available
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.matrix]
 
 PORT = 29500
-TRAIN = """
-    import os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    t = torch.ones(1)
-    with open(os.environ["STEPS_LOG"], "a") as log:
-        for step in range(int(os.environ["STEPS"])):
-            dist.all_reduce(t)
-            log.write(f"{time.time():.3f} world={dist.get_world_size()} "
-                      f"restart={os.environ['TORCHELASTIC_RESTART_COUNT']} step={step} pid={os.getpid()}\\n")
-            log.flush()
-            time.sleep(0.05)
-    dist.destroy_process_group()
-"""
 
 
 @dataclass
